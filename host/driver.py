@@ -1,0 +1,138 @@
+"""The driver contract, and a base class that makes the common case short.
+
+The host calls ``discover`` off the event loop, under a timeout, once per rescan of the
+driver, with every resource configured for it. A driver returns *whole snapshots*; the host
+diffs them, so a driver never keeps state about what it reported before. Allocate is by
+default a merge of what is carried on each Device (device nodes, mounts, env, annotations,
+CDI names); a driver overrides ``allocate`` only when a response depends on the *set* of
+devices, ``preferred`` when it has a better policy than NUMA-compact, and ``pre_start`` when
+a device must be prepared before each container start.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Dict, Mapping, Optional, Sequence, Tuple
+
+from host.hostfs import HostFS
+from host.model import ContainerAllocation, Device, PreferredRequest, ResourceConfig
+
+
+class SelectorError(ValueError):
+    """A bad selector in config; ``key`` names it (relative to ``selectors``)."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"{key}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+class Driver:
+    """Base class for drivers. Subclasses set ``name`` and implement ``scan`` and ``select``.
+
+    Methods marked optional are detected by the host: a driver that does not override
+    ``preferred`` gets the host's NUMA-compact policy; one that does not override
+    ``pre_start`` is advertised with ``pre_start_required = False``.
+    """
+
+    #: Unique driver name, used as ``driver = "..."`` in config.
+    name: ClassVar[str] = ""
+    #: udev subsystems whose events may change this driver's devices (pci, usb, net, ...).
+    subsystems: ClassVar[Tuple[str, ...]] = ()
+    #: Selector keys this driver accepts, with the Python types allowed for each value.
+    selector_types: ClassVar[Mapping[str, Tuple[type, ...]]] = {}
+
+    # -- discovery (required) ---------------------------------------------------------
+    def discover(
+        self, host: HostFS, resources: Sequence[ResourceConfig]
+    ) -> Mapping[str, Sequence[Device]]:
+        """Devices per resource name, for every resource given. Side-effect free; blocking
+        reads are fine (this runs in a worker thread). The default scans once and selects
+        per resource."""
+        inventory = self.scan(host)
+        return {resource.name: list(self.select(inventory, resource)) for resource in resources}
+
+    def scan(self, host: HostFS) -> Any:
+        """Read the host tree once; return whatever ``select`` needs."""
+        raise NotImplementedError
+
+    def select(self, inventory: Any, resource: ResourceConfig) -> Sequence[Device]:
+        """The devices of one resource, from the scanned inventory and its selectors."""
+        raise NotImplementedError
+
+    # -- configuration (optional) --------------------------------------------------------
+    def check_selectors(self, selectors: Mapping[str, object]) -> None:
+        """Raise SelectorError for a selector this driver cannot use. The default checks keys
+        and value types against ``selector_types`` (a list of allowed values is accepted
+        wherever a single value is)."""
+        for key, value in selectors.items():
+            allowed = self.selector_types.get(key)
+            if allowed is None:
+                known = ", ".join(sorted(self.selector_types)) or "none"
+                raise SelectorError(key, f"unknown selector for driver {self.name!r} (known: {known})")
+            values = value if isinstance(value, list) else [value]
+            if isinstance(value, list) and not value:
+                raise SelectorError(key, "empty list")
+            for item in values:
+                if isinstance(item, bool) and bool not in allowed:
+                    raise SelectorError(key, f"expected {_type_names(allowed)}, got a boolean")
+                if not isinstance(item, allowed):
+                    raise SelectorError(
+                        key, f"expected {_type_names(allowed)}, got {type(item).__name__}"
+                    )
+
+    def default_resources(self) -> Sequence[ResourceConfig]:
+        """Resources served when no config file exists. Each registers once it has a device."""
+        return ()
+
+    # -- allocation (optional) ---------------------------------------------------------
+    def allocate(
+        self, resource: ResourceConfig, devices: Sequence[Device], merged: ContainerAllocation
+    ) -> ContainerAllocation:
+        """Adjust the host's merge of the devices' own data. Runs off the loop with a
+        timeout; must not block for long (the kubelet waits without a deadline)."""
+        return merged
+
+    def preferred(self, resource: ResourceConfig, request: PreferredRequest) -> Optional[Sequence[str]]:
+        """Preferred ids, or None to use the host's NUMA-compact policy."""
+        return None
+
+    def pre_start(self, resource: ResourceConfig, devices: Sequence[Device]) -> None:
+        """Prepare devices before a container starts; raise to fail the start (with reason)."""
+        raise NotImplementedError
+
+
+def implements(driver: object, method: str) -> bool:
+    """True when a driver overrides an optional method of the base class (or, for duck-typed
+    third-party drivers, simply has it)."""
+    own = getattr(type(driver), method, None)
+    if own is None:
+        return False
+    base = getattr(Driver, method, None)
+    return own is not base
+
+
+def selector_values(selectors: Mapping[str, object], key: str) -> Optional[list]:
+    """A selector as a list (a single value is a one-element list); None when not given."""
+    if key not in selectors:
+        return None
+    value = selectors[key]
+    return list(value) if isinstance(value, list) else [value]
+
+
+def normalise_hex_ids(values: Optional[list]) -> Optional[set]:
+    """Selector ids like "0x10de", "10de" or 4318 as a set of ints, for vendor/device matching."""
+    if values is None:
+        return None
+    out = set()
+    for value in values:
+        if isinstance(value, int):
+            out.add(value)
+        else:
+            text = str(value).strip().lower()
+            out.add(int(text[2:] if text.startswith("0x") else text, 16))
+    return out
+
+
+def _type_names(types: Tuple[type, ...]) -> str:
+    names: Dict[type, str] = {str: "string", int: "integer", bool: "boolean", float: "number"}
+    return " or ".join(names.get(t, t.__name__) for t in types)

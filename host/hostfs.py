@@ -1,0 +1,192 @@
+"""The one place that reads the host's /sys, /dev and /proc, under a root prefix.
+
+Every path a driver handles is a *host* path ("/sys/bus/pci/devices/..."); HostFS maps it under
+``root`` for reading, so the real program runs unchanged on a captured or fake tree, and the
+paths it hands to the kubelet are host paths without the prefix. Reads use os.open/os.read:
+about three times cheaper than open().read() over thousands of sysfs attributes.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from typing import List, Optional, Tuple
+
+_O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_MAX_ATTR = 1 << 16
+_MAX_LINK_HOPS = 40
+
+
+class HostFS:
+    def __init__(self, root: str = "/") -> None:
+        root = os.path.abspath(root or "/")
+        self.root = "/" if root == "/" else root.rstrip("/")
+        self._prefix = "" if self.root == "/" else self.root
+        self._real_root = os.path.realpath(self.root)
+
+    def __repr__(self) -> str:
+        return f"HostFS(root={self.root!r})"
+
+    # -- mapping -------------------------------------------------------------------------
+    def real(self, host_path: str) -> str:
+        """The path on this machine's file system for a host path (no link resolution)."""
+        if not host_path.startswith("/"):
+            raise ValueError(f"host path must be absolute: {host_path!r}")
+        return self._prefix + host_path
+
+    def to_host(self, real_path: str) -> str:
+        """Strip the root prefix from a path on this machine's file system."""
+        if not self._prefix:
+            return real_path
+        for prefix in (self._prefix, self._real_root):
+            if real_path == prefix:
+                return "/"
+            if real_path.startswith(prefix + "/"):
+                return real_path[len(prefix) :]
+        raise ValueError(f"{real_path!r} is outside the host root {self.root!r}")
+
+    # -- reads ---------------------------------------------------------------------------
+    def read(self, host_path: str) -> Optional[str]:
+        """An attribute's text, stripped; None when missing or unreadable (sysfs EIO, EACCES)."""
+        try:
+            fd = os.open(self._prefix + host_path, _O_FLAGS)
+        except OSError:
+            return None
+        try:
+            data = os.read(fd, _MAX_ATTR)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        return data.decode("utf-8", "replace").strip()
+
+    def read_int(self, host_path: str, base: int = 0) -> Optional[int]:
+        text = self.read(host_path)
+        if text is None or not text:
+            return None
+        try:
+            return int(text, base) if base else int(text, 16 if text[:2].lower() == "0x" else 10)
+        except ValueError:
+            return None
+
+    def exists(self, host_path: str) -> bool:
+        return os.path.exists(self._prefix + host_path)
+
+    def is_dir(self, host_path: str) -> bool:
+        return os.path.isdir(self._prefix + host_path)
+
+    def listdir(self, host_path: str) -> List[str]:
+        """Sorted entry names; empty when the directory is missing or unreadable."""
+        try:
+            return sorted(os.listdir(self._prefix + host_path))
+        except OSError:
+            return []
+
+    def readlink(self, host_path: str) -> Optional[str]:
+        try:
+            return os.readlink(self._prefix + host_path)
+        except OSError:
+            return None
+
+    def link_name(self, host_path: str) -> Optional[str]:
+        """The last component of a link's target: the kernel driver of ``.../driver``, the
+        group number of ``.../iommu_group``. None when the link is missing."""
+        target = self.readlink(host_path)
+        return posixpath.basename(target.rstrip("/")) if target else None
+
+    def resolve(self, host_path: str) -> Optional[str]:
+        """The canonical host path, links followed, never leaving the root.
+
+        Relative links (all of sysfs) resolve with the OS; an absolute link or a chain of
+        ``..`` that would leave a non-/ root is resolved inside the root instead, the way a
+        chroot would. None for a dangling link or a loop.
+        """
+        real = os.path.realpath(self._prefix + host_path)
+        if not self._prefix:
+            return real if os.path.exists(real) else None
+        for prefix in (self._prefix, self._real_root):
+            if real == prefix or real.startswith(prefix + "/"):
+                host = real[len(prefix) :] or "/"
+                return host if os.path.exists(real) else None
+        return self._resolve_confined(host_path)
+
+    def _resolve_confined(self, host_path: str) -> Optional[str]:
+        parts = [p for p in host_path.split("/") if p]
+        resolved: List[str] = []
+        hops = 0
+        while parts:
+            part = parts.pop(0)
+            if part == ".":
+                continue
+            if part == "..":
+                if resolved:
+                    resolved.pop()
+                continue
+            candidate = "/" + "/".join([*resolved, part])
+            target = self.readlink(candidate)
+            if target is None:
+                resolved.append(part)
+                continue
+            hops += 1
+            if hops > _MAX_LINK_HOPS:
+                return None
+            if target.startswith("/"):
+                resolved = []
+            parts = [p for p in target.split("/") if p] + parts
+        host = "/" + "/".join(resolved)
+        return host if self.exists(host) else None
+
+    def confine(self, host_path: str) -> str:
+        """A configured path made safe: normalised, absolute and inside the root.
+
+        Raises ValueError for a relative path or one that climbs above the root with ``..``.
+        """
+        if not host_path.startswith("/"):
+            raise ValueError(f"{host_path!r} is not an absolute path")
+        normal = posixpath.normpath(host_path)
+        if normal.startswith("//"):
+            normal = "/" + normal.lstrip("/")
+        if ".." in host_path.split("/"):
+            raise ValueError(f"{host_path!r} climbs out with '..'")
+        return normal
+
+    # -- shared topology helpers -------------------------------------------------------
+    def machine_numa_nodes(self) -> Optional[Tuple[int, ...]]:
+        """The NUMA node ids the machine has, or None when sysfs does not say."""
+        names = self.listdir("/sys/devices/system/node")
+        ids = sorted(int(n[4:]) for n in names if n.startswith("node") and n[4:].isdigit())
+        return tuple(ids) if ids else None
+
+    def numa_of(self, device_path: str) -> Tuple[int, ...]:
+        """NUMA affinity of a device: its own ``numa_node``, else the nearest ancestor's.
+
+        -1, a missing file or garbage means unknown: an empty tuple, so the kubelet gets no
+        topology rather than a -1 that matches no NUMA mask.
+        """
+        path = self.resolve(device_path) or device_path
+        while path.startswith("/sys/devices/") and path != "/sys/devices":
+            node = self.read_int(path + "/numa_node", 10)
+            if node is not None:
+                return (node,) if node >= 0 else ()
+            path = posixpath.dirname(path)
+        return ()
+
+    def pci_ancestor(self, device_path: str) -> Optional[str]:
+        """The nearest PCI function (a dir named like 0000:00:14.0) at or above a device."""
+        path = self.resolve(device_path) or device_path
+        while path.startswith("/sys/devices/") and path != "/sys/devices":
+            if is_pci_address(posixpath.basename(path)):
+                return path
+            path = posixpath.dirname(path)
+        return None
+
+
+def is_pci_address(name: str) -> bool:
+    """True for a full PCI address ``dddd:bb:dd.f`` (domain may have 4+ hex digits)."""
+    try:
+        domain, bus, rest = name.split(":")
+        slot, func = rest.split(".")
+        int(domain, 16), int(bus, 16), int(slot, 16), int(func, 16)
+    except ValueError:
+        return False
+    return len(domain) >= 4 and len(bus) == 2 and len(slot) == 2 and len(func) == 1

@@ -1,0 +1,118 @@
+"""The records that flow from drivers to the kubelet.
+
+Everything Allocate needs is carried on the Device itself, so answering the kubelet is a lookup
+and a merge: no sysfs read happens on the allocation path. These types do no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence, Tuple
+
+
+class Health(str, enum.Enum):
+    """The two strings the kubelet knows; anything but exactly "Healthy" counts as unhealthy."""
+
+    HEALTHY = "Healthy"
+    UNHEALTHY = "Unhealthy"
+
+
+@dataclass(frozen=True)
+class DeviceNode:
+    """A device node handed to the container; host_path is a host path, never under --host-root."""
+
+    host_path: str
+    container_path: str = ""
+    permissions: str = "rw"
+
+    def __post_init__(self) -> None:
+        if not self.container_path:
+            object.__setattr__(self, "container_path", self.host_path)
+        if not self.permissions or set(self.permissions) - set("rwm"):
+            raise ValueError(f"device node {self.host_path}: permissions must be of 'rwm'")
+
+
+@dataclass(frozen=True)
+class Mount:
+    host_path: str
+    container_path: str
+    read_only: bool = True
+
+
+@dataclass(frozen=True)
+class Device:
+    """One schedulable unit of a resource.
+
+    ``id`` must be stable across reboots (PCI address, serial, UUID): the kubelet checkpoints it.
+    ``numa_nodes`` is empty when the kernel does not know (numa_node = -1); the kubelet then gets
+    no topology at all, never a -1. ``attributes`` carries driver facts for selectors, policies
+    and display; the kubelet never sees them.
+    """
+
+    id: str
+    health: Health = Health.HEALTHY
+    numa_nodes: Tuple[int, ...] = ()
+    device_nodes: Tuple[DeviceNode, ...] = ()
+    mounts: Tuple[Mount, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    cdi_devices: Tuple[str, ...] = ()
+    attributes: Mapping[str, str] = field(default_factory=dict)
+    health_reason: str = ""
+
+    __hash__ = None  # type: ignore[assignment]  # mappings inside: compare, never hash
+
+    @property
+    def healthy(self) -> bool:
+        return self.health is Health.HEALTHY
+
+    def with_health(self, health: Health, reason: str = "") -> Device:
+        from dataclasses import replace
+
+        return replace(self, health=health, health_reason=reason)
+
+
+@dataclass(frozen=True)
+class ContainerAllocation:
+    """What one container gets for one resource: the model of ContainerAllocateResponse."""
+
+    envs: Mapping[str, str] = field(default_factory=dict)
+    mounts: Tuple[Mount, ...] = ()
+    device_nodes: Tuple[DeviceNode, ...] = ()
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    cdi_devices: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PreferredRequest:
+    """One container's GetPreferredAllocation question, with ids resolved to current devices."""
+
+    available: Sequence[Device]
+    must_include: Sequence[Device]
+    size: int
+
+
+@dataclass(frozen=True)
+class ResourceConfig:
+    """One resource the host serves: a name, the driver that finds its devices, its selectors."""
+
+    name: str
+    driver: str
+    selectors: Mapping[str, object] = field(default_factory=dict)
+    # Built-in defaults register a resource only once it has a device, so a node without AMD
+    # GPUs does not advertise amd.com/gpu = 0. Configured resources register even when empty.
+    register_when_empty: bool = True
+    # Driver-independent knobs used by the host (issue-specific features read them).
+    options: Mapping[str, object] = field(default_factory=dict)
+
+
+def optional_int(text: Optional[str]) -> Optional[int]:
+    """Parse a sysfs integer (decimal or 0x-hex); None when absent or not a number."""
+    if text is None:
+        return None
+    text = text.strip()
+    try:
+        return int(text, 0) if text.lower().startswith("0x") else int(text)
+    except ValueError:
+        return None

@@ -1,0 +1,30 @@
+"""Wire protocol: our .proto files, their generated modules, and conversion from the model.
+
+``api`` is the device plugin v1beta1 module, ``api_grpc`` its services; ``podresources`` and
+``podresources_grpc`` the kubelet's PodResources v1 API.
+"""
+
+from host.protocol import deviceplugin_v1beta1_pb2 as api
+from host.protocol import deviceplugin_v1beta1_pb2_grpc as api_grpc
+from host.protocol import podresources_v1_pb2 as podresources
+from host.protocol import podresources_v1_pb2_grpc as podresources_grpc
+
+VERSION = "v1beta1"
+KUBELET_SOCKET = "kubelet.sock"
+DEVICE_PLUGIN_PATH = "/var/lib/kubelet/device-plugins"
+POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+
+__all__ = [
+    "DEVICE_PLUGIN_PATH",
+    "HEALTHY",
+    "KUBELET_SOCKET",
+    "POD_RESOURCES_SOCKET",
+    "UNHEALTHY",
+    "VERSION",
+    "api",
+    "api_grpc",
+    "podresources",
+    "podresources_grpc",
+]

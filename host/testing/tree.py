@@ -1,0 +1,304 @@
+"""Fake host trees: real directories, attribute files and symlinks laid out the way the kernel
+lays out /sys, /dev and /proc, under a temporary root. No mocks: the real HostFS reads them.
+
+Also the text format for whole-machine trees (``*.tree``), one entry a line::
+
+    d /sys/devices/system/node/node0
+    f /sys/bus/pci/devices/0000:01:00.0/vendor "0x10de"
+    l /sys/bus/pci/devices/0000:01:00.0 -> ../../../devices/pci0000:00/0000:01:00.0
+    c /dev/nvidia0 195:0
+
+``f`` values are JSON strings; ``c`` is a character device (a plain file in a fake tree, its
+numbers kept in the text). ``capture_tree`` writes this format from a real machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+from pathlib import Path
+from typing import Iterable, Iterator, List, Optional, Sequence, Union
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class FakeTree:
+    """Builds a host tree under ``root``. Every method takes *host* paths ("/sys/...")."""
+
+    def __init__(self, root: PathLike) -> None:
+        self.root = os.path.abspath(root)
+        os.makedirs(self.root, exist_ok=True)
+
+    def real(self, host_path: str) -> str:
+        return self.root + host_path
+
+    def mkdir(self, host_path: str) -> str:
+        os.makedirs(self.real(host_path), exist_ok=True)
+        return host_path
+
+    def attr(self, host_path: str, value: Union[str, int]) -> str:
+        """Write an attribute file, with a trailing newline as sysfs prints it."""
+        real = self.real(host_path)
+        os.makedirs(os.path.dirname(real), exist_ok=True)
+        text = str(value)
+        with open(real, "w", encoding="utf-8") as handle:
+            handle.write(text if text.endswith("\n") or text == "" else text + "\n")
+        return host_path
+
+    def link(self, host_path: str, target: str) -> str:
+        """Create a symlink; an absolute host-path target becomes relative, as in sysfs."""
+        real = self.real(host_path)
+        os.makedirs(os.path.dirname(real), exist_ok=True)
+        if target.startswith("/"):
+            target = posixpath.relpath(target, posixpath.dirname(host_path))
+        if os.path.lexists(real):
+            os.unlink(real)
+        os.symlink(target, real)
+        return host_path
+
+    def chardev(self, host_path: str, major: int = 0, minor: int = 0) -> str:
+        """A device node. A plain file stands in for it: the host only checks presence."""
+        real = self.real(host_path)
+        os.makedirs(os.path.dirname(real), exist_ok=True)
+        with open(real, "w", encoding="utf-8") as handle:
+            handle.write(f"{major}:{minor}\n")
+        return host_path
+
+    def remove(self, host_path: str) -> None:
+        """Remove a file, link or whole directory (a device unplugged)."""
+        real = self.real(host_path)
+        if os.path.islink(real) or os.path.isfile(real):
+            os.unlink(real)
+        elif os.path.isdir(real):
+            for dirpath, dirnames, filenames in os.walk(real, topdown=False):
+                for name in filenames:
+                    os.unlink(os.path.join(dirpath, name))
+                for name in dirnames:
+                    full = os.path.join(dirpath, name)
+                    if os.path.islink(full):
+                        os.unlink(full)
+                    else:
+                        os.rmdir(full)
+            os.rmdir(real)
+
+    # -- machine-level shapes ------------------------------------------------------------
+    def numa_nodes(self, count: int, cpus_per_node: int = 4) -> List[str]:
+        """/sys/devices/system/node/nodeN with cpulist, as on a multi-socket server."""
+        paths = []
+        for node in range(count):
+            base = f"/sys/devices/system/node/node{node}"
+            first = node * cpus_per_node
+            self.attr(f"{base}/cpulist", f"{first}-{first + cpus_per_node - 1}")
+            paths.append(base)
+        self.attr("/sys/devices/system/node/possible", f"0-{count - 1}" if count > 1 else "0")
+        return paths
+
+    def pci_function(
+        self,
+        address: str,
+        *,
+        vendor: int,
+        device: int,
+        pci_class: int,
+        numa_node: Optional[int] = -1,
+        driver: Optional[str] = None,
+        iommu_group: Optional[int] = None,
+        parent: Optional[str] = None,
+        local_cpulist: Optional[str] = None,
+        subsystem_vendor: Optional[int] = None,
+        subsystem_device: Optional[int] = None,
+        extra: Optional[dict] = None,
+    ) -> str:
+        """A PCI function the way the kernel shows it; returns its /sys/devices path.
+
+        ``parent`` is the host path of an upstream bridge; by default the function sits
+        directly under its root complex ``/sys/devices/pciDDDD:BB``. ``numa_node=None``
+        leaves the attribute out (old kernels, odd platforms).
+        """
+        domain, bus = address.split(":")[:2]
+        base = parent or self.mkdir(f"/sys/devices/pci{domain}:{bus}")
+        path = f"{base}/{address}"
+        self.attr(f"{path}/vendor", f"0x{vendor:04x}")
+        self.attr(f"{path}/device", f"0x{device:04x}")
+        self.attr(f"{path}/class", f"0x{pci_class:06x}")
+        self.attr(f"{path}/enable", "1")
+        self.attr(f"{path}/subsystem_vendor", f"0x{(subsystem_vendor or vendor):04x}")
+        self.attr(f"{path}/subsystem_device", f"0x{(subsystem_device or 0):04x}")
+        if numa_node is not None:
+            self.attr(f"{path}/numa_node", str(numa_node))
+        if local_cpulist is not None:
+            self.attr(f"{path}/local_cpulist", local_cpulist)
+        self.link(f"{path}/subsystem", "/sys/bus/pci")
+        self.link(f"/sys/bus/pci/devices/{address}", path)
+        if driver:
+            self.bind_driver(path, driver)
+        if iommu_group is not None:
+            self.mkdir(f"/sys/kernel/iommu_groups/{iommu_group}/devices")
+            self.link(f"{path}/iommu_group", f"/sys/kernel/iommu_groups/{iommu_group}")
+            self.link(f"/sys/kernel/iommu_groups/{iommu_group}/devices/{address}", path)
+        for name, value in (extra or {}).items():
+            self.attr(f"{path}/{name}", value)
+        return path
+
+    def bind_driver(self, device_path: str, driver: str, bus: str = "pci") -> None:
+        """Bind (or rebind) a device to a kernel driver, both link directions."""
+        name = posixpath.basename(device_path)
+        drivers = f"/sys/bus/{bus}/drivers/{driver}"
+        self.mkdir(drivers)
+        self.link(f"{device_path}/driver", drivers)
+        self.link(f"{drivers}/{name}", device_path)
+
+    def unbind_driver(self, device_path: str, bus: str = "pci") -> None:
+        real = self.real(f"{device_path}/driver")
+        if os.path.islink(real):
+            driver = posixpath.basename(os.readlink(real))
+            os.unlink(real)
+            stale = self.real(f"/sys/bus/{bus}/drivers/{driver}/{posixpath.basename(device_path)}")
+            if os.path.islink(stale):
+                os.unlink(stale)
+
+    def pci_bridge(self, address: str, *, numa_node: Optional[int] = -1) -> str:
+        """A PCIe root port / switch port that functions can sit behind."""
+        return self.pci_function(
+            address, vendor=0x8086, device=0x2030, pci_class=0x060400, numa_node=numa_node,
+            driver="pcieport",
+        )
+
+    # -- text trees --------------------------------------------------------------------
+    def load(self, text: str) -> None:
+        """Materialise a ``.tree`` text under this root."""
+        for number, line in enumerate(text.splitlines(), 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            kind, _, rest = line.partition(" ")
+            try:
+                if kind == "d":
+                    self.mkdir(rest.strip())
+                elif kind == "f":
+                    path, _, value = rest.partition(" ")
+                    self.attr(path, json.loads(value) if value else "")
+                elif kind == "l":
+                    path, _, target = rest.partition(" -> ")
+                    real = self.real(path.strip())
+                    os.makedirs(os.path.dirname(real), exist_ok=True)
+                    if os.path.lexists(real):
+                        os.unlink(real)
+                    os.symlink(target.strip(), real)
+                elif kind == "c":
+                    path, _, numbers = rest.partition(" ")
+                    major, _, minor = numbers.partition(":")
+                    self.chardev(path, int(major or 0), int(minor or 0))
+                else:
+                    raise ValueError(f"unknown entry kind {kind!r}")
+            except (ValueError, json.JSONDecodeError) as error:
+                raise ValueError(f"line {number}: {error}: {line!r}") from error
+
+
+def load_machine(name_or_path: PathLike, root: PathLike) -> FakeTree:
+    """Materialise a captured machine (a name from host/testing/machines, or a file path)."""
+    path = Path(name_or_path)
+    if not path.exists():
+        path = Path(__file__).with_name("machines") / f"{name_or_path}.tree"
+    tree = FakeTree(root)
+    tree.load(path.read_text(encoding="utf-8"))
+    return tree
+
+
+def machine_names() -> List[str]:
+    folder = Path(__file__).with_name("machines")
+    return sorted(p.stem for p in folder.glob("*.tree"))
+
+
+# -- capture from a real machine ------------------------------------------------------------
+_CAPTURE_ROOTS = (
+    "/sys/bus/pci/devices",
+    "/sys/bus/usb/devices",
+    "/sys/bus/dfl/devices",
+    "/sys/class/infiniband",
+    "/sys/class/infiniband_verbs",
+    "/sys/class/infiniband_mad",
+    "/sys/class/misc/rdma_cm",
+    "/sys/class/net",
+    "/sys/class/drm",
+    "/sys/class/fpga_region",
+    "/sys/class/tty",
+    "/sys/class/hidraw",
+    "/sys/class/video4linux",
+    "/sys/kernel/iommu_groups",
+)
+_CAPTURE_ATTRS = frozenset(
+    "vendor device class numa_node local_cpulist enable subsystem_vendor subsystem_device "
+    "sriov_numvfs sriov_totalvfs idVendor idProduct serial busnum devnum bInterfaceClass "
+    "bInterfaceSubClass bInterfaceProtocol bDeviceClass manufacturer product dev uevent "
+    "operstate carrier state phys_state link_layer node_guid ibdev cpulist possible address "
+    "current_link_speed current_link_width aer_dev_fatal aer_dev_nonfatal aer_dev_correctable "
+    "feature_id type id afu_id interface_id name speed".split()
+)
+
+
+def capture_tree(root: str = "/", dev_globs: Sequence[str] = ()) -> Iterator[str]:
+    """Yield ``.tree`` lines for the parts of a real machine the built-in drivers read.
+
+    Walks the sysfs roots above, follows their links into /sys/devices, records directories,
+    the attribute files drivers use, and links; then device nodes under /dev they name.
+    """
+    prefix = "" if root in ("", "/") else root.rstrip("/")
+    seen: set = set()
+    yield "# captured by device-plugin-host capture"
+    pending = [r for r in _CAPTURE_ROOTS if os.path.lexists(prefix + r)]
+    pending.append("/sys/devices/system/node")
+    pending.append("/proc/driver/nvidia/gpus")
+    while pending:
+        host_path = pending.pop()
+        if host_path in seen:
+            continue
+        seen.add(host_path)
+        real = prefix + host_path
+        if os.path.islink(real):
+            target = os.readlink(real)
+            yield f"l {host_path} -> {target}"
+            resolved = posixpath.normpath(posixpath.join(posixpath.dirname(host_path), target))
+            depth = host_path.count("/")
+            if resolved.startswith("/sys/devices") and depth <= 6:
+                pending.append(resolved)
+            continue
+        if os.path.isdir(real):
+            yield f"d {host_path}"
+            try:
+                names = sorted(os.listdir(real))
+            except OSError:
+                continue
+            for name in names:
+                child = f"{host_path}/{name}"
+                child_real = prefix + child
+                if os.path.islink(child_real):
+                    if name in ("subsystem", "firmware_node", "consumer", "supplier"):
+                        continue
+                    pending.append(child)
+                elif os.path.isdir(child_real):
+                    if name in ("power", "msi_irqs", "link", "statistics", "queues", "hwmon"):
+                        continue
+                    if host_path.count("/") < 14:
+                        pending.append(child)
+                elif name in _CAPTURE_ATTRS or host_path.startswith("/proc/"):
+                    try:
+                        with open(child_real, encoding="utf-8", errors="replace") as handle:
+                            yield f"f {child} {json.dumps(handle.read(65536).rstrip())}"
+                    except OSError:
+                        continue
+    for pattern in dev_globs:
+        import glob
+
+        for real in sorted(glob.glob(prefix + pattern)):
+            try:
+                stat = os.stat(real)
+            except OSError:
+                continue
+            host = real[len(prefix) :] if prefix else real
+            yield f"c {host} {os.major(stat.st_rdev)}:{os.minor(stat.st_rdev)}"
+
+
+def write_tree(lines: Iterable[str], path: PathLike) -> None:
+    Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
