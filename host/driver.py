@@ -40,6 +40,8 @@ class Driver:
     subsystems: ClassVar[Tuple[str, ...]] = ()
     #: Selector keys this driver accepts, with the Python types allowed for each value.
     selector_types: ClassVar[Mapping[str, Tuple[type, ...]]] = {}
+    #: Setting keys (``[resource.settings]``) this driver accepts, with their value types.
+    setting_types: ClassVar[Mapping[str, Tuple[type, ...]]] = {}
 
     # -- discovery (required) ---------------------------------------------------------
     def discover(
@@ -63,22 +65,12 @@ class Driver:
     def check_selectors(self, selectors: Mapping[str, object]) -> None:
         """Raise SelectorError for a selector this driver cannot use. The default checks keys
         and value types against ``selector_types`` (a list of allowed values is accepted
-        wherever a single value is)."""
-        for key, value in selectors.items():
-            allowed = self.selector_types.get(key)
-            if allowed is None:
-                known = ", ".join(sorted(self.selector_types)) or "none"
-                raise SelectorError(key, f"unknown selector for driver {self.name!r} (known: {known})")
-            values = value if isinstance(value, list) else [value]
-            if isinstance(value, list) and not value:
-                raise SelectorError(key, "empty list")
-            for item in values:
-                if isinstance(item, bool) and bool not in allowed:
-                    raise SelectorError(key, f"expected {_type_names(allowed)}, got a boolean")
-                if not isinstance(item, allowed):
-                    raise SelectorError(
-                        key, f"expected {_type_names(allowed)}, got {type(item).__name__}"
-                    )
+        wherever a single value is); override to add value checks, calling super() first."""
+        check_types(selectors, self.selector_types, f"selector for driver {self.name!r}", True)
+
+    def check_settings(self, settings: Mapping[str, object]) -> None:
+        """Raise SelectorError for a bad ``[resource.settings]`` entry (keys, types, values)."""
+        check_types(settings, self.setting_types, f"setting for driver {self.name!r}", False)
 
     def default_resources(self) -> Sequence[ResourceConfig]:
         """Resources served when no config file exists. Each registers once it has a device."""
@@ -92,7 +84,9 @@ class Driver:
         timeout; must not block for long (the kubelet waits without a deadline)."""
         return merged
 
-    def preferred(self, resource: ResourceConfig, request: PreferredRequest) -> Optional[Sequence[str]]:
+    def preferred(
+        self, resource: ResourceConfig, request: PreferredRequest
+    ) -> Optional[Sequence[str]]:
         """Preferred ids, or None to use the host's NUMA-compact policy."""
         return None
 
@@ -131,6 +125,33 @@ def normalise_hex_ids(values: Optional[list]) -> Optional[set]:
             text = str(value).strip().lower()
             out.add(int(text[2:] if text.startswith("0x") else text, 16))
     return out
+
+
+def check_types(
+    table: Mapping[str, object],
+    types: Mapping[str, Tuple[type, ...]],
+    what: str,
+    lists_allowed: bool,
+) -> None:
+    """Check a config table's keys and value types; raise SelectorError naming the key."""
+    for key, value in table.items():
+        allowed = types.get(key)
+        if allowed is None:
+            known = ", ".join(sorted(types)) or "none"
+            raise SelectorError(key, f"unknown {what} (known: {known})")
+        if isinstance(value, list) and lists_allowed:
+            if not value:
+                raise SelectorError(key, "empty list")
+            values = value
+        else:
+            values = [value]
+        for item in values:
+            if isinstance(item, bool) and bool not in allowed:
+                raise SelectorError(key, f"expected {_type_names(allowed)}, got a boolean")
+            if not isinstance(item, allowed):
+                raise SelectorError(
+                    key, f"expected {_type_names(allowed)}, got {type(item).__name__}"
+                )
 
 
 def _type_names(types: Tuple[type, ...]) -> str:

@@ -100,6 +100,9 @@ class ResourceConfig:
     name: str
     driver: str
     selectors: Mapping[str, object] = field(default_factory=dict)
+    # Driver knobs that are not about *which* devices: RDMA shared mode, USB sharing, an FPGA
+    # pre-start step. Validated by the driver like selectors.
+    settings: Mapping[str, object] = field(default_factory=dict)
     # Built-in defaults register a resource only once it has a device, so a node without AMD
     # GPUs does not advertise amd.com/gpu = 0. Configured resources register even when empty.
     register_when_empty: bool = True

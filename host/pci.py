@@ -51,7 +51,9 @@ class PciFunction:
         return out
 
 
-def read_function(host: HostFS, address: str, valid_numa: Optional[Sequence[int]] = None) -> Optional[PciFunction]:
+def read_function(
+    host: HostFS, address: str, valid_numa: Optional[Sequence[int]] = None
+) -> Optional[PciFunction]:
     """Read one function; None when its sysfs entry is gone (unplugged mid-scan)."""
     link = f"{PCI_DEVICES}/{address}"
     path = host.resolve(link)
@@ -119,7 +121,9 @@ def matches_pci(function: PciFunction, selectors: Mapping[str, object]) -> bool:
     if drivers is not None and function.kernel_driver not in drivers:
         return False
     addresses = selector_values(selectors, "pci_address")
-    return addresses is None or function.address in addresses or _short(function.address) in addresses
+    if addresses is None:
+        return True
+    return function.address in addresses or _short(function.address) in addresses
 
 
 def _short(address: str) -> str:
