@@ -91,8 +91,36 @@ class Driver:
         return None
 
     def pre_start(self, resource: ResourceConfig, devices: Sequence[Device]) -> None:
-        """Prepare devices before a container starts; raise to fail the start (with reason)."""
+        """Prepare devices before a container starts; raise to fail the start (with reason).
+        The kubelet gives PreStartContainer 30 s; the host bounds it by its own timeout."""
         raise NotImplementedError
+
+    def needs_pre_start(self, resource: ResourceConfig) -> bool:
+        """Whether this resource advertises ``pre_start_required``. Every container start then
+        waits for ``pre_start``, so a driver whose step is configured per resource answers
+        per resource; the default is "whenever pre_start is implemented"."""
+        return implements(self, "pre_start")
+
+
+class UnavailableDriver(Driver):
+    """Stands in for a configured driver that failed to load: its resources still serve (with
+    no devices, the failure in logs and ``discover``) and every other resource is unaffected."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name = name  # type: ignore[misc]
+        self.reason = reason
+
+    def discover(self, host: HostFS, resources: Sequence[ResourceConfig]) -> Mapping[str, Sequence[Device]]:
+        raise RuntimeError(f"driver {self.name!r} is not available: {self.reason}")
+
+    def check_selectors(self, selectors: Mapping[str, object]) -> None:
+        """Unknown: the driver that would judge them did not load."""
+
+    def check_settings(self, settings: Mapping[str, object]) -> None:
+        """Unknown: the driver that would judge them did not load."""
+
+    def needs_pre_start(self, resource: ResourceConfig) -> bool:
+        return False
 
 
 def implements(driver: object, method: str) -> bool:

@@ -74,7 +74,8 @@ def read_function(
         numa_nodes=numa_nodes,
         local_cpulist=host.read(f"{path}/local_cpulist") or None,
         iommu_group=host.link_name(f"{path}/iommu_group"),
-        enabled=None if enable is None else enable == "1",
+        # ``enable`` is a reference count (it can read 2), not a flag.
+        enabled=None if enable is None or not enable.isdigit() else int(enable) > 0,
     )
 
 

@@ -234,7 +234,7 @@ _CAPTURE_ATTRS = frozenset(
     "bInterfaceSubClass bInterfaceProtocol bDeviceClass manufacturer product dev uevent "
     "operstate carrier state phys_state link_layer node_guid ibdev cpulist possible address "
     "current_link_speed current_link_width aer_dev_fatal aer_dev_nonfatal aer_dev_correctable "
-    "feature_id type id afu_id interface_id name speed".split()
+    "feature_id type id afu_id interface_id name speed product_name unique_id boot_vga".split()
 )
 
 
@@ -292,11 +292,16 @@ def capture_tree(root: str = "/", dev_globs: Sequence[str] = ()) -> Iterator[str
         import glob
 
         for real in sorted(glob.glob(prefix + pattern)):
+            host = real[len(prefix) :] if prefix else real
+            if os.path.islink(real):  # /dev/dri/by-path/* and friends stay links
+                yield f"l {host} -> {os.readlink(real)}"
+                continue
             try:
                 stat = os.stat(real)
             except OSError:
                 continue
-            host = real[len(prefix) :] if prefix else real
+            if os.path.isdir(real):
+                continue
             yield f"c {host} {os.major(stat.st_rdev)}:{os.minor(stat.st_rdev)}"
 
 

@@ -1,0 +1,430 @@
+"""The GPU driver: which PCI functions are GPUs, and what a container needs to use each one.
+
+Rules, chosen so that every GPU the kubelet sees is either fully usable or visibly Unhealthy:
+
+* A GPU is a function of a known GPU vendor (NVIDIA 0x10de, AMD 0x1002, Intel 0x8086) with
+  display class (0x03xxxx: VGA, 3D, "other display") or processing-accelerator class (0x12xxxx:
+  AMD MI300 reports itself so). NVSwitch (0x0680), HDMI audio (0x0403) and USB-C (0x0c03)
+  functions of the same vendors are not GPUs, and neither is the BMC's VGA (ASPEED 0x1a03,
+  Matrox 0x102b): an unknown vendor's display is not a compute device. Intel accelerators
+  (0x12: the NPU, bound to intel_vpu) count only when i915 or xe drives them.
+* The id is the PCI address. It is stable across reboots unless cards move, is known even when
+  the vendor driver is not loaded (an NVIDIA UUID is not: the driver prints
+  ``GPU-????????-...`` for a GPU it could not initialise), and is the same kind of id for all
+  three vendors. The NVIDIA UUID is carried as an attribute and in NVIDIA_VISIBLE_DEVICES.
+* NVIDIA: /dev/nvidiaN with N the "Device Minor" of /proc/driver/nvidia/gpus/<addr>/information,
+  plus /dev/nvidiactl (required) and /dev/nvidia-uvm, -uvm-tools, -modeset where present. No
+  information file means no minor: the GPU is Unhealthy with the reason, except in the one
+  unambiguous case (exactly one NVIDIA GPU bound to nvidia, no information file for any GPU, and
+  exactly one /dev/nvidiaN), which is used and logged. Two GPUs claiming one minor are both
+  Unhealthy. "GPU Excluded: Yes" is Unhealthy.
+* AMD: /dev/kfd (required for ROCm) plus the function's own card and render nodes.
+  Intel: the function's card and render nodes, and its /dev/dri/by-path links as mounts (the
+  Intel user-mode driver finds its GPU through them).
+* A function with enable = 0 while a GPU driver owns it is Unhealthy (the driver failed or
+  disabled it). A missing device node is Unhealthy, naming the node.
+* A function bound to vfio-pci (or pci-stub, or a vfio variant driver) belongs to VM
+  passthrough: no resource gets it unless its ``kernel_driver`` selector names that driver
+  explicitly; then it is served with /dev/vfio/vfio and /dev/vfio/<group>, and Allocate adds
+  KubeVirt's PCI_RESOURCE_<NAME> variable.
+* SR-IOV: an Intel or AMD PF with VFs enabled is left on the host and its VFs are served (the
+  Intel GPU plugin's rule); NVIDIA VFs are vGPU-manager functions with no container node and
+  are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, replace
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from drivers.gpu.drm import drm_nodes
+from drivers.gpu.nvidia import NvidiaInfo, proc_addresses, read_information
+from host.driver import Driver, SelectorError, selector_values
+from host.hostfs import HostFS
+from host.model import ContainerAllocation, Device, DeviceNode, Health, Mount, ResourceConfig
+from host.pci import (
+    PCI_SELECTOR_TYPES,
+    PciFunction,
+    check_pci_selectors,
+    list_functions,
+    matches_pci,
+)
+
+logger = logging.getLogger(__name__)
+
+NVIDIA = 0x10DE
+AMD = 0x1002
+INTEL = 0x8086
+VENDORS: Mapping[int, str] = {NVIDIA: "nvidia", AMD: "amd", INTEL: "intel"}
+
+DISPLAY_CLASS = 0x03
+ACCELERATOR_CLASS = 0x12
+INTEL_GPU_DRIVERS = ("i915", "xe")
+EXPECTED_DRIVERS: Mapping[int, Tuple[str, ...]] = {
+    NVIDIA: ("nvidia",),
+    AMD: ("amdgpu",),
+    INTEL: INTEL_GPU_DRIVERS,
+}
+
+NVIDIACTL = "/dev/nvidiactl"
+NVIDIA_OPTIONAL = ("/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
+KFD = "/dev/kfd"
+VFIO_CONTAINER = "/dev/vfio/vfio"
+PASSTHROUGH_DRIVERS = ("vfio-pci", "pci-stub")
+PASSTHROUGH_ATTRIBUTE = "passthrough"
+KUBEVIRT_ENV_PREFIX = "PCI_RESOURCE"
+
+_NVIDIA_NODE = re.compile(r"nvidia(\d+)\Z")
+_HEX = re.compile(r"[0-9a-f]+\Z")
+
+
+@dataclass(frozen=True)
+class GpuEntry:
+    function: PciFunction
+    device: Device
+    passthrough: bool
+
+
+@dataclass(frozen=True)
+class GpuInventory:
+    entries: Tuple[GpuEntry, ...]
+
+
+class GpuDriver(Driver):
+    name = "gpu"
+    subsystems = ("pci", "drm")
+    selector_types = {**PCI_SELECTOR_TYPES, "class": (str,)}
+    setting_types = {}
+
+    # -- configuration -------------------------------------------------------------------
+    def check_selectors(self, selectors: Mapping[str, object]) -> None:
+        super().check_selectors(selectors)
+        check_pci_selectors(selectors)
+        for value in selector_values(selectors, "class") or []:
+            if _class_pattern(str(value)) is None:
+                raise SelectorError(
+                    "class",
+                    f'{value!r} is not a PCI class: use 2, 4 or 6 hex digits ("0x03" base'
+                    ' class, "0x0302" class and subclass, "0x030200" with prog-if)',
+                )
+
+    def default_resources(self) -> Sequence[ResourceConfig]:
+        return (
+            ResourceConfig(
+                "nvidia.com/gpu", self.name, {"vendor": "0x10de"}, register_when_empty=False
+            ),
+            ResourceConfig(
+                "amd.com/gpu", self.name, {"vendor": "0x1002"}, register_when_empty=False
+            ),
+            ResourceConfig(
+                "gpu.intel.com/i915",
+                self.name,
+                {"vendor": "0x8086", "kernel_driver": "i915"},
+                register_when_empty=False,
+            ),
+            ResourceConfig(
+                "gpu.intel.com/xe",
+                self.name,
+                {"vendor": "0x8086", "kernel_driver": "xe"},
+                register_when_empty=False,
+            ),
+        )
+
+    # -- discovery -----------------------------------------------------------------------
+    def scan(self, host: HostFS) -> GpuInventory:
+        gpus = [fn for fn in list_functions(host) if _is_gpu(host, fn)]
+        nvidia = [fn for fn in gpus if fn.vendor == NVIDIA and not _is_passthrough(fn)]
+        infos = {fn.address: read_information(host, fn.address) for fn in nvidia}
+        minors = _nvidia_minors(host, nvidia, infos)
+        claims: Dict[int, List[str]] = {}
+        for address, (minor, _) in minors.items():
+            if minor is not None:
+                claims.setdefault(minor, []).append(address)
+        entries = []
+        for fn in gpus:
+            passthrough = _is_passthrough(fn)
+            if passthrough:
+                device = _passthrough_device(host, fn)
+            elif fn.vendor == NVIDIA:
+                minor, note = minors[fn.address]
+                others = claims.get(minor, []) if minor is not None else []
+                shared = [a for a in others if a != fn.address]
+                device = _nvidia_device(host, fn, infos[fn.address], minor, note, shared)
+            elif fn.vendor == AMD:
+                device = _drm_device(host, fn, "amd", required=(KFD,))
+            else:
+                device = _drm_device(host, fn, "intel", required=())
+            if not device.healthy:
+                logger.warning("gpu %s: unhealthy: %s", fn.address, device.health_reason)
+            entries.append(GpuEntry(fn, device, passthrough))
+        return GpuInventory(tuple(entries))
+
+    def select(self, inventory: GpuInventory, resource: ResourceConfig) -> Sequence[Device]:
+        selectors = resource.selectors
+        named_drivers = selector_values(selectors, "kernel_driver") or []
+        patterns = [_class_pattern(str(v)) for v in selector_values(selectors, "class") or []]
+        out = []
+        for entry in inventory.entries:
+            if entry.passthrough and entry.function.kernel_driver not in named_drivers:
+                continue
+            if not matches_pci(entry.function, selectors):
+                continue
+            if patterns and not any(
+                p is not None and _class_matches(entry.function.pci_class, p) for p in patterns
+            ):
+                continue
+            out.append(entry.device)
+        return out
+
+    # -- allocation ----------------------------------------------------------------------
+    def allocate(
+        self, resource: ResourceConfig, devices: Sequence[Device], merged: ContainerAllocation
+    ) -> ContainerAllocation:
+        """KubeVirt finds passthrough devices by a variable named after the *resource*, which
+        no single Device knows; everything else is the host's merge of per-device data."""
+        addresses = [
+            d.attributes.get("pci_address", d.id)
+            for d in devices
+            if d.attributes.get(PASSTHROUGH_ATTRIBUTE) == "true"
+        ]
+        if not addresses:
+            return merged
+        key = kubevirt_env_name(resource.name)
+        return replace(merged, envs={**merged.envs, key: ",".join(addresses)})
+
+
+# -- classification ---------------------------------------------------------------------------
+def _is_gpu(host: HostFS, fn: PciFunction) -> bool:
+    """True for a function this driver serves; logs why a GPU-vendor function is left out
+    when that is not obvious from its class."""
+    if fn.vendor not in VENDORS:
+        return False
+    if fn.pci_class is None:
+        logger.warning(
+            "gpu: skipping %s (vendor 0x%04x): class unreadable or not a number",
+            fn.address,
+            fn.vendor,
+        )
+        return False
+    if fn.base_class not in (DISPLAY_CLASS, ACCELERATOR_CLASS):
+        return False  # NVSwitch, HDMI audio, USB-C, chipset functions
+    if (
+        fn.vendor == INTEL
+        and fn.base_class == ACCELERATOR_CLASS
+        and fn.kernel_driver not in INTEL_GPU_DRIVERS
+    ):
+        logger.debug(
+            "gpu: %s is an Intel accelerator driven by %s, not a GPU", fn.address, fn.kernel_driver
+        )
+        return False
+    if fn.vendor == NVIDIA and host.readlink(f"{fn.path}/physfn") is not None:
+        logger.info(
+            "gpu: skipping %s: NVIDIA SR-IOV virtual function (vGPU), no device node", fn.address
+        )
+        return False
+    if fn.vendor in (AMD, INTEL):
+        numvfs = host.read_int(f"{fn.path}/sriov_numvfs", 10)
+        if numvfs:
+            logger.info("gpu: leaving %s to its %d SR-IOV virtual functions", fn.address, numvfs)
+            return False
+    return True
+
+
+def _is_passthrough(fn: PciFunction) -> bool:
+    name = fn.kernel_driver or ""
+    return name in PASSTHROUGH_DRIVERS or "vfio" in name
+
+
+def _class_pattern(text: str) -> Optional[Tuple[int, int]]:
+    """("0x03" -> (0x03, 16)): the value and how far to shift the 24-bit class to compare."""
+    text = text.strip().lower()
+    digits = text[2:] if text.startswith("0x") else text
+    if len(digits) not in (2, 4, 6) or not _HEX.match(digits):
+        return None
+    return int(digits, 16), 24 - 4 * len(digits)
+
+
+def _class_matches(pci_class: Optional[int], pattern: Tuple[int, int]) -> bool:
+    value, shift = pattern
+    return pci_class is not None and pci_class >> shift == value
+
+
+def kubevirt_env_name(resource_name: str) -> str:
+    """KubeVirt's ResourceNameToEnvVar("PCI_RESOURCE", name)."""
+    return f"{KUBEVIRT_ENV_PREFIX}_" + resource_name.upper().replace("/", "_").replace(".", "_")
+
+
+# -- NVIDIA -------------------------------------------------------------------------------------
+def _nvidia_minors(
+    host: HostFS, gpus: Sequence[PciFunction], infos: Mapping[str, Optional[NvidiaInfo]]
+) -> Dict[str, Tuple[Optional[int], str]]:
+    """Each NVIDIA GPU's minor, with a note saying where it came from or why it is unknown."""
+    out: Dict[str, Tuple[Optional[int], str]] = {}
+    for fn in gpus:
+        info = infos.get(fn.address)
+        if info is not None:
+            if info.minor is not None:
+                out[fn.address] = (info.minor, "proc")
+            else:
+                out[fn.address] = (
+                    None,
+                    f"Device Minor {info.minor_text!r} in {info.path} is not a GPU minor"
+                    if info.minor_text is not None
+                    else f"no Device Minor in {info.path}",
+                )
+        elif fn.kernel_driver != "nvidia":
+            out[fn.address] = (None, "device minor unknown")  # the driver problem says why
+        else:
+            out[fn.address] = (
+                None,
+                f"device minor unknown: no /proc/driver/nvidia/gpus/{fn.address}/information"
+                " (host /proc not visible under the root?)",
+            )
+    sole = _sole_node_minor(host, gpus, infos)
+    if sole is not None:
+        address, minor = sole
+        logger.warning(
+            "gpu %s: no /proc/driver/nvidia information; using /dev/nvidia%d, the only GPU node"
+            " for the only NVIDIA GPU",
+            address,
+            minor,
+        )
+        out[address] = (minor, "sole-node")
+    return out
+
+
+def _sole_node_minor(
+    host: HostFS, gpus: Sequence[PciFunction], infos: Mapping[str, Optional[NvidiaInfo]]
+) -> Optional[Tuple[str, int]]:
+    """The one case where the minor is certain without procfs: one GPU, one node."""
+    if len(gpus) != 1 or gpus[0].kernel_driver != "nvidia" or infos.get(gpus[0].address):
+        return None
+    if proc_addresses(host):
+        return None  # the driver lists GPUs but not this one: something else is going on
+    minors = [int(m.group(1)) for m in map(_NVIDIA_NODE.match, host.listdir("/dev")) if m]
+    if len(minors) != 1:
+        return None
+    return gpus[0].address, minors[0]
+
+
+def _nvidia_device(
+    host: HostFS,
+    fn: PciFunction,
+    info: Optional[NvidiaInfo],
+    minor: Optional[int],
+    note: str,
+    shared_with: Sequence[str],
+) -> Device:
+    problems = _driver_problems(host, fn)
+    attributes = {**fn.attributes(), "gpu_vendor": "nvidia"}
+    paths: List[str] = []
+    if minor is None:
+        problems.append(note)
+    else:
+        attributes["device_minor"] = str(minor)
+        if note == "sole-node":
+            attributes["device_minor_source"] = "sole /dev/nvidiaN node"
+        paths.append(f"/dev/nvidia{minor}")
+        if shared_with:
+            problems.append(f"device minor {minor} also claimed by {', '.join(shared_with)}")
+    paths.append(NVIDIACTL)
+    problems.extend(_missing(host, paths))
+    paths.extend(p for p in NVIDIA_OPTIONAL if host.exists(p))
+    if info is not None:
+        if info.excluded:
+            problems.append("excluded by the NVIDIA driver (GPU Excluded: Yes)")
+        if info.model:
+            attributes["model"] = info.model
+        if info.uuid:
+            attributes["uuid"] = info.uuid
+        if info.vbios:
+            attributes["vbios"] = info.vbios
+    visible = info.uuid if info is not None and info.uuid else fn.address
+    return _device(fn, paths, problems, attributes, env={"NVIDIA_VISIBLE_DEVICES": visible})
+
+
+# -- AMD and Intel ------------------------------------------------------------------------------
+def _drm_device(host: HostFS, fn: PciFunction, vendor: str, required: Sequence[str]) -> Device:
+    problems = _driver_problems(host, fn)
+    attributes = {**fn.attributes(), "gpu_vendor": vendor}
+    drm = drm_nodes(host, fn.path)
+    paths = list(required) + [f"/dev/dri/{name}" for name in drm.names]
+    if not drm.renders:
+        problems.append(f"no DRM render node under {fn.path}/drm")
+    if drm.cards:
+        attributes["drm_card"] = ",".join(drm.cards)
+    if drm.renders:
+        attributes["drm_render"] = ",".join(drm.renders)
+    problems.extend(_missing(host, paths))
+    mounts: List[Mount] = []
+    if vendor == "amd":
+        for name in ("product_name", "unique_id"):
+            value = host.read(f"{fn.path}/{name}")
+            if value:
+                attributes[name] = value
+    else:
+        for kind in ("card", "render"):
+            link = f"/dev/dri/by-path/pci-{fn.address}-{kind}"
+            if host.readlink(link) is not None and host.exists(link):  # not dangling
+                mounts.append(Mount(link, link, read_only=True))
+    return _device(fn, paths, problems, attributes, mounts=mounts)
+
+
+# -- passthrough --------------------------------------------------------------------------------
+def _passthrough_device(host: HostFS, fn: PciFunction) -> Device:
+    attributes = {
+        **fn.attributes(),
+        "gpu_vendor": VENDORS.get(fn.vendor or 0, "unknown"),
+        PASSTHROUGH_ATTRIBUTE: "true",
+    }
+    problems: List[str] = []
+    paths = [VFIO_CONTAINER]
+    if fn.iommu_group is None:
+        problems.append("bound to a passthrough driver but has no IOMMU group")
+    else:
+        paths.append(f"/dev/vfio/{fn.iommu_group}")
+    problems.extend(_missing(host, paths))
+    # vfio-pci enables the function only while a VM holds it: enable = 0 is normal here.
+    return _device(fn, paths, problems, attributes)
+
+
+# -- shared -------------------------------------------------------------------------------------
+def _driver_problems(host: HostFS, fn: PciFunction) -> List[str]:
+    """A GPU driver that failed to bind, or the wrong one, leaves the GPU unusable."""
+    problems = []
+    expected = EXPECTED_DRIVERS.get(fn.vendor or 0, ())
+    if fn.kernel_driver is None:
+        problems.append(f"no kernel driver bound (expected {' or '.join(expected)})")
+    elif fn.kernel_driver not in expected:
+        problems.append(f"bound to {fn.kernel_driver}, not {' or '.join(expected)}")
+    # The enable file counts enables; PciFunction.enabled reads only "1" as enabled.
+    if host.read_int(f"{fn.path}/enable", 10) == 0:
+        problems.append("PCI function disabled (enable = 0)")
+    return problems
+
+
+def _missing(host: HostFS, paths: Sequence[str]) -> List[str]:
+    return [f"device node {path} missing" for path in paths if not host.exists(path)]
+
+
+def _device(
+    fn: PciFunction,
+    paths: Sequence[str],
+    problems: Sequence[str],
+    attributes: Dict[str, str],
+    env: Optional[Mapping[str, str]] = None,
+    mounts: Sequence[Mount] = (),
+) -> Device:
+    unique = list(dict.fromkeys(problems))
+    return Device(
+        id=fn.address,
+        health=Health.UNHEALTHY if unique else Health.HEALTHY,
+        health_reason="; ".join(unique),
+        numa_nodes=fn.numa_nodes,
+        device_nodes=tuple(DeviceNode(p, p, "rw") for p in dict.fromkeys(paths)),
+        mounts=tuple(mounts),
+        env=dict(env or {}),
+        attributes=attributes,
+    )

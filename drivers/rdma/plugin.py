@@ -1,0 +1,13 @@
+"""Entry point ``drivers.rdma.plugin`` of the ``device_plugin_host.drivers`` group."""
+
+from __future__ import annotations
+
+from typing import List
+
+from drivers.rdma.driver import RdmaDriver
+from host.hookspecs import hookimpl
+
+
+@hookimpl
+def device_plugin_host_drivers() -> List[RdmaDriver]:
+    return [RdmaDriver()]

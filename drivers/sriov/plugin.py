@@ -1,0 +1,13 @@
+"""Entry point ``drivers.sriov.plugin`` of the ``device_plugin_host.drivers`` group."""
+
+from __future__ import annotations
+
+from typing import List
+
+from drivers.sriov.driver import SriovDriver
+from host.hookspecs import hookimpl
+
+
+@hookimpl
+def device_plugin_host_drivers() -> List[SriovDriver]:
+    return [SriovDriver()]

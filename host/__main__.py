@@ -1,0 +1,5 @@
+import sys
+
+from host.cli import main
+
+sys.exit(main())

@@ -1,0 +1,158 @@
+"""The host: one event loop that discovers, serves, registers and keeps everything current.
+
+Start-up order is the one the kubelet needs: scan every driver (concurrently, off the loop),
+then for each resource create its snapshot and service, serve its socket, and only then
+register. Later rescans only update snapshots; ListAndWatch streams see the change at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable, Dict, Iterable, List, Optional, Set
+
+from host.config import Config
+from host.driver import Driver, UnavailableDriver
+from host.hostfs import HostFS
+from host.inventory import Inventory
+from host.isolation import DriverCalls
+from host.model import ResourceConfig
+from host.registration import Endpoint, Registrar
+from host.service import DevicePluginService
+from host.snapshot import Snapshot
+
+log = logging.getLogger(__name__)
+
+
+class HostApp:
+    def __init__(self, config: Config, drivers: Dict[str, Driver]) -> None:
+        self.config = config
+        self.drivers = drivers
+        self.host = HostFS(config.host.host_root)
+        self.calls = DriverCalls()
+        self.calls.on_unhung = self._driver_unhung
+        self.inventory = Inventory(
+            self.host, drivers, config.resources, self.calls,
+            discover_timeout_s=config.host.discover_timeout_s,
+            vanished_grace_s=config.host.vanished_grace_s,
+        )
+        self.registrar = Registrar(config.host.plugin_dir, config.host.register_timeout_s)
+        self.registrar.on_registered = self._endpoint_registered
+        self.snapshots: Dict[str, Snapshot] = {}
+        self.services: Dict[str, DevicePluginService] = {}
+        self.ready = asyncio.Event()
+        self.started_at = time.monotonic()
+        self.on_ready: List[Callable[[], None]] = []
+        self._timers: List[asyncio.TimerHandle] = []
+        self._rescan_task: Optional[asyncio.Task] = None
+        self._expiry: Optional[asyncio.TimerHandle] = None
+        self._stopped = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.registrar.start()
+        await self.inventory.scan()
+        for resource in self.config.resources:
+            self._sync(resource)
+        self._arm_safety_rescan()
+        self._arm_expiry()
+        self._check_ready()
+
+    async def stop(self) -> None:
+        """Stop serving and remove every socket of ours; hung driver threads are abandoned."""
+        self._stopped = True
+        for timer in self._timers:
+            timer.cancel()
+        if self._expiry is not None:
+            self._expiry.cancel()
+        if self._rescan_task is not None:
+            self._rescan_task.cancel()
+        await self.registrar.close()
+        self.calls.shutdown()
+
+    # -- serving ---------------------------------------------------------------------------
+    def served(self) -> List[str]:
+        return list(self.registrar.endpoints)
+
+    def endpoint(self, resource: str) -> Optional[Endpoint]:
+        return self.registrar.endpoints.get(resource)
+
+    def _sync(self, resource: ResourceConfig) -> None:
+        devices = self.inventory.devices.get(resource.name, [])
+        snapshot = self.snapshots.get(resource.name)
+        if snapshot is None:
+            if not devices and not resource.register_when_empty:
+                return  # a built-in default with nothing on this node: not advertised
+            snapshot = Snapshot()
+            snapshot.update(devices)
+            driver = self.drivers.get(resource.driver) or UnavailableDriver(
+                resource.driver, "not installed"
+            )
+            service = DevicePluginService(
+                resource, driver,
+                snapshot, self.calls, allocate_timeout_s=self.config.host.allocate_timeout_s,
+            )
+            self.snapshots[resource.name] = snapshot
+            self.services[resource.name] = service
+            self.registrar.add(service)
+            self.ready.clear()
+            return
+        if snapshot.update(devices):
+            log.info("resource %s: %d devices (%d healthy)", resource.name, len(devices),
+                     sum(1 for d in devices if d.healthy))
+
+    async def rescan(self, drivers: Optional[Iterable[str]] = None) -> Set[str]:
+        """Rescan drivers and push every changed resource to its streams."""
+        changed = await self.inventory.scan(drivers)
+        for name in changed:
+            resource = self.inventory.resources.get(name)
+            if resource is not None:
+                self._sync(resource)
+        self._arm_expiry()
+        return changed
+
+    def request_rescan(self, drivers: Optional[Iterable[str]] = None) -> None:
+        if self._stopped:
+            return
+        asyncio.get_running_loop().create_task(self.rescan(drivers))
+
+    def _driver_unhung(self, driver: str) -> None:
+        log.info("driver %r returned from a call that had timed out; rescanning it", driver)
+        self.request_rescan([driver])
+
+    def _arm_safety_rescan(self) -> None:
+        interval = self.config.host.rescan_interval_s
+        if interval <= 0 or self._stopped:
+            return
+        loop = asyncio.get_running_loop()
+
+        def fire() -> None:
+            self.request_rescan()
+            self._timers.remove(handle)
+            self._arm_safety_rescan()
+
+        handle = loop.call_later(interval, fire)
+        self._timers.append(handle)
+
+    def _arm_expiry(self) -> None:
+        delay = self.inventory.next_expiry()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        if delay is not None and not self._stopped:
+            self._expiry = asyncio.get_running_loop().call_later(
+                delay + 0.01, self.request_rescan, []
+            )
+
+    # -- readiness -----------------------------------------------------------------------
+    def _endpoint_registered(self, endpoint: Endpoint) -> None:
+        self._check_ready()
+
+    def _check_ready(self) -> None:
+        if self.registrar.all_registered() and not self.ready.is_set():
+            self.ready.set()
+            log.info("all %d resources registered, %.0f ms after start",
+                     len(self.registrar.endpoints), (time.monotonic() - self.started_at) * 1000)
+            for callback in self.on_ready:
+                callback()

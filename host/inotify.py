@@ -1,0 +1,186 @@
+"""Linux inotify on the asyncio loop, through ctypes: file-system events without polling.
+
+The host must notice within milliseconds that the kubelet wiped its socket or created a new
+kubelet.sock. inotify's file descriptor goes to ``loop.add_reader``; nothing wakes up unless
+the kernel reports an event, so an idle host costs no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import errno
+import os
+import struct
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+IN_MODIFY = 0x00000002
+IN_ATTRIB = 0x00000004
+IN_CLOSE_WRITE = 0x00000008
+IN_MOVED_FROM = 0x00000040
+IN_MOVED_TO = 0x00000080
+IN_CREATE = 0x00000100
+IN_DELETE = 0x00000200
+IN_DELETE_SELF = 0x00000400
+IN_MOVE_SELF = 0x00000800
+IN_IGNORED = 0x00008000
+IN_ONLYDIR = 0x01000000
+IN_NONBLOCK = os.O_NONBLOCK
+IN_CLOEXEC = getattr(os, "O_CLOEXEC", 0o2000000)
+
+_EVENT = struct.Struct("iIII")
+
+_libc = None
+
+
+def _lib() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc.inotify_init1.argtypes = [ctypes.c_int]
+        _libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+        _libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
+    return _libc
+
+
+@dataclass(frozen=True)
+class Event:
+    wd: int
+    mask: int
+    name: str
+
+
+class Inotify:
+    """One inotify instance; ``callback`` gets each batch of events on the loop thread."""
+
+    def __init__(self, callback: Callable[[List[Event]], None]) -> None:
+        fd = _lib().inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"inotify_init1: {os.strerror(err)}")
+        self.fd = fd
+        self._callback = callback
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.fd, self._on_readable)
+
+    def add_watch(self, path: str, mask: int) -> int:
+        wd = _lib().inotify_add_watch(self.fd, os.fsencode(path), mask)
+        if wd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"inotify_add_watch {path}: {os.strerror(err)}", path)
+        return wd
+
+    def remove_watch(self, wd: int) -> None:
+        _lib().inotify_rm_watch(self.fd, wd)  # EINVAL when already gone: fine
+
+    def _on_readable(self) -> None:
+        events: List[Event] = []
+        while True:
+            try:
+                data = os.read(self.fd, 65536)
+            except BlockingIOError:
+                break
+            except OSError as error:
+                if error.errno == errno.EINTR:
+                    continue
+                raise
+            offset = 0
+            while offset + _EVENT.size <= len(data):
+                wd, mask, _cookie, length = _EVENT.unpack_from(data, offset)
+                offset += _EVENT.size
+                raw = data[offset : offset + length]
+                offset += length
+                events.append(Event(wd, mask, os.fsdecode(raw.rstrip(b"\0"))))
+        if events:
+            self._callback(events)
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self.fd)
+            self._loop = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class DirectoryWatch:
+    """Watch one directory's entries, surviving the directory's deletion and re-creation.
+
+    While the directory is missing, the nearest existing ancestor is watched for the next path
+    component to appear, so a host started before the kubelet (or whose plugin dir was deleted)
+    picks the directory up the moment it exists. ``on_change(names)`` gets the entry names that
+    changed; ``None`` means "the directory itself appeared or vanished: re-check everything".
+    """
+
+    ENTRY_MASK = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_ATTRIB
+    SELF_MASK = IN_DELETE_SELF | IN_MOVE_SELF
+
+    def __init__(self, path: str, on_change: Callable[[Optional[List[str]]], None]) -> None:
+        self.path = os.path.abspath(path)
+        self._on_change = on_change
+        self._inotify = Inotify(self._on_events)
+        self._watches: Dict[int, str] = {}
+        self.present = False
+
+    def start(self) -> None:
+        self._inotify.start()
+        self._arm()
+
+    def close(self) -> None:
+        self._inotify.close()
+        self._watches.clear()
+
+    def _arm(self) -> None:
+        """(Re)place the watches for the current state of the path."""
+        for wd in list(self._watches):
+            self._inotify.remove_watch(wd)
+        self._watches.clear()
+        try:
+            wd = self._inotify.add_watch(self.path, self.ENTRY_MASK | self.SELF_MASK | IN_ONLYDIR)
+            self._watches[wd] = self.path
+            self.present = True
+            return
+        except OSError:
+            self.present = False
+        ancestor = os.path.dirname(self.path)
+        while True:
+            try:
+                wd = self._inotify.add_watch(
+                    ancestor, IN_CREATE | IN_MOVED_TO | self.SELF_MASK | IN_ONLYDIR
+                )
+                self._watches[wd] = ancestor
+                break
+            except OSError:
+                if ancestor == "/":
+                    raise
+                ancestor = os.path.dirname(ancestor)
+        # The path may have appeared between the failed watch and the ancestor's watch.
+        if os.path.isdir(self.path):
+            self._arm()
+
+    def _on_events(self, events: List[Event]) -> None:
+        names: List[str] = []
+        rearm = False
+        for event in events:
+            watched = self._watches.get(event.wd)
+            if watched is None:
+                continue
+            if watched == self.path:
+                if event.mask & (self.SELF_MASK | IN_IGNORED):
+                    rearm = True
+                elif event.name:
+                    names.append(event.name)
+            else:
+                rearm = True  # something appeared along the path, or the ancestor went away
+        was_present = self.present
+        if rearm:
+            self._arm()
+        if rearm and (self.present or was_present):
+            self._on_change(None)
+        elif names:
+            self._on_change(names)

@@ -1,0 +1,254 @@
+"""Per-driver snapshots turned into per-resource device lists the kubelet can trust.
+
+Drivers hand over whole snapshots. Here they are checked (garbage from a third-party driver
+never reaches the kubelet), devices that vanished are kept as Unhealthy for a grace period (a
+pod holding one sees it fail instead of silently disappearing; a replug within the grace keeps
+the same id), and a driver that raises or hangs degrades only its own resources: their last
+known devices turn Unhealthy with the driver's error as the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set
+
+from host.driver import Driver
+from host.hostfs import HostFS
+from host.isolation import DriverCallError, DriverCalls
+from host.model import Device, Health, ResourceConfig
+
+log = logging.getLogger(__name__)
+
+MAX_ID_LENGTH = 256
+_BAD_ID = re.compile(r"[\s\x00-\x1f\x7f]")
+
+
+@dataclass
+class DriverStatus:
+    """What operators (discover, metrics, logs) are told about a driver."""
+
+    name: str
+    last_ok: Optional[float] = None  # time.time() of the last successful scan
+    last_error: Optional[str] = None
+    scans: int = 0
+    errors: int = 0
+    scanning: bool = False
+    rescan_pending: bool = False
+
+
+class Inventory:
+    def __init__(
+        self,
+        host: HostFS,
+        drivers: Mapping[str, Driver],
+        resources: Sequence[ResourceConfig],
+        calls: DriverCalls,
+        *,
+        discover_timeout_s: float,
+        vanished_grace_s: float,
+    ) -> None:
+        self.host = host
+        self.drivers = dict(drivers)
+        self.calls = calls
+        self.discover_timeout_s = discover_timeout_s
+        self.vanished_grace_s = vanished_grace_s
+        self.resources: Dict[str, ResourceConfig] = {}
+        self.by_driver: Dict[str, List[ResourceConfig]] = {}
+        self.devices: Dict[str, List[Device]] = {}
+        self.status: Dict[str, DriverStatus] = {}
+        self._vanished: Dict[str, Dict[str, float]] = {}  # resource -> id -> monotonic time
+        self._machine_numa = host.machine_numa_nodes()
+        self.set_resources(resources)
+
+    def set_resources(self, resources: Sequence[ResourceConfig]) -> None:
+        self.resources = {r.name: r for r in resources}
+        self.by_driver = {}
+        for resource in resources:
+            self.by_driver.setdefault(resource.driver, []).append(resource)
+            self.devices.setdefault(resource.name, [])
+        for name in list(self.devices):
+            if name not in self.resources:
+                del self.devices[name]
+                self._vanished.pop(name, None)
+        for driver in self.by_driver:
+            self.status.setdefault(driver, DriverStatus(driver))
+
+    def drivers_for_subsystem(self, subsystem: str) -> Set[str]:
+        return {
+            name for name in self.by_driver
+            if subsystem in getattr(self.drivers.get(name), "subsystems", ())
+        }
+
+    # -- scanning -----------------------------------------------------------------------
+    async def scan(self, drivers: Optional[Iterable[str]] = None) -> Set[str]:
+        """Rescan the given drivers (all by default) concurrently; the changed resources."""
+        names = list(drivers) if drivers is not None else list(self.by_driver)
+        results = await asyncio.gather(*(self._scan_driver(n) for n in names if n in self.by_driver))
+        changed: Set[str] = set()
+        for result in results:
+            changed |= result
+        changed |= self.expire_vanished()
+        return changed
+
+    async def _scan_driver(self, name: str) -> Set[str]:
+        status = self.status[name]
+        resources = self.by_driver[name]
+        if status.scanning or self.calls.hung(name):
+            status.rescan_pending = True  # run again once the current scan returns
+            return set()
+        driver = self.drivers.get(name)
+        status.scanning = True
+        changed: Set[str] = set()
+        try:
+            while True:
+                status.rescan_pending = False
+                changed |= await self._scan_once(name, driver, resources, status)
+                if not status.rescan_pending:
+                    break
+        finally:
+            status.scanning = False
+        return changed
+
+    async def _scan_once(
+        self, name: str, driver: Optional[Driver], resources: List[ResourceConfig],
+        status: DriverStatus,
+    ) -> Set[str]:
+        status.scans += 1
+        try:
+            if driver is None:
+                raise DriverCallError(name, "discover", "driver is not loaded")
+            result = await self.calls.call(
+                name, "discover", self.discover_timeout_s, driver.discover, self.host,
+                list(resources),
+            )
+            if not isinstance(result, Mapping):
+                raise DriverCallError(name, "discover",
+                                      f"returned {type(result).__name__}, not a mapping")
+        except DriverCallError as error:
+            status.errors += 1
+            status.last_error = str(error)
+            log.error("%s; its resources (%s) report Unhealthy", error,
+                      ", ".join(r.name for r in resources))
+            return self._degrade(resources, str(error))
+        status.last_ok = time.time()
+        if status.last_error:
+            log.info("driver %r recovered", name)
+        status.last_error = None
+        changed = set()
+        for resource in resources:
+            devices = self._sanitize(name, resource.name, result.get(resource.name, ()))
+            if self._publish(resource.name, devices):
+                changed.add(resource.name)
+        for extra in set(result) - {r.name for r in resources}:
+            log.warning("driver %r returned devices for %r, which it was not asked for", name,
+                        extra)
+        return changed
+
+    def _degrade(self, resources: List[ResourceConfig], reason: str) -> Set[str]:
+        changed = set()
+        for resource in resources:
+            current = self.devices.get(resource.name, [])
+            degraded = [d if not d.healthy and d.health_reason == reason
+                        else d.with_health(Health.UNHEALTHY, reason) for d in current]
+            if degraded != current:
+                self.devices[resource.name] = degraded
+                changed.add(resource.name)
+        return changed
+
+    def _sanitize(self, driver: str, resource: str, devices: object) -> List[Device]:
+        out: List[Device] = []
+        seen: Set[str] = set()
+        problems: List[str] = []
+        try:
+            items = list(devices)  # type: ignore[call-overload]
+        except TypeError:
+            log.error("driver %r returned %s for resource %s, not a list of devices", driver,
+                      type(devices).__name__, resource)
+            return []
+        for device in items:
+            if not isinstance(device, Device):
+                problems.append(f"a {type(device).__name__} instead of a Device")
+                continue
+            device_id = device.id
+            if not isinstance(device_id, str) or not device_id or len(device_id) > MAX_ID_LENGTH \
+                    or _BAD_ID.search(device_id):
+                problems.append(f"invalid device id {device_id!r:.80}")
+                continue
+            if device_id in seen:
+                problems.append(f"duplicate device id {device_id!r}")
+                continue
+            seen.add(device_id)
+            if not isinstance(device.health, Health):
+                device = device.with_health(
+                    Health.HEALTHY if device.health == "Healthy" else Health.UNHEALTHY,
+                    device.health_reason,
+                )
+            numa = device.numa_nodes
+            if numa and not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                and (self._machine_numa is None or n in self._machine_numa)
+                for n in numa
+            ):
+                problems.append(f"device {device_id}: NUMA nodes {numa!r} are not on this machine")
+                from dataclasses import replace
+
+                device = replace(device, numa_nodes=())
+            out.append(device)
+        for problem in problems[:5]:
+            log.error("driver %r, resource %s: dropped or fixed %s", driver, resource, problem)
+        if len(problems) > 5:
+            log.error("driver %r, resource %s: %d more problems", driver, resource,
+                      len(problems) - 5)
+        return out
+
+    def _publish(self, resource: str, devices: List[Device]) -> bool:
+        """Merge in vanished devices (Unhealthy, until their grace ends); True on change."""
+        now = time.monotonic()
+        vanished = self._vanished.setdefault(resource, {})
+        present = {d.id for d in devices}
+        for device_id in list(vanished):
+            if device_id in present:
+                del vanished[device_id]
+                log.info("resource %s: device %s is back", resource, device_id)
+        result = list(devices)
+        if self.vanished_grace_s > 0:
+            for old in self.devices.get(resource, []):
+                if old.id in present:
+                    continue
+                since = vanished.setdefault(old.id, now)
+                if since == now:
+                    log.warning("resource %s: device %s is gone from the host", resource, old.id)
+                if now - since < self.vanished_grace_s:
+                    result.append(old if old.health_reason == "gone from the host"
+                                  else old.with_health(Health.UNHEALTHY, "gone from the host"))
+                else:
+                    del vanished[old.id]
+        if result == self.devices.get(resource):
+            return False
+        self.devices[resource] = result
+        return True
+
+    def expire_vanished(self) -> Set[str]:
+        """Drop vanished devices whose grace ended; the resources that changed."""
+        now = time.monotonic()
+        changed = set()
+        for resource, vanished in self._vanished.items():
+            expired = {i for i, since in vanished.items() if now - since >= self.vanished_grace_s}
+            if expired:
+                for device_id in expired:
+                    del vanished[device_id]
+                self.devices[resource] = [d for d in self.devices.get(resource, [])
+                                          if d.id not in expired]
+                changed.add(resource)
+        return changed
+
+    def next_expiry(self) -> Optional[float]:
+        """Seconds until the next vanished device must be dropped, if any."""
+        times = [since for v in self._vanished.values() for since in v.values()]
+        if not times:
+            return None
+        return max(0.0, min(times) + self.vanished_grace_s - time.monotonic())

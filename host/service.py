@@ -1,0 +1,300 @@
+"""The DevicePlugin service of one resource: the six RPCs, answered from its Snapshot.
+
+Handlers are registered through a generic handler so ListAndWatch can yield pre-serialized
+snapshots (bytes pass through an identity serializer). Every refusal carries a gRPC status and a
+reason; nothing a request contains can raise out of a handler.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, List, Optional, Sequence
+
+import grpc
+
+from host import allocation
+from host.driver import Driver, implements
+from host.isolation import DriverCallError, DriverCalls
+from host.model import ContainerAllocation, Device, PreferredRequest, ResourceConfig
+from host.protocol import api
+from host.protocol.convert import allocate_response
+from host.snapshot import Snapshot
+
+log = logging.getLogger(__name__)
+
+PRE_START_TIMEOUT_S = 28.0  # inside the kubelet's 30 s PreStartContainer deadline
+MAX_IDS_PER_REQUEST = 100_000
+SERVICE_NAME = "v1beta1.DevicePlugin"
+
+
+class RequestError(Exception):
+    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+def _show(device_id: str) -> str:
+    return repr(device_id if len(device_id) <= 80 else device_id[:77] + "...")
+
+
+class DevicePluginService:
+    """Long-lived across kubelet restarts: each new gRPC server of the resource reuses it."""
+
+    def __init__(
+        self,
+        resource: ResourceConfig,
+        driver: Driver,
+        snapshot: Snapshot,
+        calls: DriverCalls,
+        *,
+        allocate_timeout_s: float,
+        on_stream_end: Optional[Callable[[object], None]] = None,
+        observer: Optional[object] = None,
+    ) -> None:
+        self.resource = resource
+        self.driver = driver
+        self.snapshot = snapshot
+        self.calls = calls
+        self.allocate_timeout_s = allocate_timeout_s
+        self.on_stream_end = on_stream_end
+        self.observer = observer  # metrics hooks (optional)
+        self.options = api.DevicePluginOptions(
+            pre_start_required=self._needs_pre_start(),
+            # Always on: the host answers with its NUMA-compact policy when the driver has none.
+            get_preferred_allocation_available=True,
+        )
+        self._options_bytes = self.options.SerializeToString()
+        self._has_allocate = implements(driver, "allocate")
+        self._has_preferred = implements(driver, "preferred")
+
+    def _needs_pre_start(self) -> bool:
+        try:
+            return bool(self.driver.needs_pre_start(self.resource))
+        except Exception as error:  # a broken driver must not stop the resource from serving
+            log.error("resource %s: driver %s needs_pre_start failed: %s", self.resource.name,
+                      self.driver.name, error)
+            return False
+
+    # -- gRPC plumbing -----------------------------------------------------------------
+    def handler(self, tag: object) -> grpc.GenericRpcHandler:
+        """A generic handler for one server generation; ``tag`` identifies that server."""
+        identity: Callable[[bytes], bytes] = lambda data: data  # noqa: E731
+
+        async def list_and_watch(request: bytes, context: grpc.aio.ServicerContext):
+            async for payload in self._list_and_watch(tag, context):
+                yield payload
+
+        methods = {
+            "GetDevicePluginOptions": grpc.unary_unary_rpc_method_handler(
+                self._get_options, request_deserializer=identity, response_serializer=identity
+            ),
+            "ListAndWatch": grpc.unary_stream_rpc_method_handler(
+                list_and_watch, request_deserializer=identity, response_serializer=identity
+            ),
+            "GetPreferredAllocation": grpc.unary_unary_rpc_method_handler(
+                self._get_preferred,
+                request_deserializer=api.PreferredAllocationRequest.FromString,
+                response_serializer=api.PreferredAllocationResponse.SerializeToString,
+            ),
+            "Allocate": grpc.unary_unary_rpc_method_handler(
+                self._allocate,
+                request_deserializer=api.AllocateRequest.FromString,
+                response_serializer=api.AllocateResponse.SerializeToString,
+            ),
+            "PreStartContainer": grpc.unary_unary_rpc_method_handler(
+                self._pre_start,
+                request_deserializer=api.PreStartContainerRequest.FromString,
+                response_serializer=api.PreStartContainerResponse.SerializeToString,
+            ),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
+
+    async def _get_options(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return self._options_bytes
+
+    async def _list_and_watch(self, tag: object, context: grpc.aio.ServicerContext):
+        """Full snapshot at once, then one on every change; never returns on its own (the
+        kubelet treats a returned stream as a disconnected plugin)."""
+        seen = -1
+        try:
+            while True:
+                seen, payload = await self.snapshot.next_payload(seen)
+                yield payload
+        finally:
+            # Whether this was the kubelet going away or our own server stopping, the
+            # endpoint decides: only the current server's lost stream means re-register.
+            if self.on_stream_end is not None:
+                self.on_stream_end(tag)
+
+    # -- Allocate --------------------------------------------------------------------------
+    async def _allocate(
+        self, request: api.AllocateRequest, context: grpc.aio.ServicerContext
+    ) -> api.AllocateResponse:
+        try:
+            if not request.container_requests:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   "AllocateRequest has no container_requests")
+            response = api.AllocateResponse()
+            for index, container in enumerate(request.container_requests):
+                devices = self._resolve(container.devices_ids, f"container_requests[{index}]",
+                                        require_healthy=True)
+                merged = allocation.merge(devices)
+                if self._has_allocate:
+                    merged = await self._driver_allocate(devices, merged)
+                response.container_responses.append(allocate_response(merged))
+            self._observe("allocated", request)
+            return response
+        except RequestError as error:
+            self._observe("refused", error)
+            log.warning("resource %s: Allocate refused: %s", self.resource.name, error.reason)
+            await context.abort(error.code, error.reason)
+            raise AssertionError("unreachable") from None
+
+    async def _driver_allocate(
+        self, devices: Sequence[Device], merged: ContainerAllocation
+    ) -> ContainerAllocation:
+        try:
+            result = await self.calls.call(
+                self.driver.name, "allocate", self.allocate_timeout_s,
+                self.driver.allocate, self.resource, devices, merged,
+            )
+        except DriverCallError as error:
+            code = (grpc.StatusCode.DEADLINE_EXCEEDED if error.timed_out
+                    else grpc.StatusCode.INTERNAL)
+            raise RequestError(code, str(error)) from None
+        if not isinstance(result, ContainerAllocation):
+            raise RequestError(grpc.StatusCode.INTERNAL,
+                               f"driver {self.driver.name!r} allocate returned "
+                               f"{type(result).__name__}, not ContainerAllocation")
+        return result
+
+    def _resolve(self, ids: Sequence[str], where: str, *, require_healthy: bool,
+                 allow_empty: bool = False) -> List[Device]:
+        if not ids and not allow_empty:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: no device ids")
+        if len(ids) > MAX_IDS_PER_REQUEST:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{where}: {len(ids)} ids is more than any resource has")
+        if len(set(ids)) != len(ids):
+            seen = set()
+            duplicate = next(i for i in ids if i in seen or seen.add(i))
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{where}: device id {_show(duplicate)} is listed twice")
+        devices = []
+        known = self.snapshot.devices
+        for device_id in ids:
+            device = known.get(device_id)
+            if device is None:
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{where}: unknown device id {_show(device_id)} for resource "
+                    f"{self.resource.name} ({len(known)} devices known)",
+                )
+            if require_healthy and not device.healthy:
+                reason = f": {device.health_reason}" if device.health_reason else ""
+                raise RequestError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{where}: device {_show(device_id)} of {self.resource.name} is "
+                    f"Unhealthy{reason}",
+                )
+            devices.append(device)
+        return devices
+
+    # -- GetPreferredAllocation ----------------------------------------------------------
+    async def _get_preferred(
+        self, request: api.PreferredAllocationRequest, context: grpc.aio.ServicerContext
+    ) -> api.PreferredAllocationResponse:
+        try:
+            if not request.container_requests:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   "PreferredAllocationRequest has no container_requests")
+            response = api.PreferredAllocationResponse()
+            for index, container in enumerate(request.container_requests):
+                ids = await self._preferred_one(container, f"container_requests[{index}]")
+                response.container_responses.add().deviceIDs.extend(ids)
+            return response
+        except RequestError as error:
+            log.warning("resource %s: GetPreferredAllocation refused: %s", self.resource.name,
+                        error.reason)
+            await context.abort(error.code, error.reason)
+            raise AssertionError("unreachable") from None
+
+    async def _preferred_one(
+        self, container: api.ContainerPreferredAllocationRequest, where: str
+    ) -> List[str]:
+        size = container.allocation_size
+        must = list(container.must_include_deviceIDs)
+        available_ids = list(dict.fromkeys([*container.available_deviceIDs, *must]))
+        if size < 1:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{where}: allocation_size must be at least 1, got {size}")
+        if len(must) > size:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: {len(must)} must-include ids exceed allocation_size {size}",
+            )
+        available = self._resolve(available_ids, f"{where}.available_deviceIDs",
+                                  require_healthy=False)
+        must_devices = self._resolve(must, f"{where}.must_include_deviceIDs",
+                                     require_healthy=False, allow_empty=True)
+        request = PreferredRequest(available=available, must_include=must_devices, size=size)
+        if self._has_preferred:
+            picked = await self._driver_preferred(request, set(available_ids), must)
+            if picked is not None:
+                return picked
+        return allocation.numa_compact(available, must_devices, size)
+
+    async def _driver_preferred(
+        self, request: PreferredRequest, allowed: set, must: List[str]
+    ) -> Optional[List[str]]:
+        """The driver's choice when it is sound; otherwise None (NUMA-compact answers), since a
+        failed GetPreferredAllocation fails the pod's admission."""
+        try:
+            picked = await self.calls.call(
+                self.driver.name, "preferred", self.allocate_timeout_s,
+                self.driver.preferred, self.resource, request,
+            )
+        except DriverCallError as error:
+            log.error("resource %s: %s; using NUMA-compact", self.resource.name, error)
+            return None
+        if picked is None:
+            return None
+        picked = list(picked)
+        if (len(set(picked)) != len(picked) or not set(picked) <= allowed
+                or len(picked) > request.size or not set(must) <= set(picked)):
+            log.error("resource %s: driver %s preferred an invalid set %r; using NUMA-compact",
+                      self.resource.name, self.driver.name, picked[:10])
+            return None
+        return picked
+
+    # -- PreStartContainer ---------------------------------------------------------------
+    async def _pre_start(
+        self, request: api.PreStartContainerRequest, context: grpc.aio.ServicerContext
+    ) -> api.PreStartContainerResponse:
+        try:
+            devices = self._resolve(request.devices_ids, "PreStartContainerRequest",
+                                    require_healthy=False)
+            if self.options.pre_start_required:
+                try:
+                    await self.calls.call(
+                        self.driver.name, "pre_start", PRE_START_TIMEOUT_S,
+                        self.driver.pre_start, self.resource, devices,
+                    )
+                except DriverCallError as error:
+                    code = (grpc.StatusCode.DEADLINE_EXCEEDED if error.timed_out
+                            else grpc.StatusCode.FAILED_PRECONDITION)
+                    raise RequestError(code, str(error)) from None
+            return api.PreStartContainerResponse()
+        except RequestError as error:
+            log.warning("resource %s: PreStartContainer failed: %s", self.resource.name,
+                        error.reason)
+            await context.abort(error.code, error.reason)
+            raise AssertionError("unreachable") from None
+
+    def _observe(self, event: str, detail: object) -> None:
+        if self.observer is not None:
+            try:
+                self.observer(self.resource.name, event, detail)
+            except Exception:  # metrics must never break an RPC
+                log.exception("observer failed")

@@ -1,0 +1,428 @@
+"""The simulator: registration server, dial-back channels, ListAndWatch streams, bookkeeping.
+
+One asyncio loop (grpc.aio) runs the registration server, every dial-back channel and every
+ListAndWatch stream; ``stop()`` cancels and awaits all of it, so fifty restarts leak no task,
+channel or descriptor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import stat
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import grpc
+
+from host.protocol import KUBELET_SOCKET, VERSION, api, api_grpc
+from host.resource_name import resource_name_error
+from host.testing.kubelet import allocation
+from host.testing.kubelet.allocation import MAX_NUMA_NODES, PRE_START_TIMEOUT_S, Key
+from host.testing.kubelet.state import (
+    AllocationError,
+    AllocationResult,
+    Endpoint,
+    NotRegisteredError,
+    ResourceState,
+    go_error,
+    go_quote,
+)
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_VERSIONS = (VERSION,)
+DIAL_TIMEOUT_S = 10.0  # the kubelet's blocking dial-back
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # Go gRPC's default receive limit, which the kubelet keeps
+POLICIES = ("none", "best-effort", "restricted", "single-numa-node")
+_SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes including the terminating NUL
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.default_authority", "localhost"),
+]
+_SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+class _Registration(api_grpc.RegistrationServicer):
+    def __init__(self, kubelet: KubeletSimulator) -> None:
+        self._kubelet = kubelet
+
+    async def Register(
+        self, request: api.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> api.Empty:
+        return await self._kubelet._register(request, context)
+
+
+class KubeletSimulator:
+    """Serves v1beta1.Registration on ``<plugin_dir>/kubelet.sock`` and drives the plugins.
+
+    ``numa_nodes`` are the machine's nodes for topology hints (default: the nodes the
+    resource's devices report, as kubelet 1.36 does); ``dial_timeout`` shortens the kubelet's
+    10 s dial-back for tests of plugins that are not serving.
+    """
+
+    def __init__(
+        self,
+        plugin_dir: str,
+        *,
+        numa_nodes: Optional[Sequence[int]] = None,
+        topology_policy: str = "best-effort",
+        dial_timeout: float = DIAL_TIMEOUT_S,
+    ) -> None:
+        if topology_policy not in POLICIES:
+            raise ValueError(f"topology_policy must be one of {POLICIES}, not {topology_policy!r}")
+        if numa_nodes is not None and len(set(numa_nodes)) > MAX_NUMA_NODES:
+            raise ValueError(f"the topology manager supports at most {MAX_NUMA_NODES} NUMA nodes")
+        self.plugin_dir = os.path.abspath(plugin_dir)
+        self.socket_path = os.path.join(self.plugin_dir, KUBELET_SOCKET)
+        self.numa_nodes = None if numa_nodes is None else tuple(sorted(set(numa_nodes)))
+        self.topology_policy = topology_policy
+        self.dial_timeout = dial_timeout
+        self.resources: Dict[str, ResourceState] = {}
+        self.register_errors: List[str] = []
+        self.register_calls: Dict[str, int] = {}  # every Register, before validation (the metric)
+        self.starts = 0
+        self.allocation_results: Dict[Key, AllocationResult] = {}
+        self._server: Optional[grpc.aio.Server] = None
+        self._generation = 0
+        self._tasks: Set[asyncio.Task[None]] = set()
+        self._dialing: Set[grpc.aio.Channel] = set()
+        self._cond_obj: Optional[asyncio.Condition] = None
+        self._alloc_lock_obj: Optional[asyncio.Lock] = None
+
+    # -- lifecycle --
+
+    @property
+    def serving(self) -> bool:
+        return self._server is not None
+
+    async def start(self) -> None:
+        """Like a starting kubelet: create the directory, wipe every socket in it, serve."""
+        if self._server is not None:
+            raise RuntimeError("the kubelet simulator is already started")
+        if len(os.fsencode(self.socket_path)) > _SOCKET_PATH_MAX:
+            raise ValueError(f"socket path too long for AF_UNIX: {self.socket_path}")
+        os.makedirs(self.plugin_dir, mode=0o750, exist_ok=True)
+        self._remove_sockets()
+        for state in self.resources.values():
+            state.forget_devices()
+        server = grpc.aio.server(options=_SERVER_OPTIONS)
+        api_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
+        try:
+            server.add_insecure_port("unix:" + self.socket_path)
+            await server.start()
+        except BaseException:
+            await server.stop(None)
+            raise
+        self._server = server
+        self._generation += 1
+        self.starts += 1
+        await self._notify()
+
+    async def stop(self) -> None:
+        """Stop serving, end every stream and close every plugin channel, and wait for it all."""
+        self._generation += 1
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(None)  # cancels in-flight Register calls; unlinks kubelet.sock
+        for channel in list(self._dialing):
+            await channel.close(None)
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for state in self.resources.values():
+            if state.connected:
+                state.disconnect("kubelet stopped")
+            if state.current is not None:
+                # A stream task cancelled before its first step never ran its own cleanup.
+                await state.current.channel.close(None)
+                state.current = None
+        await self._notify()
+
+    async def restart(self) -> None:
+        await self.stop()
+        await self.start()
+
+    async def __aenter__(self) -> KubeletSimulator:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _remove_sockets(self) -> None:
+        """Delete every socket directly in the directory, and links to sockets (1.33+)."""
+        for entry in os.scandir(self.plugin_dir):
+            try:
+                if stat.S_ISSOCK(os.stat(entry.path).st_mode):
+                    os.unlink(entry.path)
+            except FileNotFoundError:
+                continue
+            except OSError as err:
+                log.warning("kubelet simulator: cannot remove socket %s: %s", entry.path, err)
+
+    # -- waiting --
+
+    @property
+    def _cond(self) -> asyncio.Condition:
+        if self._cond_obj is None:  # created lazily so that it binds to the running loop
+            self._cond_obj = asyncio.Condition()
+        return self._cond_obj
+
+    async def _notify(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()
+
+    async def wait_for(
+        self,
+        predicate: Callable[[KubeletSimulator], bool],
+        timeout: float = 5.0,
+        what: str = "",
+    ) -> None:
+        """Wait until ``predicate(self)`` holds, re-checked on every register, snapshot and
+        stream end. A LookupError from the predicate counts as "not yet", so
+        ``lambda k: k.resources["x"].allocatable == 4`` works before "x" registered."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        async with self._cond:
+            while not self._holds(predicate):
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"timed out after {timeout:g}s waiting for {what or 'a condition'};"
+                        f" state: {self.describe()}"
+                    )
+                try:
+                    await asyncio.wait_for(self._cond.wait(), remaining)
+                except asyncio.TimeoutError:
+                    pass
+
+    def _holds(self, predicate: Callable[[KubeletSimulator], bool]) -> bool:
+        try:
+            return bool(predicate(self))
+        except LookupError:
+            return False
+
+    def describe(self) -> str:
+        parts = [f"serving={self.serving}", f"starts={self.starts}"]
+        parts += [state.summary() for state in self.resources.values()] or ["no resources"]
+        if self.register_errors:
+            parts.append(f"last register errors={self.register_errors[-3:]}")
+        return "; ".join(parts)
+
+    # -- registration --
+
+    async def _register(
+        self, request: api.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> api.Empty:
+        name = request.resource_name
+        self.register_calls[name] = self.register_calls.get(name, 0) + 1
+        if name in self.resources:
+            self.resources[name].registrations += 1
+        generation = self._generation
+        try:
+            if request.version not in SUPPORTED_VERSIONS:
+                await self._reject(
+                    context,
+                    f"requested API version {go_quote(request.version)} is not supported by"
+                    f" kubelet. Supported version is {json.dumps(list(SUPPORTED_VERSIONS))}",
+                )
+            if resource_name_error(name) is not None:
+                await self._reject(context, f"the ResourceName {go_quote(name)} is invalid")
+            # filepath.Join: no validation, an absolute endpoint lands under the directory.
+            path = os.path.normpath(self.plugin_dir + "/" + request.endpoint)
+            endpoint = await self._connect(path, context)
+            if generation != self._generation:
+                await endpoint.channel.close(None)
+                await self._reject(context, "kubelet is shutting down", grpc.StatusCode.UNAVAILABLE)
+            await self._accept(request, endpoint)
+            return api.Empty()
+        except asyncio.CancelledError:
+            # gRPC cancels the handler when the plugin's Register deadline passes or it hangs up.
+            if generation == self._generation:
+                remaining = context.time_remaining()
+                why = "cancelled by the plugin"
+                if remaining is not None and remaining <= 0:
+                    why = "the plugin's Register deadline exceeded"
+                self.register_errors.append(f"Register of {go_quote(name)} abandoned: {why}")
+            raise
+        finally:
+            await self._notify()
+
+    async def _reject(
+        self,
+        context: grpc.aio.ServicerContext,
+        message: str,
+        code: grpc.StatusCode = grpc.StatusCode.UNKNOWN,
+    ) -> None:
+        self.register_errors.append(message)
+        log.info("kubelet simulator: Register rejected: %s", message)
+        await context.abort(code, message)
+
+    async def _connect(self, path: str, context: grpc.aio.ServicerContext) -> Endpoint:
+        """Dial back and ask for the options; since 1.35 both run within the Register deadline."""
+        channel = grpc.aio.insecure_channel("unix:" + path, options=_CHANNEL_OPTIONS)
+        self._dialing.add(channel)
+        connected = False
+        try:
+            remaining = context.time_remaining()
+            timeout = self.dial_timeout if remaining is None else min(self.dial_timeout, remaining)
+            try:
+                await asyncio.wait_for(channel.channel_ready(), max(timeout, 0.0))
+            except asyncio.TimeoutError:
+                message = "failed to dial device plugin: context deadline exceeded"
+                await self._reject(context, message)
+            stub = api_grpc.DevicePluginStub(channel)
+            try:
+                options = await stub.GetDevicePluginOptions(
+                    api.Empty(), timeout=context.time_remaining()
+                )
+            except grpc.aio.AioRpcError as err:
+                await self._reject(context, f"failed to get device plugin options: {go_error(err)}")
+            connected = True
+            return Endpoint(path, channel, stub, options)
+        finally:
+            self._dialing.discard(channel)
+            if not connected:
+                await channel.close(None)
+
+    async def _accept(self, request: api.RegisterRequest, endpoint: Endpoint) -> None:
+        name = request.resource_name
+        state = self.resources.get(name)
+        if state is None:
+            state = ResourceState(name=name, registrations=self.register_calls[name])
+            self.resources[name] = state
+        old = state.attach(request, endpoint)
+        task = asyncio.ensure_future(self._list_and_watch(state, endpoint))
+        endpoint.task = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if old is not None:
+            if old.task is not None:
+                old.task.cancel()  # no longer current, so its end disconnects nothing
+                await asyncio.gather(old.task, return_exceptions=True)
+            await old.channel.close(None)
+
+    async def _list_and_watch(self, state: ResourceState, endpoint: Endpoint) -> None:
+        """One stream per registration, without deadline or retry, as the kubelet runs it."""
+        call: Optional[grpc.aio.UnaryStreamCall] = None
+        reason = "ListAndWatch stream ended by the plugin"
+        try:
+            call = endpoint.stub.ListAndWatch(api.Empty())
+            async for message in call:
+                if state.current is not endpoint:
+                    break
+                state.apply(message.devices)
+                await self._notify()
+        except asyncio.CancelledError:
+            reason = "ListAndWatch stream cancelled by the kubelet"
+            raise
+        except grpc.aio.AioRpcError as err:
+            reason = f"ListAndWatch failed: {go_error(err)}"
+        except Exception as err:  # a broken stream must never take the simulator down
+            reason = f"ListAndWatch failed: {err!r}"
+        finally:
+            if call is not None:
+                call.cancel()
+            if state.current is endpoint:
+                state.disconnect(reason)
+                log.info("kubelet simulator: %s disconnected: %s", state.name, reason)
+            await endpoint.channel.close(None)
+            await self._notify()
+
+    # -- allocation --
+
+    @property
+    def allocations(self) -> List[Tuple[str, str, str, str, List[str]]]:
+        """(namespace, pod, container, resource, ids) of every live allocation, oldest first."""
+        return [(*key, list(r.device_ids)) for key, r in self.allocation_results.items()]
+
+    def in_use(self, resource: str) -> Set[str]:
+        return {
+            dev
+            for key, result in self.allocation_results.items()
+            if key[3] == resource
+            for dev in result.device_ids
+        }
+
+    def release(self, pod: str, namespace: str = "default") -> None:
+        """Forget a pod's devices; the kubelet does this silently, without any RPC."""
+        for key in [k for k in self.allocation_results if k[:2] == (namespace, pod)]:
+            del self.allocation_results[key]
+
+    async def allocate(
+        self,
+        resource: str,
+        count: int,
+        *,
+        pod: str = "pod",
+        namespace: str = "default",
+        container: str = "main",
+    ) -> AllocationResult:
+        """Admit one container asking for ``count`` devices, then start it.
+
+        Ids held by any other container (of any pod) are not candidates. Asking again for an
+        admitted container is a container restart: no Allocate, the cached response comes back,
+        PreStartContainer runs again. A failed PreStartContainer keeps the allocation, as a
+        failed container start does.
+        """
+        if count <= 0:
+            raise ValueError("count must be positive: the kubelet allocates only requested devices")
+        if self._alloc_lock_obj is None:
+            self._alloc_lock_obj = asyncio.Lock()
+        async with self._alloc_lock_obj:  # the kubelet admits one pod at a time
+            key = (namespace, pod, container, resource)
+            result = self.allocation_results.get(key)
+            state = self.resources.get(resource)
+            if result is None:
+                if state is None:
+                    raise AllocationError(f"cannot allocate unregistered device {resource}")
+                result = await allocation.admit(
+                    state, key, count, self.in_use(resource), self.topology_policy, self.numa_nodes
+                )
+                self.allocation_results[key] = result
+            elif len(result.device_ids) != count:
+                raise AllocationError(
+                    f"pod {pod} container {container} changed request for resource {resource}"
+                    f" from {len(result.device_ids)} to {count}"
+                )
+            if state is not None and state.options.pre_start_required:
+                await allocation.pre_start(state, result.device_ids)
+            return result
+
+    # -- raw calls (no bookkeeping) for error-path tests; RPC errors raise AioRpcError --
+
+    def _live(self, resource: str) -> Endpoint:
+        state = self.resources.get(resource)
+        if state is None or state.current is None or not state.connected:
+            raise NotRegisteredError(f"{resource} has no live registration")
+        return state.current
+
+    async def call_allocate(
+        self, resource: str, ids_per_container: Sequence[Sequence[str]]
+    ) -> api.AllocateResponse:
+        request = api.AllocateRequest(
+            container_requests=[
+                api.ContainerAllocateRequest(devices_ids=list(ids)) for ids in ids_per_container
+            ]
+        )
+        return await self._live(resource).stub.Allocate(request)
+
+    async def call_preferred(
+        self, resource: str, available: Sequence[str], must_include: Sequence[str], size: int
+    ) -> api.PreferredAllocationResponse:
+        request = allocation.preferred_request(available, must_include, size)
+        return await self._live(resource).stub.GetPreferredAllocation(request)
+
+    async def call_pre_start(
+        self, resource: str, ids: Sequence[str]
+    ) -> api.PreStartContainerResponse:
+        return await self._live(resource).stub.PreStartContainer(
+            api.PreStartContainerRequest(devices_ids=list(ids)), timeout=PRE_START_TIMEOUT_S
+        )
+
+    async def call_options(self, resource: str) -> api.DevicePluginOptions:
+        return await self._live(resource).stub.GetDevicePluginOptions(api.Empty())
