@@ -7,7 +7,6 @@ memory in microseconds, and drivers that override either can reuse them.
 from __future__ import annotations
 
 import itertools
-import re
 from typing import Dict, FrozenSet, Iterable, List, Sequence, Tuple
 
 from host.model import ContainerAllocation, Device, DeviceNode, Mount
@@ -51,9 +50,10 @@ def _collect(into: Dict[str, List[str]], items: Iterable[Tuple[str, str]]) -> No
             values.append(value)
 
 
-def natural_key(text: str) -> Tuple:
-    """Sort "gpu2" before "gpu10" and 0000:1a:00.0 by its numbers, so picks are stable."""
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text))
+def natural_key(text: str) -> Tuple[int, str]:
+    """A stable pick order: "gpu2" before "gpu10" (shorter first), and fixed-width ids such as
+    PCI addresses (hex: 0000:3b:00.0 after 0000:18:00.0) in plain text order."""
+    return (len(text), text)
 
 
 _NO_TOPOLOGY: FrozenSet[int] = frozenset()

@@ -68,7 +68,8 @@ def _load(args: argparse.Namespace, registry: DriverRegistry) -> Config:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    setup_logging("warning" if args.command in ("discover", "check-config") else "info")
+    quiet = args.command in ("discover", "check-config", "demo", "capture")
+    setup_logging("warning" if quiet else "info")
     if args.command == "demo":
         from host.demo import run_demo
 

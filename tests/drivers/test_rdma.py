@@ -9,9 +9,10 @@ import pytest
 
 from drivers.rdma import plugin
 from drivers.rdma.driver import MAX_SHARED_COUNT, RdmaDriver
+from host.allocation import merge
 from host.driver import SelectorError
 from host.hostfs import HostFS
-from host.model import ContainerAllocation, Device, Health, ResourceConfig
+from host.model import Device, Health, ResourceConfig
 from host.testing.fake_net import mellanox_hca, rdma_cm, rdma_device
 from host.testing.tree import FakeTree, load_machine, machine_names
 
@@ -121,10 +122,8 @@ def test_exclusive_attributes(tree: FakeTree, two_hcas) -> None:
     assert devices["0000:86:00.0"].attributes["link_layer"] == "Ethernet"
 
 
-def test_allocate_passes_rdma_cm_once(tree: FakeTree, two_hcas) -> None:
-    devices = discover(tree)
-    merged = ContainerAllocation(device_nodes=tuple(n for d in devices for n in d.device_nodes))
-    out = RdmaDriver().allocate(ResourceConfig(EXCLUSIVE, "rdma"), devices, merged)
+def test_merged_allocation_has_rdma_cm_once(tree: FakeTree, two_hcas) -> None:
+    out = merge(discover(tree))
     assert [n.host_path for n in out.device_nodes] == [
         "/dev/infiniband/uverbs0",
         "/dev/infiniband/umad0",

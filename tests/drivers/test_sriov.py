@@ -10,9 +10,10 @@ import pytest
 from drivers.sriov import plugin
 from drivers.sriov.driver import SriovDriver, env_name
 from drivers.sriov.selectors import parse_pf, parse_ranges
+from host.allocation import merge
 from host.driver import SelectorError
 from host.hostfs import HostFS
-from host.model import ContainerAllocation, Device, DeviceNode, Health, ResourceConfig
+from host.model import Device, DeviceNode, Health, ResourceConfig
 from host.testing.fake_net import (
     ARPHRD_INFINIBAND,
     net_interface,
@@ -161,22 +162,16 @@ def test_uio_vf_carries_its_uio_node(tree: FakeTree) -> None:
     assert "/dev/uio3" in device.health_reason
 
 
-def test_allocate_passes_shared_nodes_once(tree: FakeTree) -> None:
+def test_merged_allocation_joins_addresses_and_shares_the_container_node(tree: FakeTree) -> None:
     e810(tree)
     devices = by_id(discover(tree))
-    chosen = [devices["0000:3b:01.2"], devices["0000:3b:01.3"]]
-    merged = ContainerAllocation(
-        envs={ENV: "0000:3b:01.2,0000:3b:01.3"},
-        device_nodes=tuple(n for d in chosen for n in d.device_nodes),
-    )
-    resource = ResourceConfig(name=RESOURCE, driver="sriov")
-    out = SriovDriver().allocate(resource, chosen, merged)
+    out = merge([devices["0000:3b:01.2"], devices["0000:3b:01.0"], devices["0000:3b:01.3"]])
     assert [n.host_path for n in out.device_nodes] == [
         "/dev/vfio/vfio",
         "/dev/vfio/102",
         "/dev/vfio/103",
     ]
-    assert out.envs == merged.envs
+    assert out.envs == {ENV: "0000:3b:01.2,0000:3b:01.0,0000:3b:01.3"}
 
 
 # -- health ------------------------------------------------------------------------------------

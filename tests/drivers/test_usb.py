@@ -28,9 +28,10 @@ def tree(tmp_path) -> FakeTree:
     return fake
 
 
-@pytest.fixture
-def edge(tmp_path) -> FakeTree:
-    return load_machine("edge-box", tmp_path / "edge")
+@pytest.fixture(scope="module")
+def edge(tmp_path_factory) -> FakeTree:
+    """Loaded once: the edge-box tests only read it."""
+    return load_machine("edge-box", tmp_path_factory.mktemp("edge") / "root")
 
 
 def discover(tree: FakeTree, *resources: ResourceConfig) -> Dict[str, List[Device]]:
@@ -257,8 +258,12 @@ def test_interfaces_and_odd_names_are_not_devices(tree):
 
 
 # -- selectors --------------------------------------------------------------------------------
-@pytest.fixture
-def mixed(tree) -> FakeTree:
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory) -> FakeTree:
+    """Built once: the selector cases only read it."""
+    tree = FakeTree(tmp_path_factory.mktemp("mixed") / "root")
+    tree.numa_nodes(2)
+    fu.usb_controller(tree, "0000:00:14.0")
     fu.hub(tree, "1-1", devnum=2)
     serial_dongle(tree, "1-1.2", devnum=3, serial="AAA")
     fu.usb_device(tree, "1-1.3", vendor=0x0403, product=0x6001, devnum=4, serial="BBB",

@@ -1,0 +1,193 @@
+"""The command line as operators use it: real processes, real entry points, real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from host.testing import fake_gpu
+from host.testing.kubelet import KubeletSimulator
+from host.testing.tree import FakeTree, load_machine
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args: str, env_extra=None, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), *(env_extra or {}).pop(
+        "PYTHONPATH", "").split(os.pathsep)])) if env_extra else str(REPO)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "host", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+def _gpu_tree(root: Path) -> FakeTree:
+    tree = FakeTree(root)
+    tree.numa_nodes(2)
+    fake_gpu.add_nvidia_control_nodes(tree)
+    fake_gpu.add_nvidia_gpu(tree, "0000:18:00.0", minor=0, numa_node=0)
+    fake_gpu.add_nvidia_gpu(tree, "0000:86:00.0", minor=1, numa_node=-1)
+    return tree
+
+
+def test_discover_json_has_the_documented_keys(tmp_path):
+    _gpu_tree(tmp_path / "root")
+    result = _cli("discover", "--host-root", str(tmp_path / "root"), "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [r["id"] for r in rows] == ["0000:18:00.0", "0000:86:00.0"]
+    keys = {"resource", "id", "health", "numa_nodes", "device_nodes", "mounts", "env",
+            "annotations", "cdi_devices", "driver", "attributes"}
+    for row in rows:
+        assert keys <= set(row)
+        assert row["resource"] == "nvidia.com/gpu" and row["driver"] == "gpu"
+        assert row["attributes"]["pci_address"] == row["id"]
+        for node in row["device_nodes"]:
+            assert set(node) == {"host_path", "container_path", "permissions"}
+            assert not node["host_path"].startswith(str(tmp_path))  # host paths, no prefix
+    assert rows[0]["numa_nodes"] == [0] and rows[1]["numa_nodes"] == []
+
+
+def test_discover_table_on_the_8_gpu_server(tmp_path):
+    load_machine("gpu-server-8x", tmp_path / "root")
+    result = _cli("discover", "--host-root", str(tmp_path / "root"))
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("nvidia.com/gpu")]
+    assert len(lines) == 8
+    assert all(" Healthy " in line for line in lines)
+    assert sum(1 for line in lines if " 0 " in line) == 4
+
+
+def test_discover_on_this_machine_says_nothing_to_serve_rather_than_failing():
+    result = _cli("discover")
+    assert result.returncode == 0, result.stderr
+    if "nothing to serve" not in result.stderr:  # a machine with real devices
+        assert result.stdout.strip()
+
+
+def test_invalid_config_exits_2_naming_file_key_and_reason(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[resource]]\nname = "Example.com/gpu"\ndriver = "gpu"\n')
+    result = _cli("run", "--config", str(bad), "--plugin-dir", str(tmp_path))
+    assert result.returncode == 2
+    assert str(bad) in result.stderr and "resource[0]" in result.stderr
+    assert "lowercase" in result.stderr
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".sock")]  # nothing served
+    check = _cli("check-config", str(bad))
+    assert check.returncode == 2 and "Example.com/gpu" in check.stderr
+
+
+def test_check_config_accepts_the_shipped_config():
+    result = _cli("check-config", str(REPO / "config" / "config.toml"))
+    assert result.returncode == 0, result.stderr
+    assert "valid" in result.stdout
+
+
+def test_demo_runs_end_to_end():
+    result = _cli("demo")
+    assert result.returncode == 0, result.stderr
+    assert "registered" in result.stdout and "Allocate" in result.stdout
+    assert "/dev/nvidia" in result.stdout
+
+
+def test_broken_third_party_package_is_logged_and_the_rest_load(tmp_path):
+    site = tmp_path / "site"
+    dist = site / "brokendrv-1.2.3.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: brokendrv\nVersion: 1.2.3\n")
+    (dist / "entry_points.txt").write_text(
+        "[device_plugin_host.drivers]\nbroken = brokendrv_mod\nmissing = no_such_module_xyz\n")
+    (site / "brokendrv_mod.py").write_text("raise RuntimeError('boom at import')\n")
+    good = site / "gooddrv-0.4.dist-info"
+    good.mkdir()
+    (good / "METADATA").write_text("Metadata-Version: 2.1\nName: gooddrv\nVersion: 0.4\n")
+    (good / "entry_points.txt").write_text("[device_plugin_host.drivers]\nwidget = gooddrv_mod\n")
+    (site / "gooddrv_mod.py").write_text(textwrap.dedent("""
+        from host.driver import Driver
+        from host.hookspecs import hookimpl
+        from host.model import Device, ResourceConfig
+
+        class Widget(Driver):
+            name = "widget"
+            def scan(self, host):
+                return [Device(id="w0")]
+            def select(self, inventory, resource):
+                return inventory
+            def default_resources(self):
+                return [ResourceConfig("example.com/widget", "widget")]
+
+        @hookimpl
+        def device_plugin_host_drivers():
+            return [Widget()]
+    """))
+    _gpu_tree(tmp_path / "root")
+    result = _cli("discover", "--host-root", str(tmp_path / "root"), "--json",
+                  env_extra={"PYTHONPATH": str(site)})
+    assert result.returncode == 0, result.stderr
+    assert "brokendrv 1.2.3" in result.stderr and "boom at import" in result.stderr
+    assert "no_such_module_xyz" in result.stderr
+    resources = {row["resource"] for row in json.loads(result.stdout)}
+    assert resources == {"nvidia.com/gpu", "example.com/widget"}
+
+
+def test_sigterm_stops_serving_removes_sockets_and_exits_0(tmp_path, short_dir):
+    _gpu_tree(tmp_path / "root")
+
+    async def scenario():
+        sim = KubeletSimulator(short_dir)
+        await sim.start()
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "host", "run", "--plugin-dir", short_dir,
+            "--host-root", str(tmp_path / "root"), env=env, cwd=str(REPO),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        try:
+            await sim.wait_for(lambda s: "nvidia.com/gpu" in s.resources
+                               and s.resources["nvidia.com/gpu"].connected, timeout=20,
+                               what="the host process registered")
+            assert [n for n in os.listdir(short_dir) if n.startswith("dph-")]
+            process.send_signal(signal.SIGTERM)
+            output, _ = await asyncio.wait_for(process.communicate(), 15)
+            assert process.returncode == 0, output.decode()
+            assert not [n for n in os.listdir(short_dir) if n.startswith("dph-")]
+            await sim.wait_for(lambda s: not s.resources["nvidia.com/gpu"].connected)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            await sim.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT])
+def test_sigint_also_exits_cleanly(tmp_path, short_dir, signum):
+    _gpu_tree(tmp_path / "root")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "host", "run", "--plugin-dir", short_dir, "--host-root",
+         str(tmp_path / "root")], env=env, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        # No kubelet here: the host serves and waits; it must still stop cleanly.
+        deadline = 20
+        import time
+
+        start = time.monotonic()
+        while not [n for n in os.listdir(short_dir) if n.startswith("dph-")]:
+            assert time.monotonic() - start < deadline, "host never served"
+            time.sleep(0.05)
+        process.send_signal(signum)
+        _, err = process.communicate(timeout=15)
+        assert process.returncode == 0, err
+        assert not [n for n in os.listdir(short_dir) if n.startswith("dph-")]
+    finally:
+        if process.poll() is None:
+            process.kill()
