@@ -105,11 +105,14 @@ def dfl_card(
     driver: Optional[str] = "dfl-pci",
     bitstream_id: str = "0x0100008012345678",
     sriov_totalvfs: Optional[int] = None,
+    pr_ports: Optional[Sequence[int]] = None,
 ) -> DflCard:
     """A PF with a base region holding its FME (``fme=None`` leaves it out) and ports.
 
     ``pr_region`` numbers the FME's PR region (default ``region + 1``, the order the kernel
-    registers them); ``interface_id=None`` leaves its ``compat_id`` out.
+    registers them); ``interface_id=None`` leaves its ``compat_id`` out. The FME makes one PR
+    region and bridge per port it manages, released ports (``pr_ports``, default: the ports'
+    ids) included.
     """
     extra = {}
     if sriov_totalvfs is not None:
@@ -135,8 +138,9 @@ def dfl_card(
                   "DFL FME FPGA Manager")
         tree.attr(f"{fme_path}/dfl-fme-mgr.{fme}/fpga_manager/fpga{fme}/state", "operating")
         number = region + 1 if pr_region is None else pr_region
-        for spec in ports:
-            port_index = spec.port_id if spec.port_id is not None else 0
+        managed = pr_ports if pr_ports is not None else [
+            spec.port_id if spec.port_id is not None else 0 for spec in ports]
+        for port_index in managed:
             tree.attr(f"{fme_path}/dfl-fme-br.{port_index}/fpga_bridge/br{port_index}/state",
                       "enabled")
             pr = f"{fme_path}/dfl-fme-region.{port_index}/fpga_region/region{number}"
