@@ -20,6 +20,7 @@ from host.isolation import DriverCalls
 from host.logs import setup_logging
 from host.model import Device
 from host.plugins import DriverRegistry, load_drivers
+from host.systemd import Notifier
 
 log = logging.getLogger("host")
 
@@ -99,6 +100,9 @@ def _run(config: Config, drivers: Dict[str, Driver]) -> int:
 
     async def serve() -> None:
         app = HostApp(config, drivers)
+        notifier = Notifier()
+        app.on_ready.append(lambda: notifier.ready(
+            f"serving {len(app.served())} resources, all registered"))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -107,10 +111,15 @@ def _run(config: Config, drivers: Dict[str, Driver]) -> int:
                  __version__, config.host.plugin_dir, config.host.host_root,
                  len(config.resources))
         try:
+            notifier.start_watchdog()
             await app.start()
+            if not app.ready.is_set():
+                notifier.status("serving; waiting for the kubelet to accept registrations")
             await stop.wait()
             log.info("stopping: removing our sockets")
+            notifier.stopping()
         finally:
+            notifier.stop_watchdog()
             await app.stop()
 
     asyncio.run(serve())

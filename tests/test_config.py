@@ -688,9 +688,13 @@ DOCUMENTED: Dict[str, Driver] = {
         Documented(
             "usb",
             ("vendor", "product", "serial", "interface_class"),
-            {"limit": (int,), "shared": (bool, int), "include_interfaces": (bool, list)},
+            {"limit": (int,), "shared": (int,), "include_interfaces": (list,)},
         ),
-        Documented("fpga", (*_PCI, "kind", "afu_id", "interface_id"), {"pre_start": (list,)}),
+        Documented(
+            "fpga",
+            (*_PCI, "kind", "afu_id", "interface_id", "shell"),
+            {"mode": (str,), "pre_start": (list,), "pre_start_timeout_s": (int, float)},
+        ),
         Documented(
             "rdma",
             (*_PCI, "ib_device", "link_layer", "netdev"),

@@ -198,13 +198,7 @@ class SriovDriver(Driver):
     def scan(self, host: HostFS) -> SriovInventory:
         vfs = list_virtual_functions(host, host.machine_numa_nodes())
         chars = scan_char_devices(host) if any(vf.rdma_devices for vf in vfs) else None
-        records = []
-        for vf in vfs:
-            record = build_record(host, vf, chars)
-            if record.problem:
-                log.warning("%s; reported Unhealthy", record.problem)
-            records.append(record)
-        return SriovInventory(vfs=tuple(records))
+        return SriovInventory(vfs=tuple(build_record(host, vf, chars) for vf in vfs))
 
     def select(self, inventory: SriovInventory, resource: ResourceConfig) -> Sequence[Device]:
         key = env_name(resource.name)
@@ -219,6 +213,9 @@ class SriovDriver(Driver):
                     f"VF {record.vf.function.address} has RDMA device "
                     f"{','.join(record.vf.rdma_devices)} but no usable uverbs node"
                 )
+            if problem:
+                # Logged here, not in scan: a VF no resource selects is nobody's problem.
+                log.warning("resource %s: %s; reported Unhealthy", resource.name, problem)
             out.append(
                 Device(
                     id=record.vf.function.address,

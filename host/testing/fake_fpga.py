@@ -132,14 +132,14 @@ def dfl_card(
                          fme_dev_node)
         tree.attr(f"{fme_path}/bitstream_id", bitstream_id)
         tree.attr(f"{fme_path}/bitstream_metadata", "0x1807172")
-        tree.attr(f"{fme_path}/ports_num", str(len(ports)))
+        managed = pr_ports if pr_ports is not None else [
+            spec.port_id if spec.port_id is not None else 0 for spec in ports]
+        tree.attr(f"{fme_path}/ports_num", str(len(managed)))
         tree.attr(f"{fme_path}/socket_id", "0")
         tree.attr(f"{fme_path}/dfl-fme-mgr.{fme}/fpga_manager/fpga{fme}/name",
                   "DFL FME FPGA Manager")
         tree.attr(f"{fme_path}/dfl-fme-mgr.{fme}/fpga_manager/fpga{fme}/state", "operating")
         number = region + 1 if pr_region is None else pr_region
-        managed = pr_ports if pr_ports is not None else [
-            spec.port_id if spec.port_id is not None else 0 for spec in ports]
         for port_index in managed:
             tree.attr(f"{fme_path}/dfl-fme-br.{port_index}/fpga_bridge/br{port_index}/state",
                       "enabled")

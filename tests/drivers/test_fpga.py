@@ -363,8 +363,11 @@ def test_other_xilinx_functions_are_not_xrt_cards(tree):
     assert discover(tree)[ANY.name] == []
 
 
-@pytest.fixture
-def alveos(tree) -> FakeTree:
+@pytest.fixture(scope="module")
+def alveos(tmp_path_factory) -> FakeTree:
+    """Built once: the selector cases only read it."""
+    tree = FakeTree(tmp_path_factory.mktemp("alveos") / "root")
+    tree.numa_nodes(2)
     ff.xrt_card(tree, "0000:3b:00", numa_node=0)
     ff.xrt_card(tree, "0000:d8:00", mgmt_device=0x500C, user_device=0x500D, numa_node=1,
                 render_minor=129, card_minor=2, shell="xilinx_u280_xdma_201920_3")

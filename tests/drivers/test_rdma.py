@@ -27,8 +27,7 @@ def tree(tmp_path) -> FakeTree:
     return tree
 
 
-@pytest.fixture
-def two_hcas(tree: FakeTree):
+def build_two_hcas(tree: FakeTree):
     """mlx5_0 (IB, NUMA 0, behind a bridge) and mlx5_1 (RoCE, NUMA 1), with rdma_cm."""
     bridge = tree.pci_bridge("0000:3a:00.0", numa_node=0)
     first = mellanox_hca(
@@ -60,6 +59,20 @@ def two_hcas(tree: FakeTree):
     return first, second
 
 
+@pytest.fixture
+def two_hcas(tree: FakeTree):
+    return build_two_hcas(tree)
+
+
+@pytest.fixture(scope="module")
+def ro_tree(tmp_path_factory) -> FakeTree:
+    """The same two HCAs built once for tests that only read: fake trees cost file-system time."""
+    tree = FakeTree(tmp_path_factory.mktemp("two_hcas"))
+    tree.numa_nodes(2)
+    build_two_hcas(tree)
+    return tree
+
+
 def discover(
     tree: FakeTree,
     selectors: Optional[Mapping[str, object]] = None,
@@ -88,13 +101,15 @@ def paths(device: Device) -> List[str]:
 
 
 # -- exclusive discovery -----------------------------------------------------------------------
-def test_exclusive_ids_are_pci_addresses(tree: FakeTree, two_hcas) -> None:
+def test_exclusive_ids_are_pci_addresses(ro_tree: FakeTree) -> None:
+    tree = ro_tree
     devices = discover(tree)
     assert [d.id for d in devices] == ["0000:3b:00.0", "0000:86:00.0"]
     assert all(d.healthy for d in devices)
 
 
-def test_exclusive_device_carries_its_nodes_and_rdma_cm(tree: FakeTree, two_hcas) -> None:
+def test_exclusive_device_carries_its_nodes_and_rdma_cm(ro_tree: FakeTree) -> None:
+    tree = ro_tree
     device = by_id(discover(tree))["0000:86:00.0"]
     assert paths(device) == [
         "/dev/infiniband/uverbs1",
@@ -106,7 +121,8 @@ def test_exclusive_device_carries_its_nodes_and_rdma_cm(tree: FakeTree, two_hcas
     assert device.env == {}
 
 
-def test_exclusive_attributes(tree: FakeTree, two_hcas) -> None:
+def test_exclusive_attributes(ro_tree: FakeTree) -> None:
+    tree = ro_tree
     devices = by_id(discover(tree))
     first = devices["0000:3b:00.0"].attributes
     assert first["ib_device"] == "mlx5_0"
@@ -122,7 +138,8 @@ def test_exclusive_attributes(tree: FakeTree, two_hcas) -> None:
     assert devices["0000:86:00.0"].attributes["link_layer"] == "Ethernet"
 
 
-def test_merged_allocation_has_rdma_cm_once(tree: FakeTree, two_hcas) -> None:
+def test_merged_allocation_has_rdma_cm_once(ro_tree: FakeTree) -> None:
+    tree = ro_tree
     out = merge(discover(tree))
     assert [n.host_path for n in out.device_nodes] == [
         "/dev/infiniband/uverbs0",
@@ -133,7 +150,8 @@ def test_merged_allocation_has_rdma_cm_once(tree: FakeTree, two_hcas) -> None:
     ]
 
 
-def test_issm_is_never_handed_out(tree: FakeTree, two_hcas) -> None:
+def test_issm_is_never_handed_out(ro_tree: FakeTree) -> None:
+    tree = ro_tree
     for device in discover(tree) + shared(tree):
         assert not any("issm" in path for path in paths(device))
 
@@ -157,7 +175,8 @@ def ids(tree: FakeTree, selectors: Mapping[str, object]) -> List[str]:
     return [d.id for d in discover(tree, selectors)]
 
 
-def test_selectors(tree: FakeTree, two_hcas) -> None:
+def test_selectors(ro_tree: FakeTree) -> None:
+    tree = ro_tree
     both = ["0000:3b:00.0", "0000:86:00.0"]
     assert ids(tree, {"vendor": "0x15b3"}) == both
     assert ids(tree, {"vendor": "0x8086"}) == []
@@ -226,7 +245,8 @@ def test_good_settings_pass() -> None:
 
 
 # -- shared mode -------------------------------------------------------------------------------
-def test_shared_ids_carry_every_selected_hca(tree: FakeTree, two_hcas) -> None:
+def test_shared_ids_carry_every_selected_hca(ro_tree: FakeTree) -> None:
+    tree = ro_tree
     devices = shared(tree, count=3)
     assert [d.id for d in devices] == [f"hca_shared_devices_a-{i}" for i in range(3)]
     for device in devices:
@@ -243,7 +263,8 @@ def test_shared_ids_carry_every_selected_hca(tree: FakeTree, two_hcas) -> None:
         assert device.attributes["pci_addresses"] == "0000:3b:00.0,0000:86:00.0"
 
 
-def test_shared_selectors_narrow_the_set(tree: FakeTree, two_hcas) -> None:
+def test_shared_selectors_narrow_the_set(ro_tree: FakeTree) -> None:
+    tree = ro_tree
     devices = shared(tree, count=2, link_layer="Ethernet")
     assert len(devices) == 2
     assert paths(devices[0]) == [
@@ -254,7 +275,8 @@ def test_shared_selectors_narrow_the_set(tree: FakeTree, two_hcas) -> None:
     assert devices[0].numa_nodes == (1,)
 
 
-def test_shared_with_no_hca_offers_nothing(tree: FakeTree, two_hcas) -> None:
+def test_shared_with_no_hca_offers_nothing(ro_tree: FakeTree) -> None:
+    tree = ro_tree
     assert shared(tree, ib_device="mlx5_9") == []
 
 
@@ -283,7 +305,8 @@ def test_shared_all_broken_is_unhealthy(tree: FakeTree, two_hcas) -> None:
         assert device.device_nodes == ()
 
 
-def test_two_resources_one_scan(tree: FakeTree, two_hcas) -> None:
+def test_two_resources_one_scan(ro_tree: FakeTree) -> None:
+    tree = ro_tree
     driver = RdmaDriver()
     resources = [
         ResourceConfig(EXCLUSIVE, "rdma", selectors={"link_layer": "InfiniBand"}),

@@ -228,8 +228,8 @@ def test_pf_link_state_is_carried_not_judged(tree: FakeTree) -> None:
 
 
 # -- selectors ---------------------------------------------------------------------------------
-@pytest.fixture
-def two_pfs(tree: FakeTree):
+def build_two_pfs(tree: FakeTree):
+    """The E810 above and a ConnectX PF on InfiniBand (ib0) with 4 mlx5_core VFs, NUMA 0."""
     first = e810(tree)
     second = sriov_pf(
         tree,
@@ -250,12 +250,20 @@ def two_pfs(tree: FakeTree):
     return first, second
 
 
+@pytest.fixture(scope="module")
+def two_pfs(tmp_path_factory):
+    """Built once for the read-only selector tests: fake trees cost file-system time."""
+    tree = FakeTree(tmp_path_factory.mktemp("two_pfs"))
+    tree.numa_nodes(2)
+    return (tree, *build_two_pfs(tree))
+
+
 def ids(tree: FakeTree, selectors: Mapping[str, object]) -> List[str]:
     return [d.id for d in discover(tree, selectors)]
 
 
-def test_select_by_pf_name_and_ranges(tree: FakeTree, two_pfs) -> None:
-    first, second = two_pfs
+def test_select_by_pf_name_and_ranges(two_pfs) -> None:
+    tree, first, second = two_pfs
     assert ids(tree, {"pf_name": "ens1f0"}) == first.vf_addresses
     assert ids(tree, {"pf_name": "ens1f0#1-2"}) == first.vf_addresses[1:3]
     assert ids(tree, {"pf_name": "ens1f0#0,3"}) == [first.vf_addresses[0], first.vf_addresses[3]]
@@ -266,8 +274,8 @@ def test_select_by_pf_name_and_ranges(tree: FakeTree, two_pfs) -> None:
     assert ids(tree, {"pf_name": "ens9f9"}) == []
 
 
-def test_select_by_vf_index(tree: FakeTree, two_pfs) -> None:
-    first, second = two_pfs
+def test_select_by_vf_index(two_pfs) -> None:
+    tree, first, second = two_pfs
     assert ids(tree, {"vf_index": 2}) == [first.vf_addresses[2], second.vf_addresses[2]]
     assert ids(tree, {"vf_index": "0-1", "pf_name": "ib0"}) == second.vf_addresses[:2]
     assert ids(tree, {"vf_index": [0, "3"], "pf_name": "ens1f0"}) == [
@@ -278,14 +286,14 @@ def test_select_by_vf_index(tree: FakeTree, two_pfs) -> None:
     assert ids(tree, {"pf_name": "ens1f0#0-1", "vf_index": "1-3"}) == [first.vf_addresses[1]]
 
 
-def test_select_by_pf_pci_address(tree: FakeTree, two_pfs) -> None:
-    first, second = two_pfs
+def test_select_by_pf_pci_address(two_pfs) -> None:
+    tree, first, second = two_pfs
     assert ids(tree, {"pf_pci_address": "0000:86:00.0"}) == second.vf_addresses
     assert ids(tree, {"pf_pci_address": "3b:00.0#2-3"}) == first.vf_addresses[2:]
 
 
-def test_select_by_pci_facts(tree: FakeTree, two_pfs) -> None:
-    first, second = two_pfs
+def test_select_by_pci_facts(two_pfs) -> None:
+    tree, first, second = two_pfs
     assert ids(tree, {"vendor": "0x15b3"}) == second.vf_addresses
     assert ids(tree, {"vendor": "8086", "device": "0x1889"}) == first.vf_addresses
     assert ids(tree, {"device": 0x101E}) == second.vf_addresses
@@ -299,14 +307,14 @@ def test_select_by_pci_facts(tree: FakeTree, two_pfs) -> None:
     ]
 
 
-def test_select_by_link_type(tree: FakeTree, two_pfs) -> None:
-    first, second = two_pfs
+def test_select_by_link_type(two_pfs) -> None:
+    tree, first, second = two_pfs
     assert ids(tree, {"link_type": "infiniband"}) == second.vf_addresses
     assert ids(tree, {"link_type": "Ether"}) == first.vf_addresses
 
 
-def test_select_by_rdma(tree: FakeTree, two_pfs) -> None:
-    _, second = two_pfs
+def test_select_by_rdma(tree: FakeTree) -> None:
+    _, second = build_two_pfs(tree)
     rdma_device(tree, second.vf_paths[0], "mlx5_2", uverbs=2, umad=None)
     assert ids(tree, {"rdma": True}) == [second.vf_addresses[0]]
     assert second.vf_addresses[0] not in ids(tree, {"rdma": False})

@@ -24,7 +24,8 @@ ALL = ResourceConfig("example.com/usb", "usb", {})
 def tree(tmp_path) -> FakeTree:
     fake = FakeTree(tmp_path / "root")
     fake.numa_nodes(2)
-    fu.usb_controller(fake, "0000:00:14.0", numa_node=-1, local_cpulist="0-3")
+    fu.usb_controller(fake, "0000:00:14.0", numa_node=-1, local_cpulist="0-3",
+                      buses=((1, "480"),))
     return fake
 
 
@@ -250,6 +251,7 @@ def test_dangling_device_link_is_skipped(tree):
 
 def test_interfaces_and_odd_names_are_not_devices(tree):
     serial_dongle(tree)
+    fu.root_hub(tree, "/sys/devices/pci0000:00/0000:00:14.0", 2, speed="10000")
     tree.mkdir("/sys/bus/usb/devices/not-a-device")
     found = discover(tree, resource({"device_class": "0x09"}))["example.com/usb"]
     # Root hubs only when asked, never "1-2:1.0"; a root hub's serial is its controller.

@@ -1,0 +1,81 @@
+"""sd_notify over a real datagram socket, with the real host process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from host.systemd import Notifier
+from host.testing import fake_gpu
+from host.testing.kubelet import KubeletSimulator
+from host.testing.tree import FakeTree
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _listener(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.setblocking(False)
+    return sock
+
+
+def test_notifier_is_silent_outside_systemd():
+    assert Notifier({}).send("READY=1") is False
+
+
+def test_watchdog_interval_is_read_from_the_environment():
+    assert Notifier({"NOTIFY_SOCKET": "/x", "WATCHDOG_USEC": "30000000"}).watchdog_s == 30.0
+    assert Notifier({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "1"}).watchdog_s is None
+
+
+def test_host_sends_ready_after_every_resource_registered_then_stopping(tmp_path, short_dir):
+    tree = FakeTree(tmp_path / "root")
+    tree.numa_nodes(1)
+    fake_gpu.add_nvidia_control_nodes(tree)
+    fake_gpu.add_nvidia_gpu(tree, "0000:18:00.0", minor=0, numa_node=0)
+    notify_path = os.path.join(short_dir, "notify")
+    plugin_dir = os.path.join(short_dir, "dp")
+    os.mkdir(plugin_dir)
+    listener = _listener(notify_path)
+
+    async def receive(loop) -> str:
+        return (await loop.sock_recv(listener, 4096)).decode()
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        sim = KubeletSimulator(plugin_dir)
+        await sim.start()
+        env = dict(os.environ, PYTHONPATH=str(REPO), NOTIFY_SOCKET=notify_path,
+                   WATCHDOG_USEC="400000", WATCHDOG_PID="")
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "host", "run", "--plugin-dir", plugin_dir, "--host-root",
+            str(tmp_path / "root"), env=env, stderr=asyncio.subprocess.PIPE)
+        try:
+            messages = []
+            while not any("READY=1" in m for m in messages):
+                messages.append(await asyncio.wait_for(receive(loop), 20))
+            assert sim.resources["nvidia.com/gpu"].registrations >= 1
+            assert any("WATCHDOG=1" in m for m in messages)
+            pings = 0
+            while pings < 2:  # keeps pinging at half the interval
+                if "WATCHDOG=1" in await asyncio.wait_for(receive(loop), 2):
+                    pings += 1
+            process.send_signal(signal.SIGTERM)
+            while True:
+                if "STOPPING=1" in await asyncio.wait_for(receive(loop), 10):
+                    break
+            await asyncio.wait_for(process.wait(), 15)
+            assert process.returncode == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            await sim.stop()
+            listener.close()
+
+    asyncio.run(scenario())
