@@ -54,6 +54,7 @@ class KubeletLink:
         self._channel_for: Optional[KubeletId] = None
         self.restarts_seen = 0
         self._last_id: Optional[KubeletId] = None
+        self._retired: List[grpc.aio.Channel] = []
 
     def identity(self) -> Optional[KubeletId]:
         try:
@@ -69,19 +70,32 @@ class KubeletLink:
         return kid
 
     async def register(self, kid: KubeletId, request: api.RegisterRequest) -> None:
-        if self._channel_for != kid:
-            await self.close()
+        if self._channel_for != kid or self._channel is None:
+            old = self._channel
             self._channel = grpc.aio.insecure_channel(
                 f"unix://{self.socket_path}", options=[("grpc.enable_http_proxy", 0)]
             )
             self._channel_for = kid
-        stub = api_grpc.RegistrationStub(self._channel)
+            if old is not None:
+                # Calls still on the old channel belong to a kubelet that is gone; give them
+                # a moment to fail on their own instead of cancelling them under their caller.
+                self._retired.append(old)
+                asyncio.get_running_loop().call_later(1.0, self._close_retired, old)
+        channel = self._channel
+        stub = api_grpc.RegistrationStub(channel)
         await stub.Register(request, timeout=self.register_timeout_s)
+
+    def _close_retired(self, channel: grpc.aio.Channel) -> None:
+        if channel in self._retired:
+            self._retired.remove(channel)
+            asyncio.ensure_future(channel.close())
 
     async def close(self) -> None:
         channel, self._channel, self._channel_for = self._channel, None, None
-        if channel is not None:
-            await channel.close()
+        retired, self._retired = self._retired, []
+        for old in [*retired, channel]:
+            if old is not None:
+                await old.close()
 
 
 class Endpoint:
@@ -156,7 +170,12 @@ class Endpoint:
             try:
                 await self._reconcile()
             except asyncio.CancelledError:
-                raise
+                if self._closing:
+                    raise
+                # grpc.aio raises CancelledError for a call whose channel was closed under it
+                # (the kubelet's channel replaced after a restart): not our cancellation, so
+                # the loop must live on, or this resource would never register again.
+                self._schedule_retry("a kubelet call was cancelled under us")
             except Exception as error:  # keep the loop alive whatever happens
                 log.exception("resource %s: reconcile failed", self.name)
                 self._schedule_retry(f"{type(error).__name__}: {error}")
@@ -248,6 +267,11 @@ class Endpoint:
             # "Maybe registered": the retry runs on a fresh server, so it is harmless.
             self.registrations += 1
             self._schedule_retry(f"Register failed: {error.code().name}: {error.details()}")
+            return
+        except asyncio.CancelledError:
+            if self._closing:
+                raise
+            self._schedule_retry("Register was cancelled: the kubelet's channel was replaced")
             return
         self.registrations += 1
         self.registered_with = kid

@@ -218,7 +218,7 @@ def xrt_card(
     parent: Optional[str] = None,
     render_minor: int = 128,
     card_minor: int = 1,
-    shell: Optional[str] = "xilinx_u250_gen3x16_xdma_shell_3_1",
+    shell: Optional[str] = "xilinx_u250_gen3x16_xdma_shell_4_1",
     timestamp: str = "0x000000005fca3f28",
     serial: Optional[str] = "XFL1RT5PHT31",
     mgmt: bool = True,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Dict, List
 
 import pytest
@@ -20,12 +21,14 @@ from drivers.fpga.driver import (
 )
 from drivers.fpga.prestart import PreStartError
 from drivers.fpga.xrt import xrt_instance
+from host.config import load_config
 from host.driver import SelectorError
 from host.hostfs import HostFS
 from host.model import Device, DeviceNode, Health, ResourceConfig
 from host.testing import fake_fpga as ff
 from host.testing.tree import FakeTree, capture_tree, load_machine
 
+REPO = Path(__file__).resolve().parents[2]
 DFL = ResourceConfig("fpga.intel.com/dfl-port", "fpga", {"kind": "dfl"})
 XRT = ResourceConfig("amd.com/alveo", "fpga", {"kind": "xrt"})
 ANY = ResourceConfig("example.com/fpga", "fpga", {})
@@ -87,7 +90,7 @@ def test_fpga_node_default_resources(node):
     assert nodes(u250) == ["/dev/dri/renderD128", "/dev/xclmgmt24064"]
     assert u250.numa_nodes == (0,)
     assert u250.attributes["mgmt_address"] == "0000:5e:00.0"
-    assert u250.attributes["shell"] == "xilinx_u250_gen3x16_xdma_shell_3_1"
+    assert u250.attributes["shell"] == "xilinx_u250_gen3x16_xdma_shell_4_1"
     assert u250.attributes["serial"] == "XFL1RT5PHT31"
     assert u250.env == {"PCIDEVICE_AMD_COM_ALVEO": "0000:5e:00.1"}
     assert nodes(cards["0000:d8:00.1"]) == ["/dev/dri/renderD129", "/dev/xclmgmt55296"]
@@ -111,6 +114,16 @@ def test_fpga_node_example_config(node):
     assert [d.id for d in found[nlb0.name]] == ["0000:3b:00.0-port0"]
     assert [d.id for d in found[u250.name]] == ["0000:5e:00.1"]
     assert FpgaDriver().needs_pre_start(u250) and not FpgaDriver().needs_pre_start(nlb0)
+
+
+def test_shipped_fpga_example_config_serves_the_fpga_node(node):
+    """config/examples/fpga-node.toml, parsed by the host, finds its cards on this tree."""
+    driver = FpgaDriver()
+    config = load_config(str(REPO / "config" / "examples" / "fpga-node.toml"), {"fpga": driver})
+    found = driver.discover(HostFS(node.root), config.resources)
+    for res in config.resources:
+        assert found[res.name], f"{res.name} found nothing"
+        assert all(d.health is Health.HEALTHY for d in found[res.name])
 
 
 def test_fpga_node_survives_todays_capture(node, tmp_path):
@@ -435,7 +448,7 @@ def test_good_configuration_passes():
     driver = FpgaDriver()
     driver.check_selectors({"kind": "dfl", "afu_id": "D8424DC4-A4A3-C413-F89E-433683F9040B",
                             "interface_id": ff.DCP12_INTERFACE, "pci_address": "3b:00.0"})
-    driver.check_selectors({"kind": "alveo", "shell": "xilinx_u250_gen3x16_xdma_shell_3_1"})
+    driver.check_selectors({"kind": "alveo", "shell": "xilinx_u250_gen3x16_xdma_shell_4_1"})
     driver.check_settings({"mode": "regiondevel", "pre_start": ["/usr/bin/fpgaconf", "-v"],
                            "pre_start_timeout_s": 12.5})
 
@@ -482,7 +495,7 @@ PORTS = [port("0000:3b:00.0-port0", "0000:3b:00.0", "/dev/dfl-port.0"),
 def test_pre_start_runs_the_program_without_a_shell_with_the_devices_in_env(tmp_path):
     out = tmp_path / "out"
     program = script(tmp_path, f'printf "%s\\n" "$@" > {out}\nenv | sort >> {out}\n')
-    tricky = "$(touch {0}/pwned); rm -rf /".format(tmp_path)
+    tricky = f"$(touch {tmp_path}/pwned); rm -rf /"
     res = with_(DFL, settings={"pre_start": [program, "--mode", tricky]})
     FpgaDriver().pre_start(res, PORTS)
     lines = out.read_text(encoding="utf-8").splitlines()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Dict, List
 
 import pytest
@@ -11,12 +12,14 @@ import pytest
 from drivers.usb import plugin
 from drivers.usb.driver import MAX_SHARED, UsbDriver
 from drivers.usb.sysfs import port_sort_key
+from host.config import load_config
 from host.driver import SelectorError
 from host.hostfs import HostFS
 from host.model import Device, Health, ResourceConfig
 from host.testing import fake_usb as fu
 from host.testing.tree import FakeTree, capture_tree, load_machine
 
+REPO = Path(__file__).resolve().parents[2]
 ALL = ResourceConfig("example.com/usb", "usb", {})
 
 
@@ -65,7 +68,7 @@ def test_edge_box_serves_every_device_but_hubs_with_stable_ids(edge):
     found = devices_of(edge)
     assert sorted(found) == sorted([
         "0403:6001:A50285BI", "10c4:ea60:c8f3a4b1e2d5ec11b0a2d4c7a9e1f3b2",
-        "046d:082d:A8F4E2BF", "1-4", "1-6", "1-10", "2-1.4",
+        "046d:082d:A8F4E2BF", "1-1.4", "1-4", "1-6", "1-10", "2-1.4",
     ])
     for device in found.values():
         assert device.health is Health.HEALTHY, device.health_reason
@@ -98,11 +101,25 @@ def test_edge_box_example_config_resources(edge):
     plc = ResourceConfig("example.com/plc", "usb",
                          {"vendor": "0x0403", "product": "0x6001", "serial": "A50285BI"})
     camera = ResourceConfig("example.com/camera", "usb", {"interface_class": "0x0e"})
-    found = discover(edge, coral, zigbee, plc, camera)
+    key = ResourceConfig("example.com/licence-key", "usb",
+                         {"vendor": "0x0529", "product": "0x0001"}, {"shared": 4})
+    found = discover(edge, coral, zigbee, plc, camera, key)
+    assert [d.id for d in found["example.com/licence-key"]] == [
+        "1-1.4::0", "1-1.4::1", "1-1.4::2", "1-1.4::3"]
     assert [d.id for d in found["example.com/usb"]] == ["2-1.4"]
     assert [d.attributes["port"] for d in found["example.com/zigbee"]] == ["1-1.2"]
     assert [d.attributes["port"] for d in found["example.com/plc"]] == ["1-1.1"]
     assert [d.attributes["port"] for d in found["example.com/camera"]] == ["1-1.3"]
+
+
+def test_shipped_edge_example_config_serves_the_edge_box(edge):
+    """config/examples/edge-usb.toml, parsed by the host, finds each device on this tree."""
+    driver = UsbDriver()
+    config = load_config(str(REPO / "config" / "examples" / "edge-usb.toml"), {"usb": driver})
+    found = driver.discover(HostFS(edge.root), config.resources)
+    for res in config.resources:
+        assert found[res.name], f"{res.name} found nothing"
+        assert all(d.health is Health.HEALTHY for d in found[res.name])
 
 
 def test_edge_box_survives_todays_capture(edge, tmp_path):

@@ -1,0 +1,94 @@
+"""The real host in its own process, with devices from memory, for process-level figures.
+
+Memory, idle CPU and the RPC round trip are properties of a host *process* talking to another
+process (the kubelet), so these benchmarks run the real HostApp here, with a MemoryDriver
+holding ``--devices`` devices spread over ``--resources`` resources, against whatever kubelet
+listens in ``--plugin-dir`` (the simulator in the benchmark process)::
+
+    python -m benchmarks.hostproc --resources 64 --devices 10000 --plugin-dir D
+
+Prints ``serving`` once every socket is up and ``ready`` once every resource is registered;
+serves until SIGTERM/SIGINT, then removes its sockets and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import signal
+import sys
+import tempfile
+from typing import Dict, List, Optional
+
+from host.model import Device, ResourceConfig
+from host.testing.drivers import MemoryDriver, make_devices
+from host.testing.harness import make_config, running_host
+from host.testing.tree import FakeTree
+
+DRIVER = "memory"
+
+
+def resource_name(index: int) -> str:
+    return f"example.com/mem-{index}"
+
+
+def device_prefix(index: int) -> str:
+    return f"r{index}d"
+
+
+def build_devices(resources: int, devices: int, numa_nodes: int) -> Dict[str, List[Device]]:
+    """``devices`` devices in all, as even as possible over the resources (the first ones get
+    the remainder), each resource's devices in blocks over the NUMA nodes."""
+    per, extra = divmod(devices, resources)
+    numa = tuple(range(numa_nodes))
+    return {
+        resource_name(i): make_devices(device_prefix(i), per + (1 if i < extra else 0), numa)
+        for i in range(resources)
+    }
+
+
+async def serve(resources: int, devices: int, plugin_dir: str, host_root: str,
+                numa_nodes: int) -> None:
+    table = build_devices(resources, devices, numa_nodes)
+    driver = MemoryDriver(DRIVER, table)
+    config = make_config(plugin_dir, [ResourceConfig(name, DRIVER) for name in table],
+                         host_root=host_root)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    async with running_host(config, {DRIVER: driver}) as app:
+        app.on_ready.append(lambda: print("ready", flush=True))
+        print("serving", flush=True)
+        if app.ready.is_set():
+            print("ready", flush=True)
+        await stop.wait()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hostproc")
+    parser.add_argument("--resources", type=int, default=64)
+    parser.add_argument("--devices", type=int, default=10_000)
+    parser.add_argument("--plugin-dir", required=True)
+    parser.add_argument("--numa-nodes", type=int, default=2)
+    parser.add_argument("--host-root", help="default: a fake tree with --numa-nodes nodes")
+    args = parser.parse_args(argv)
+    if args.resources < 1 or args.devices < 0:
+        parser.error("--resources must be at least 1 and --devices not negative")
+    root = args.host_root
+    made = None
+    if root is None:
+        made = root = tempfile.mkdtemp(prefix="dphb-root-")
+        FakeTree(root).numa_nodes(max(1, args.numa_nodes))
+    try:
+        asyncio.run(serve(args.resources, args.devices, args.plugin_dir, root,
+                          args.numa_nodes))
+    finally:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

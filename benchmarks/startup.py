@@ -1,0 +1,126 @@
+"""Start-up: ``python -m host run`` spawned to every resource registered and its first snapshot
+seen by the kubelet simulator in this process.
+
+The host reads a fake GPU tree (four NVIDIA GPUs on two NUMA nodes, the ``gpu`` driver) and a
+config with N resources ``example.com/gpu-0..N-1``, all from that one driver, so the figure is
+the host's fixed cost plus N servers and N registrations, not the sysfs scan.
+
+Floor: the same interpreter spawned with ``python -c "import grpc, host.app"``, timed from
+spawn to exit: what any Python gRPC process pays before it can do anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import tempfile
+from typing import Dict, List, Sequence
+
+from benchmarks.core import Context, Figure, REPO, child_env, median, now, short_dir
+from host.testing import fake_gpu
+from host.testing.kubelet import KubeletSimulator
+from host.testing.tree import FakeTree
+
+SIZES = (1, 16, 64)
+KEYS = tuple(f"startup_ms_{n}" for n in SIZES)
+GPUS = 4
+
+
+def build_gpu_tree(root: str, gpus: int = GPUS) -> None:
+    """A two-socket GPU server: ``gpus`` NVIDIA GPUs split over NUMA nodes 0 and 1."""
+    tree = FakeTree(root)
+    tree.numa_nodes(2)
+    fake_gpu.add_nvidia_control_nodes(tree)
+    for minor in range(gpus):
+        bus = 0x18 + 0x10 * minor
+        fake_gpu.add_nvidia_gpu(tree, f"0000:{bus:02x}:00.0", minor=minor,
+                                numa_node=0 if minor < gpus // 2 else 1)
+
+
+def write_config(path: str, count: int) -> List[str]:
+    names = [f"example.com/gpu-{i}" for i in range(count)]
+    with open(path, "w", encoding="utf-8") as out:
+        for name in names:  # default [host] settings, info logging included
+            out.write(f'\n[[resource]]\nname = "{name}"\ndriver = "gpu"\n'
+                      '[resource.selectors]\nvendor = "0x10de"\n')
+    return names
+
+
+async def _host_start(config: str, root: str, names: Sequence[str]) -> float:
+    """Milliseconds from spawn to every resource registered with a snapshot."""
+    with short_dir() as plugin_dir, tempfile.TemporaryFile() as errors:
+        sim = KubeletSimulator(plugin_dir)
+        await sim.start()
+        process = None
+        try:
+            started = now()
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "host", "run", "--config", config, "--plugin-dir",
+                plugin_dir, "--host-root", root, cwd=str(REPO), env=child_env(),
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                stderr=errors)
+            try:
+                await sim.wait_for(
+                    lambda k: all(k.resources[n].connected and k.resources[n].snapshots
+                                  for n in names), timeout=60, what="every resource registered")
+            except TimeoutError:
+                errors.seek(0)
+                raise RuntimeError(
+                    f"host never registered: {errors.read().decode(errors='replace')[-2000:]}"
+                ) from None
+            return (now() - started) * 1000
+        finally:
+            if process is not None and process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(process.wait(), 15)
+                except asyncio.TimeoutError:
+                    process.kill()
+                    await process.wait()
+            await sim.stop()
+
+
+async def _bare_start() -> float:
+    started = now()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import grpc, host.app", cwd=str(REPO), env=child_env(),
+        stdin=asyncio.subprocess.DEVNULL)
+    if await process.wait() != 0:
+        raise RuntimeError("python -c 'import grpc, host.app' failed")
+    return (now() - started) * 1000
+
+
+async def _measure(ctx: Context) -> List[Figure]:
+    runs = ctx.pick(5, 2, 1)
+    sizes = [n for n in SIZES if ctx.wants(f"startup_ms_{n}")]
+    figures = []
+    with tempfile.TemporaryDirectory(prefix="dphb-startup-") as work:
+        root = os.path.join(work, "root")
+        build_gpu_tree(root)
+        await _bare_start()  # warm the page cache for both
+        samples: Dict[int, List[float]] = {n: [] for n in sizes}
+        floors: List[float] = []
+        configs = {}
+        for n in sizes:
+            configs[n] = os.path.join(work, f"config-{n}.toml")
+            names = write_config(configs[n], ctx.pick(n, n, min(n, 4)))
+            configs[n] = (configs[n], names)
+        for _ in range(runs):  # interleaved, so drift hits every size and the floor alike
+            floors.append(await _bare_start())
+            for n in sizes:
+                path, names = configs[n]
+                ctx.progress(f"startup of {len(names)} resources")
+                samples[n].append(await _host_start(path, root, names))
+    floor = median(floors)
+    for n in sizes:
+        notes = [f"median of {runs}, {GPUS} fake NVIDIA GPUs, max {max(samples[n]):.0f} ms"]
+        if ctx.tiny:
+            notes.append(f"tiny run: {min(n, 4)} resources")
+        figures.append(Figure(f"startup_ms_{n}", median(samples[n]), "ms", floor, notes))
+    return figures
+
+
+def run(ctx: Context) -> List[Figure]:
+    return asyncio.run(_measure(ctx))
