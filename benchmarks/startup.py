@@ -18,7 +18,7 @@ import sys
 import tempfile
 from typing import Dict, List, Sequence
 
-from benchmarks.core import Context, Figure, REPO, child_env, median, now, short_dir
+from benchmarks.core import REPO, Context, Figure, child_env, median, now, short_dir
 from host.testing import fake_gpu
 from host.testing.kubelet import KubeletSimulator
 from host.testing.tree import FakeTree

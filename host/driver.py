@@ -110,7 +110,9 @@ class UnavailableDriver(Driver):
         self.name = name  # type: ignore[misc]
         self.reason = reason
 
-    def discover(self, host: HostFS, resources: Sequence[ResourceConfig]) -> Mapping[str, Sequence[Device]]:
+    def discover(
+        self, host: HostFS, resources: Sequence[ResourceConfig]
+    ) -> Mapping[str, Sequence[Device]]:
         raise RuntimeError(f"driver {self.name!r} is not available: {self.reason}")
 
     def check_selectors(self, selectors: Mapping[str, object]) -> None:

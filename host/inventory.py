@@ -87,7 +87,9 @@ class Inventory:
     async def scan(self, drivers: Optional[Iterable[str]] = None) -> Set[str]:
         """Rescan the given drivers (all by default) concurrently; the changed resources."""
         names = list(drivers) if drivers is not None else list(self.by_driver)
-        results = await asyncio.gather(*(self._scan_driver(n) for n in names if n in self.by_driver))
+        results = await asyncio.gather(
+            *(self._scan_driver(n) for n in names if n in self.by_driver)
+        )
         changed: Set[str] = set()
         for result in results:
             changed |= result

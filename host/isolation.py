@@ -85,7 +85,9 @@ class DriverCalls:
     @staticmethod
     def stuck_threads() -> int:
         """Driver threads still alive (a hung call); the CLI exits without joining them."""
-        return sum(1 for t in threading.enumerate() if t.name.startswith("driver-") and t.is_alive())
+        return sum(
+            1 for t in threading.enumerate() if t.name.startswith("driver-") and t.is_alive()
+        )
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:

@@ -19,7 +19,7 @@ import random
 import re
 import stat
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import grpc
 
@@ -55,6 +55,7 @@ class KubeletLink:
         self.restarts_seen = 0
         self._last_id: Optional[KubeletId] = None
         self._retired: List[grpc.aio.Channel] = []
+        self._closing_tasks: Set[asyncio.Future] = set()
 
     def identity(self) -> Optional[KubeletId]:
         try:
@@ -88,7 +89,8 @@ class KubeletLink:
     def _close_retired(self, channel: grpc.aio.Channel) -> None:
         if channel in self._retired:
             self._retired.remove(channel)
-            asyncio.ensure_future(channel.close())
+            self._closing_tasks.add(asyncio.ensure_future(channel.close()))
+            self._closing_tasks = {t for t in self._closing_tasks if not t.done()}
 
     async def close(self) -> None:
         channel, self._channel, self._channel_for = self._channel, None, None
@@ -138,7 +140,8 @@ class Endpoint:
         return self.registered_with is not None and self.server is not None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"endpoint {self.name}")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(), name=f"endpoint {self.name}")
         self.poke()
 
     def poke(self) -> None:

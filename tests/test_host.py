@@ -14,12 +14,16 @@ import pytest
 
 from host.model import Device, Health, ResourceConfig
 from host.protocol import api
-from host.testing.drivers import MemoryDriver, ReversePreferenceDriver, SlowAllocateDriver
-from host.testing.drivers import make_devices
+from host.testing.drivers import (
+    MemoryDriver,
+    ReversePreferenceDriver,
+    SlowAllocateDriver,
+    make_devices,
+)
 from host.testing.harness import make_config as _make_config
 from host.testing.harness import running_host
-from host.testing.tree import FakeTree
 from host.testing.kubelet import KubeletSimulator
+from host.testing.tree import FakeTree
 
 
 def make_config(plugin_dir, resources, **host):
@@ -31,7 +35,7 @@ def make_config(plugin_dir, resources, **host):
 
 
 def _resources(*specs):
-    return [ResourceConfig(name=n, driver=d, **kw) for n, d, *rest in specs for kw in (rest[0] if rest else {},)]
+    return [ResourceConfig(name=name, driver=driver) for name, driver in specs]
 
 
 def _registered(sim, names, counts=None):

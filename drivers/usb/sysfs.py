@@ -17,8 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from host.hostfs import HostFS, is_pci_address
-from host.pci import read_function
+from host.hostfs import HostFS
 
 log = logging.getLogger(__name__)
 
@@ -224,28 +223,40 @@ def _controller(
     cache: Dict[str, Tuple[Optional[str], Tuple[int, ...], Optional[str]]],
 ) -> Tuple[Optional[str], Tuple[int, ...], Optional[str]]:
     """The host controller owning a device (the directory above its root hub), with its NUMA
-    node and local CPUs. A PCI controller is read with the shared PCI reader, so numa_node = -1
-    or a node the machine lacks means "unknown"; a platform controller (an SoC's dwc3) has no
-    PCI ancestor and falls back to the nearest numa_node on the path."""
+    node and local CPUs.
+
+    USB devices have no numa_node of their own: HostFS.numa_of walks up to the controller's
+    (or, on a platform without one there, the nearest ancestor's). -1 means unknown, and so
+    does a node the machine does not have (firmware tables on single-socket boards).
+    """
     pci = host.pci_ancestor(path)
-    if pci is not None:
-        address = posixpath.basename(pci)
-        if address not in cache:
-            function = read_function(host, address, valid_numa)
-            if function is None:
-                cache[address] = (address, (), None)
-            else:
-                cache[address] = (address, function.numa_nodes, function.local_cpulist)
-        return cache[address]
+    key = pci or _controller_path(path) or path
+    if key not in cache:
+        numa = host.numa_of(path)
+        if numa and valid_numa is not None and numa[0] not in valid_numa:
+            log.info("usb device %s: numa_node %d is not a node of this machine; unknown",
+                     name, numa[0])
+            numa = ()
+        if pci is not None:
+            controller: Optional[str] = posixpath.basename(pci)
+            cpulist = host.read(f"{pci}/local_cpulist") or None
+        else:
+            above = _controller_path(path)
+            controller = posixpath.basename(above) if above else None
+            cpulist = None
+            if controller is None:
+                log.debug("usb device %s: no host controller found above %s", name, path)
+        cache[key] = (controller, numa, cpulist)
+    return cache[key]
+
+
+def _controller_path(path: str) -> Optional[str]:
+    """The directory holding the root hub: an SoC's ".../fe980000.usb"."""
     parts = path.split("/")
-    controller = None
     for index, part in enumerate(parts):
-        if _ROOT_HUB.match(part) and index > 0:
-            controller = parts[index - 1]
-            break
-    if controller is None or is_pci_address(controller):
-        log.debug("usb device %s: no host controller found above %s", name, path)
-    return controller, host.numa_of(path), None
+        if _ROOT_HUB.match(part) and index > 1:
+            return "/".join(parts[:index])
+    return None
 
 
 def _interfaces(host: HostFS, path: str, name: str) -> List[UsbInterface]:

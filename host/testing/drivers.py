@@ -45,7 +45,9 @@ class MemoryDriver(Driver):
         self.scans = 0
         self.pre_starts: List[List[str]] = []
 
-    def discover(self, host: HostFS, resources: Sequence[ResourceConfig]) -> Mapping[str, Sequence[Device]]:
+    def discover(
+        self, host: HostFS, resources: Sequence[ResourceConfig]
+    ) -> Mapping[str, Sequence[Device]]:
         self.scans += 1
         if self.hang.is_set():
             self.release.wait(30)

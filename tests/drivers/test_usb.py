@@ -425,11 +425,13 @@ def test_odd_serial_characters_are_made_safe(tree):
 
 # -- NUMA -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("numa_node, expected", [(1, (1,)), (0, (0,)), (-1, ()), (None, ()),
-                                                 (7, ())])
+                                                 (7, ()), ("garbage", ())])
 def test_numa_from_the_owning_pci_controller(tmp_path, numa_node, expected):
     tree = FakeTree(tmp_path / "root")
     tree.numa_nodes(2)
-    fu.usb_controller(tree, "0000:80:14.0", numa_node=numa_node, local_cpulist="4-7")
+    fu.usb_controller(tree, "0000:80:14.0", numa_node=None, local_cpulist="4-7")
+    if numa_node is not None:
+        tree.attr("/sys/devices/pci0000:80/0000:80:14.0/numa_node", str(numa_node))
     fu.hub(tree, "1-1", devnum=2)
     serial_dongle(tree, "1-1.2", devnum=3)
     device = devices_of(tree)["10c4:ea60:0001"]
@@ -438,27 +440,29 @@ def test_numa_from_the_owning_pci_controller(tmp_path, numa_node, expected):
     assert device.attributes["local_cpulist"] == "4-7"
 
 
-def test_controller_behind_a_bridge_and_garbage_numa(tmp_path):
+def test_controller_without_numa_node_inherits_its_bridges(tmp_path):
     tree = FakeTree(tmp_path / "root")
     tree.numa_nodes(2)
     bridge = tree.pci_bridge("0000:80:01.0", numa_node=1)
     fu.usb_controller(tree, "0000:81:00.0", vendor=0x1B21, device=0x2142, numa_node=None,
-                      parent=bridge)
+                      parent=bridge, buses=((1, "480"),))
     serial_dongle(tree)
-    assert devices_of(tree)["10c4:ea60:0001"].numa_nodes == ()  # the controller has no file
-    tree.attr(f"{bridge}/0000:81:00.0/numa_node", "garbage")
-    assert devices_of(tree)["10c4:ea60:0001"].numa_nodes == ()
-
-
-def test_platform_controller_without_pci(tmp_path):
-    tree = FakeTree(tmp_path / "root")
-    soc = "/sys/devices/platform/soc/fe980000.usb"
-    fu.root_hub(tree, soc, 1)
-    serial_dongle(tree, "1-1", devnum=2)
     device = devices_of(tree)["10c4:ea60:0001"]
-    assert device.numa_nodes == ()
-    assert device.attributes["controller"] == "fe980000.usb"
-    assert "local_cpulist" not in device.attributes
+    assert device.numa_nodes == (1,)
+    assert device.attributes["controller"] == "0000:81:00.0"
+
+
+def test_platform_controllers_without_pci(tmp_path):
+    tree = FakeTree(tmp_path / "root")
+    fu.root_hub(tree, "/sys/devices/platform/soc/usb-ctrl0", 1)
+    fu.root_hub(tree, "/sys/devices/platform/soc/usb-ctrl1", 2)
+    serial_dongle(tree, "1-1", devnum=2, serial="A")
+    serial_dongle(tree, "2-1", devnum=2, serial="B")
+    found = devices_of(tree)
+    assert found["10c4:ea60:A"].attributes["controller"] == "usb-ctrl0"
+    assert found["10c4:ea60:B"].attributes["controller"] == "usb-ctrl1"
+    assert found["10c4:ea60:A"].numa_nodes == ()
+    assert "local_cpulist" not in found["10c4:ea60:A"].attributes
 
 
 # -- plumbing ---------------------------------------------------------------------------------

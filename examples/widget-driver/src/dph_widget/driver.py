@@ -1,0 +1,187 @@
+"""The widget driver: compute accelerators of the kernel's accel class, one Device per card.
+
+Rules, chosen so that every device the kubelet sees is either usable or visibly Unhealthy:
+
+* The id is the parent device's name: the PCI address for PCI cards (stable across reboots,
+  known even before the vendor stack is up), the platform device name for SoC NPUs (fixed by
+  the device tree). The accel index is not an id: it follows probe order and can change
+  between boots. Should two minors ever share a parent, both get ``<parent>-<accelN>`` ids.
+* A container gets /dev/accel/accelN, plus /dev/accel/accel_controlDN where the kernel driver
+  made one (habanalabs): the Gaudi user-space stack opens both.
+* Unhealthy, with the reason: a device node missing from /dev, a PCI function with
+  ``enable`` = 0, a card whose driver reports a ``status`` other than "operational".
+* NUMA comes from the PCI function (or the nearest ancestor for platform devices); -1 or a
+  node the machine does not have means no topology at all.
+* ``settings.shared = N`` advertises each card N times (``<id>::<k>``) for drivers whose
+  hardware multiplexes contexts (the Intel NPU plugin's ``-shared-dev-num``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Dict, List, Mapping, Sequence, Tuple
+
+from host.driver import Driver, SelectorError, selector_values
+from host.hostfs import HostFS
+from host.model import Device, DeviceNode, Health, ResourceConfig
+from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors, matches_pci
+
+from dph_widget.accel import AccelDevice, scan_accel
+
+log = logging.getLogger(__name__)
+
+#: The most copies ``shared`` may ask for: enough for any real context multiplexing, and a
+#: typo (10000) cannot make the kubelet track thousands of ids per card.
+MAX_SHARED = 64
+OPERATIONAL = "operational"
+HABANA_DRIVER = "habanalabs"
+
+
+@dataclass(frozen=True)
+class AccelEntry:
+    accel: AccelDevice
+    device: Device
+
+
+@dataclass(frozen=True)
+class AccelInventory:
+    entries: Tuple[AccelEntry, ...]
+
+
+class WidgetDriver(Driver):
+    name = "widget"
+    subsystems = ("accel", "pci")
+    selector_types = {**PCI_SELECTOR_TYPES, "device_type": (str,)}
+    setting_types = {"shared": (int,)}
+
+    # -- configuration -------------------------------------------------------------------
+    def check_selectors(self, selectors: Mapping[str, object]) -> None:
+        super().check_selectors(selectors)
+        check_pci_selectors(selectors)
+        for value in selector_values(selectors, "device_type") or ():
+            if not str(value).strip():
+                raise SelectorError("device_type", 'empty device type (e.g. "GAUDI2")')
+
+    def check_settings(self, settings: Mapping[str, object]) -> None:
+        super().check_settings(settings)
+        shared = settings.get("shared")
+        if shared is not None and not 1 <= shared <= MAX_SHARED:  # type: ignore[operator]
+            raise SelectorError("shared", f"must be 1 to {MAX_SHARED}")
+
+    def default_resources(self) -> Sequence[ResourceConfig]:
+        """The resource names the vendors' own plugins use, so pod specs written for those
+        keep working; other accel drivers (qaic, amdxdna, rocket) need a config entry."""
+        return (
+            ResourceConfig(
+                "npu.intel.com/accel",
+                self.name,
+                {"kernel_driver": "intel_vpu"},
+                register_when_empty=False,
+            ),
+            ResourceConfig(
+                "habana.ai/gaudi",
+                self.name,
+                {"kernel_driver": HABANA_DRIVER},
+                register_when_empty=False,
+            ),
+        )
+
+    # -- discovery -----------------------------------------------------------------------
+    def scan(self, host: HostFS) -> AccelInventory:
+        found = scan_accel(host)
+        shared_parents = {p for p, n in Counter(a.parent_name for a in found).items() if n > 1}
+        entries = []
+        for accel in found:
+            device_id = accel.parent_name
+            if accel.parent_name in shared_parents:
+                device_id = f"{accel.parent_name}-{accel.name}"
+                log.warning(
+                    "accel %s: %s has several accel minors; using the id %s",
+                    accel.name,
+                    accel.parent_name,
+                    device_id,
+                )
+            entries.append(AccelEntry(accel, _device(host, accel, device_id)))
+        return AccelInventory(tuple(entries))
+
+    def select(self, inventory: AccelInventory, resource: ResourceConfig) -> List[Device]:
+        selectors = resource.selectors
+        copies = int(resource.settings.get("shared", 1))  # type: ignore[call-overload]
+        out: List[Device] = []
+        for entry in inventory.entries:
+            if not _matches(entry.accel, selectors):
+                continue
+            device = entry.device
+            if copies > 1:
+                out.extend(replace(device, id=f"{device.id}::{k}") for k in range(copies))
+            else:
+                out.append(device)
+        return out
+
+
+def _matches(accel: AccelDevice, selectors: Mapping[str, object]) -> bool:
+    types = selector_values(selectors, "device_type")
+    if types is not None and accel.facts.get("device_type") not in [str(t) for t in types]:
+        return False
+    if accel.pci is not None:
+        return matches_pci(accel.pci, selectors)
+    if any(key in selectors for key in ("vendor", "device", "pci_address")):
+        return False  # a PCI selector never matches a platform NPU
+    drivers = selector_values(selectors, "kernel_driver")
+    return drivers is None or accel.kernel_driver in drivers
+
+
+def _device(host: HostFS, accel: AccelDevice, device_id: str) -> Device:
+    problems: List[str] = []
+    paths = [accel.dev_node]
+    if accel.control_node:
+        paths.append(accel.control_node)
+    missing = [path for path in paths if not host.exists(path)]
+    if missing:
+        problems.append("device node " + ", ".join(missing) + " missing")
+    if accel.pci is not None and accel.pci.enabled is False:
+        problems.append("PCI function disabled (enable = 0)")
+    status = accel.facts.get("status")
+    if status is not None and status.lower() != OPERATIONAL:
+        problems.append(f"{accel.kernel_driver or 'driver'} reports status {status!r}")
+    attributes = _attributes(accel)
+    env: Dict[str, str] = {}
+    if accel.kernel_driver == HABANA_DRIVER:
+        # The Habana runtime finds its cards by accel index; the host joins several with ",".
+        env["HABANA_VISIBLE_DEVICES"] = str(accel.index)
+    reason = "; ".join(problems)
+    if problems:
+        log.warning("accel %s (%s): unhealthy: %s", accel.name, device_id, reason)
+    return Device(
+        id=device_id,
+        health=Health.UNHEALTHY if problems else Health.HEALTHY,
+        health_reason=reason,
+        numa_nodes=accel.numa_nodes,
+        device_nodes=tuple(DeviceNode(path, path, "rw") for path in paths),
+        env=env,
+        attributes=attributes,
+    )
+
+
+def _attributes(accel: AccelDevice) -> Dict[str, str]:
+    out: Dict[str, str] = {}
+    if accel.pci is not None:
+        out.update(accel.pci.attributes())
+    else:
+        out["parent"] = accel.parent_name
+        if accel.kernel_driver:
+            out["kernel_driver"] = accel.kernel_driver
+        if accel.local_cpulist:
+            out["local_cpulist"] = accel.local_cpulist
+    out["accel"] = accel.name
+    out["device_node"] = accel.dev_node
+    if accel.control_node:
+        out["control_node"] = accel.control_node
+    if accel.dev_numbers:
+        out["dev"] = accel.dev_numbers
+    if accel.bus:
+        out["bus"] = accel.bus
+    out.update(accel.facts)
+    return out
