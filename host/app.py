@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Set
+from typing import Callable, Dict, Iterable, List, Optional, Set, Union
 
 from host.config import Config
 from host.driver import Driver, UnavailableDriver
@@ -21,12 +21,20 @@ from host.model import ResourceConfig
 from host.registration import Endpoint, Registrar
 from host.service import DevicePluginService
 from host.snapshot import Snapshot
+from host.watch import EventSource, RescanScheduler, UdevSource
 
 log = logging.getLogger(__name__)
 
 
 class HostApp:
-    def __init__(self, config: Config, drivers: Dict[str, Driver]) -> None:
+    def __init__(
+        self,
+        config: Config,
+        drivers: Dict[str, Driver],
+        events: Union[str, EventSource, None] = "udev",
+    ) -> None:
+        """``events``: "udev" for the kernel's uevents, an EventSource (tests inject events),
+        or None for no event-driven rescans (the safety rescan still runs)."""
         self.config = config
         self.drivers = drivers
         self.host = HostFS(config.host.host_root)
@@ -48,10 +56,14 @@ class HostApp:
         self._rescan_task: Optional[asyncio.Task] = None
         self._expiry: Optional[asyncio.TimerHandle] = None
         self._stopped = False
+        self._events_spec = events
+        self.events: Optional[EventSource] = None
+        self.scheduler = RescanScheduler(self._drivers_for_subsystem, self.request_rescan)
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         self.registrar.start()
+        self._start_events()  # before the first scan: nothing plugged in meanwhile is missed
         await self.inventory.scan()
         for resource in self.config.resources:
             self._sync(resource)
@@ -62,6 +74,9 @@ class HostApp:
     async def stop(self) -> None:
         """Stop serving and remove every socket of ours; hung driver threads are abandoned."""
         self._stopped = True
+        self.scheduler.close()
+        if self.events is not None:
+            self.events.close()
         for timer in self._timers:
             timer.cancel()
         if self._expiry is not None:
@@ -116,6 +131,31 @@ class HostApp:
         if self._stopped:
             return
         asyncio.get_running_loop().create_task(self.rescan(drivers))
+
+    def _start_events(self) -> None:
+        spec = self._events_spec
+        if spec is None:
+            return
+        if spec == "udev":
+            subsystems = {s for name in self.inventory.by_driver
+                          for s in getattr(self.drivers.get(name), "subsystems", ())}
+            if not subsystems:
+                return
+            source: EventSource = UdevSource(subsystems)
+        elif isinstance(spec, str):
+            raise ValueError(f"unknown event source {spec!r}")
+        else:
+            source = spec
+        try:
+            source.start(self.scheduler.event)
+        except Exception as error:
+            log.warning("device events unavailable (%s); relying on the safety rescan every "
+                        "%g s", error, self.config.host.rescan_interval_s)
+            return
+        self.events = source
+
+    def _drivers_for_subsystem(self, subsystem: str) -> Set[str]:
+        return self.inventory.drivers_for_subsystem(subsystem)
 
     def _driver_unhung(self, driver: str) -> None:
         log.info("driver %r returned from a call that had timed out; rescanning it", driver)

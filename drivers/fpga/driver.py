@@ -94,18 +94,18 @@ class FpgaDriver(Driver):
             raise SelectorError("mode", f"must be one of {', '.join(MODES)}")
         argv = settings.get("pre_start")
         if argv is not None:
-            if not argv or not all(isinstance(a, str) for a in argv):  # type: ignore[union-attr]
+            if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
                 raise SelectorError("pre_start", "must be a non-empty list of strings (argv)")
-            if any("\x00" in a for a in argv):  # type: ignore[union-attr]
+            if any("\x00" in a for a in argv):
                 raise SelectorError("pre_start", "arguments must not contain NUL")
-            program = argv[0]  # type: ignore[index]
+            program = argv[0]
             if not program.startswith("/") or ".." in program.split("/"):
                 raise SelectorError(
                     "pre_start", f"the program must be an absolute path, got {program!r}"
                 )
         timeout = settings.get("pre_start_timeout_s")
         if timeout is not None:
-            if not 0 < timeout <= MAX_PRE_START_TIMEOUT_S:  # type: ignore[operator]
+            if not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_PRE_START_TIMEOUT_S:
                 raise SelectorError(
                     "pre_start_timeout_s",
                     f"must be above 0 and at most {MAX_PRE_START_TIMEOUT_S:g} (the kubelet "
@@ -177,21 +177,15 @@ class FpgaDriver(Driver):
         FPGA_INTERFACE_IDS (each a comma-separated list in request order).
         """
         argv = resource.settings.get("pre_start")
-        if not argv or not devices:
+        if not isinstance(argv, list) or not argv or not devices:
             return
-        timeout = float(
-            resource.settings.get(  # type: ignore[arg-type]
-                "pre_start_timeout_s", DEFAULT_PRE_START_TIMEOUT_S
-            )
+        setting = resource.settings.get("pre_start_timeout_s", DEFAULT_PRE_START_TIMEOUT_S)
+        timeout = (
+            float(setting) if isinstance(setting, (int, float)) else DEFAULT_PRE_START_TIMEOUT_S
         )
         ids = [d.id for d in devices]
         what = f"resource {resource.name} devices {', '.join(ids)}"
-        run_program(
-            list(argv),
-            pre_start_env(resource.name, devices),  # type: ignore[arg-type]
-            timeout,
-            what,
-        )
+        run_program([str(a) for a in argv], pre_start_env(resource.name, devices), timeout, what)
 
 
 def pre_start_env(resource_name: str, devices: Sequence[Device]) -> Dict[str, str]:

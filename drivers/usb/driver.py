@@ -76,14 +76,14 @@ class UsbDriver(Driver):
     def check_settings(self, settings: Mapping[str, object]) -> None:
         super().check_settings(settings)
         limit = settings.get("limit")
-        if limit is not None and limit < 1:  # type: ignore[operator]
+        if isinstance(limit, int) and limit < 1:
             raise SelectorError("limit", "must be at least 1")
         shared = settings.get("shared")
-        if shared is not None and not 1 <= shared <= MAX_SHARED:  # type: ignore[operator]
+        if isinstance(shared, int) and not 1 <= shared <= MAX_SHARED:
             raise SelectorError("shared", f"must be 1 to {MAX_SHARED}")
         kinds = settings.get("include_interfaces")
-        if kinds is not None:
-            for kind in kinds:  # type: ignore[union-attr]
+        if isinstance(kinds, list):
+            for kind in kinds:
                 if kind not in NODE_KINDS:
                     raise SelectorError(
                         "include_interfaces", f"{kind!r} is not one of {', '.join(NODE_KINDS)}"
@@ -102,14 +102,16 @@ class UsbDriver(Driver):
     def select(self, inventory: UsbInventory, resource: ResourceConfig) -> List[Device]:
         selectors = resource.selectors
         settings = resource.settings
-        kinds = tuple(settings.get("include_interfaces", NODE_KINDS))  # type: ignore[arg-type]
-        shared = int(settings.get("shared", 1))  # type: ignore[arg-type]
+        raw_kinds = settings.get("include_interfaces", NODE_KINDS)
+        kinds = tuple(str(k) for k in raw_kinds) if isinstance(raw_kinds, list) else NODE_KINDS
+        shared = settings.get("shared", 1)
+        shared = shared if isinstance(shared, int) else 1
         limit = settings.get("limit")
         matched = [d for d in inventory.devices if _matches(d, selectors)]
-        if limit is not None and len(matched) > int(limit):  # type: ignore[arg-type]
+        if isinstance(limit, int) and len(matched) > limit:
             # Lowest ports first: the choice is the same on every scan, so ids stay put.
-            dropped = matched[int(limit) :]  # type: ignore[arg-type]
-            matched = matched[: int(limit)]  # type: ignore[arg-type]
+            dropped = matched[limit:]
+            matched = matched[:limit]
             log.info(
                 "resource %s: limit %s leaves out %s",
                 resource.name,

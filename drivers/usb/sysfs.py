@@ -234,8 +234,9 @@ def _controller(
     if key not in cache:
         numa = host.numa_of(path)
         if numa and valid_numa is not None and numa[0] not in valid_numa:
-            log.info("usb device %s: numa_node %d is not a node of this machine; unknown",
-                     name, numa[0])
+            log.info(
+                "usb device %s: numa_node %d is not a node of this machine; unknown", name, numa[0]
+            )
             numa = ()
         if pci is not None:
             controller: Optional[str] = posixpath.basename(pci)

@@ -57,12 +57,15 @@ def xrt_instance(address: str) -> int:
     return (int(domain, 16) << 16) | (int(bus, 16) << 8) | (int(slot, 16) << 3) | int(func, 16)
 
 
-def _platform_device(tree: FakeTree, path: str, name: str, driver: str, major: int,
-                     minor: int, dev_node: bool) -> None:
+def _platform_device(
+    tree: FakeTree, path: str, name: str, driver: str, major: int, minor: int, dev_node: bool
+) -> None:
     tree.attr(f"{path}/dev", f"{major}:{minor}")
-    tree.attr(f"{path}/uevent",
-              f"MAJOR={major}\nMINOR={minor}\nDEVNAME={name}\nDRIVER={driver}\n"
-              f"MODALIAS=platform:{driver}")
+    tree.attr(
+        f"{path}/uevent",
+        f"MAJOR={major}\nMINOR={minor}\nDEVNAME={name}\nDRIVER={driver}\n"
+        f"MODALIAS=platform:{driver}",
+    )
     tree.link(f"{path}/subsystem", "/sys/bus/platform")
     tree.bind_driver(path, driver, bus="platform")
     tree.link(f"/sys/bus/platform/devices/{name}", path)
@@ -70,8 +73,9 @@ def _platform_device(tree: FakeTree, path: str, name: str, driver: str, major: i
         tree.chardev(f"/dev/{name}", major, minor)
 
 
-def _dfl_bus_device(tree: FakeTree, parent: str, number: int, feature_type: int,
-                    feature_id: int) -> None:
+def _dfl_bus_device(
+    tree: FakeTree, parent: str, number: int, feature_type: int, feature_id: int
+) -> None:
     path = f"{parent}/dfl_dev.{number}"
     tree.attr(f"{path}/type", f"0x{feature_type:x}")
     tree.attr(f"{path}/feature_id", f"0x{feature_id:x}")
@@ -118,9 +122,17 @@ def dfl_card(
     if sriov_totalvfs is not None:
         extra = {"sriov_totalvfs": str(sriov_totalvfs), "sriov_numvfs": "0"}
     function = tree.pci_function(
-        address, vendor=0x8086, device=device, pci_class=PROCESSING_ACCELERATOR,
-        numa_node=numa_node, driver=driver, iommu_group=iommu_group, parent=parent,
-        local_cpulist=local_cpulist, subsystem_vendor=0x8086, subsystem_device=0x0000,
+        address,
+        vendor=0x8086,
+        device=device,
+        pci_class=PROCESSING_ACCELERATOR,
+        numa_node=numa_node,
+        driver=driver,
+        iommu_group=iommu_group,
+        parent=parent,
+        local_cpulist=local_cpulist,
+        subsystem_vendor=0x8086,
+        subsystem_device=0x0000,
         extra=extra,
     )
     base = f"{function}/fpga_region/region{region}"
@@ -128,21 +140,27 @@ def dfl_card(
     card = DflCard(function=function, region=base)
     if fme is not None:
         fme_path = f"{base}/dfl-fme.{fme}"
-        _platform_device(tree, fme_path, f"dfl-fme.{fme}", "dfl-fme", DFL_FME_MAJOR, fme,
-                         fme_dev_node)
+        _platform_device(
+            tree, fme_path, f"dfl-fme.{fme}", "dfl-fme", DFL_FME_MAJOR, fme, fme_dev_node
+        )
         tree.attr(f"{fme_path}/bitstream_id", bitstream_id)
         tree.attr(f"{fme_path}/bitstream_metadata", "0x1807172")
-        managed = pr_ports if pr_ports is not None else [
-            spec.port_id if spec.port_id is not None else 0 for spec in ports]
+        managed = (
+            pr_ports
+            if pr_ports is not None
+            else [spec.port_id if spec.port_id is not None else 0 for spec in ports]
+        )
         tree.attr(f"{fme_path}/ports_num", str(len(managed)))
         tree.attr(f"{fme_path}/socket_id", "0")
-        tree.attr(f"{fme_path}/dfl-fme-mgr.{fme}/fpga_manager/fpga{fme}/name",
-                  "DFL FME FPGA Manager")
+        tree.attr(
+            f"{fme_path}/dfl-fme-mgr.{fme}/fpga_manager/fpga{fme}/name", "DFL FME FPGA Manager"
+        )
         tree.attr(f"{fme_path}/dfl-fme-mgr.{fme}/fpga_manager/fpga{fme}/state", "operating")
         number = region + 1 if pr_region is None else pr_region
         for port_index in managed:
-            tree.attr(f"{fme_path}/dfl-fme-br.{port_index}/fpga_bridge/br{port_index}/state",
-                      "enabled")
+            tree.attr(
+                f"{fme_path}/dfl-fme-br.{port_index}/fpga_bridge/br{port_index}/state", "enabled"
+            )
             pr = f"{fme_path}/dfl-fme-region.{port_index}/fpga_region/region{number}"
             _region(tree, pr, number)
             if interface_id is not None:
@@ -159,8 +177,9 @@ def dfl_card(
 
 def dfl_port(tree: FakeTree, region_path: str, spec: DflPortSpec) -> str:
     path = f"{region_path}/dfl-port.{spec.port}"
-    _platform_device(tree, path, f"dfl-port.{spec.port}", "dfl-port", DFL_PORT_MAJOR,
-                     spec.port, spec.dev_node)
+    _platform_device(
+        tree, path, f"dfl-port.{spec.port}", "dfl-port", DFL_PORT_MAJOR, spec.port, spec.dev_node
+    )
     if spec.afu_id is not None:
         tree.attr(f"{path}/afu_id", spec.afu_id)
     if spec.port_id is not None:
@@ -185,8 +204,13 @@ def dfl_vf(
     """A VF holding a port the FME released from the PF: its own base region, no FME."""
     parent = pf.function.rsplit("/", 1)[0]
     function = tree.pci_function(
-        address, vendor=0x8086, device=device, pci_class=PROCESSING_ACCELERATOR,
-        numa_node=numa_node, driver="dfl-pci", parent=parent,
+        address,
+        vendor=0x8086,
+        device=device,
+        pci_class=PROCESSING_ACCELERATOR,
+        numa_node=numa_node,
+        driver="dfl-pci",
+        parent=parent,
     )
     tree.link(f"{function}/physfn", pf.function)
     tree.link(f"{pf.function}/virtfn{vf_index}", function)
@@ -244,10 +268,17 @@ def xrt_card(
     if mgmt:
         address = f"{slot}.{mgmt_function}"
         path = tree.pci_function(
-            address, vendor=vendor, device=mgmt_device, pci_class=PROCESSING_ACCELERATOR,
-            numa_node=numa_node, driver=mgmt_driver, parent=parent,
-            local_cpulist=local_cpulist, iommu_group=iommu_groups[0],
-            subsystem_vendor=vendor, subsystem_device=0x000E,
+            address,
+            vendor=vendor,
+            device=mgmt_device,
+            pci_class=PROCESSING_ACCELERATOR,
+            numa_node=numa_node,
+            driver=mgmt_driver,
+            parent=parent,
+            local_cpulist=local_cpulist,
+            iommu_group=iommu_groups[0],
+            subsystem_vendor=vendor,
+            subsystem_device=0x000E,
         )
         instance = xrt_instance(address)
         if markers:
@@ -258,8 +289,9 @@ def xrt_card(
         if mgmt_class_dir:
             node = f"{path}/xrt_mgmt/{name}"
             tree.attr(f"{node}/dev", f"{XCLMGMT_MAJOR}:{mgmt_minor}")
-            tree.attr(f"{node}/uevent",
-                      f"MAJOR={XCLMGMT_MAJOR}\nMINOR={mgmt_minor}\nDEVNAME={name}")
+            tree.attr(
+                f"{node}/uevent", f"MAJOR={XCLMGMT_MAJOR}\nMINOR={mgmt_minor}\nDEVNAME={name}"
+            )
         if mgmt_dev_node:
             tree.chardev(f"/dev/{name}", XCLMGMT_MAJOR, mgmt_minor)
         if shell is not None:
@@ -272,10 +304,17 @@ def xrt_card(
     if user:
         address = f"{slot}.{user_function}"
         path = tree.pci_function(
-            address, vendor=vendor, device=user_device, pci_class=PROCESSING_ACCELERATOR,
-            numa_node=numa_node, driver=user_driver, parent=parent,
-            local_cpulist=local_cpulist, iommu_group=iommu_groups[1],
-            subsystem_vendor=vendor, subsystem_device=0x000E,
+            address,
+            vendor=vendor,
+            device=user_device,
+            pci_class=PROCESSING_ACCELERATOR,
+            numa_node=numa_node,
+            driver=user_driver,
+            parent=parent,
+            local_cpulist=local_cpulist,
+            iommu_group=iommu_groups[1],
+            subsystem_vendor=vendor,
+            subsystem_device=0x000E,
         )
         instance = xrt_instance(address)
         if markers:
@@ -284,12 +323,16 @@ def xrt_card(
             tree.attr(f"{path}/rom.u.{instance}/VBNV", shell)
             tree.attr(f"{path}/rom.u.{instance}/timestamp", timestamp)
         if drm:
-            for name, minor in ((f"card{card_minor}", card_minor),
-                                (f"renderD{render_minor}", render_minor)):
+            for name, minor in (
+                (f"card{card_minor}", card_minor),
+                (f"renderD{render_minor}", render_minor),
+            ):
                 node = f"{path}/drm/{name}"
                 tree.attr(f"{node}/dev", f"{DRM_MAJOR}:{minor}")
-                tree.attr(f"{node}/uevent",
-                          f"MAJOR={DRM_MAJOR}\nMINOR={minor}\nDEVNAME=dri/{name}\nDEVTYPE=drm_minor")
+                tree.attr(
+                    f"{node}/uevent",
+                    f"MAJOR={DRM_MAJOR}\nMINOR={minor}\nDEVNAME=dri/{name}\nDEVTYPE=drm_minor",
+                )
                 tree.link(f"/sys/class/drm/{name}", node)
                 if render_dev_node or name.startswith("card"):
                     tree.chardev(f"/dev/dri/{name}", DRM_MAJOR, minor)

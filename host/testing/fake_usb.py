@@ -73,8 +73,15 @@ def usb_controller(
     10000 the USB 3 one an xHCI registers beside it.
     """
     path = tree.pci_function(
-        address, vendor=vendor, device=device, pci_class=pci_class, numa_node=numa_node,
-        driver=driver, iommu_group=iommu_group, parent=parent, local_cpulist=local_cpulist,
+        address,
+        vendor=vendor,
+        device=device,
+        pci_class=pci_class,
+        numa_node=numa_node,
+        driver=driver,
+        iommu_group=iommu_group,
+        parent=parent,
+        local_cpulist=local_cpulist,
     )
     for busnum, speed in buses:
         root_hub(tree, path, busnum, speed=speed, dev_node=dev_nodes)
@@ -89,10 +96,20 @@ def root_hub(
     usb3 = speed not in ("1.5", "12", "480")
     path = f"{controller_path}/{name}"
     _device_attrs(
-        tree, path, name=name, vendor=0x1D6B, product=0x0003 if usb3 else 0x0002, busnum=busnum,
-        devnum=1, device_class=0x09, serial=posixpath.basename(controller_path),
+        tree,
+        path,
+        name=name,
+        vendor=0x1D6B,
+        product=0x0003 if usb3 else 0x0002,
+        busnum=busnum,
+        devnum=1,
+        device_class=0x09,
+        serial=posixpath.basename(controller_path),
         manufacturer="Linux 6.5.0-41-generic xhci-hcd",
-        product_name="xHCI Host Controller", speed=speed, devpath="0", dev_node=dev_node,
+        product_name="xHCI Host Controller",
+        speed=speed,
+        devpath="0",
+        dev_node=dev_node,
     )
     tree.attr(f"{path}/maxchild", "4")
     intf = f"{path}/{busnum}-0:1.0"
@@ -130,9 +147,20 @@ def usb_device(
     parent_path = sys_path(tree, parent_name)
     path = f"{parent_path}/{name}"
     _device_attrs(
-        tree, path, name=name, vendor=vendor, product=product, busnum=busnum, devnum=devnum,
-        device_class=device_class, serial=serial, manufacturer=manufacturer,
-        product_name=product_name, speed=speed, devpath=ports, dev_node=dev_node,
+        tree,
+        path,
+        name=name,
+        vendor=vendor,
+        product=product,
+        busnum=busnum,
+        devnum=devnum,
+        device_class=device_class,
+        serial=serial,
+        manufacturer=manufacturer,
+        product_name=product_name,
+        speed=speed,
+        devpath=ports,
+        dev_node=dev_node,
         authorized=authorized,
     )
     tree.attr(f"{path}/bNumInterfaces", f"{len(interfaces):2d}")
@@ -147,14 +175,29 @@ def usb_device(
 
 
 def hub(
-    tree: FakeTree, name: str, *, devnum: int, vendor: int = 0x05E3, product: int = 0x0610,
-    speed: str = "480", product_name: str = "USB2.1 Hub", dev_node: bool = True,
+    tree: FakeTree,
+    name: str,
+    *,
+    devnum: int,
+    vendor: int = 0x05E3,
+    product: int = 0x0610,
+    speed: str = "480",
+    product_name: str = "USB2.1 Hub",
+    dev_node: bool = True,
 ) -> str:
     """An external hub (bDeviceClass 9), like the Genesys Logic ones on most boards."""
     path = usb_device(
-        tree, name, vendor=vendor, product=product, devnum=devnum, device_class=0x09,
-        interfaces=[Interface(0x09, driver="hub")], manufacturer="GenesysLogic",
-        product_name=product_name, speed=speed, dev_node=dev_node,
+        tree,
+        name,
+        vendor=vendor,
+        product=product,
+        devnum=devnum,
+        device_class=0x09,
+        interfaces=[Interface(0x09, driver="hub")],
+        manufacturer="GenesysLogic",
+        product_name=product_name,
+        speed=speed,
+        dev_node=dev_node,
     )
     tree.attr(f"{path}/maxchild", "4")
     return path
@@ -242,7 +285,12 @@ def _interface_attrs(tree: FakeTree, path: str, interface: Interface, number: in
 
 
 def _class_node(
-    tree: FakeTree, node_dir: str, name: str, klass: str, major: int, make_node: bool,
+    tree: FakeTree,
+    node_dir: str,
+    name: str,
+    klass: str,
+    major: int,
+    make_node: bool,
     devname: Optional[str] = None,
 ) -> None:
     minor = _minor(name)
@@ -255,7 +303,12 @@ def _class_node(
 
 
 def _interface_nodes(
-    tree: FakeTree, intf: str, interface: Interface, vendor: int, product: int, number: int,
+    tree: FakeTree,
+    intf: str,
+    interface: Interface,
+    vendor: int,
+    product: int,
+    number: int,
     make_nodes: bool,
 ) -> None:
     for name in interface.tty:

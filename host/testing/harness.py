@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from typing import AsyncIterator, Dict, Sequence
+from typing import AsyncIterator, Dict, Sequence, Union
 
 from host.app import HostApp
 from host.config import Config, HostSettings
 from host.driver import Driver
 from host.model import ResourceConfig
+from host.watch import EventSource
 
 
 def make_config(plugin_dir: str, resources: Sequence[ResourceConfig], **host: object) -> Config:
@@ -17,8 +18,11 @@ def make_config(plugin_dir: str, resources: Sequence[ResourceConfig], **host: ob
 
 
 @contextlib.asynccontextmanager
-async def running_host(config: Config, drivers: Dict[str, Driver]) -> AsyncIterator[HostApp]:
-    app = HostApp(config, drivers)
+async def running_host(
+    config: Config, drivers: Dict[str, Driver], events: Union[str, EventSource, None] = None
+) -> AsyncIterator[HostApp]:
+    """The real host; device events only where a test passes a source (or "udev")."""
+    app = HostApp(config, drivers, events=events)
     await app.start()
     try:
         yield app

@@ -58,8 +58,9 @@ def devices_of(tree: FakeTree, resource: ResourceConfig = ANY) -> Dict[str, Devi
 
 
 def with_(base: ResourceConfig, selectors=None, settings=None) -> ResourceConfig:
-    return ResourceConfig(base.name, "fpga", {**base.selectors, **(selectors or {})},
-                          settings or {})
+    return ResourceConfig(
+        base.name, "fpga", {**base.selectors, **(selectors or {})}, settings or {}
+    )
 
 
 def nodes(device: Device) -> List[str]:
@@ -101,13 +102,24 @@ def test_fpga_node_default_resources(node):
 
 
 def test_fpga_node_example_config(node):
-    nlb0 = ResourceConfig("fpga.intel.com/arria10.dcp1.2-nlb0", "fpga", {
-        "kind": "dfl", "vendor": "0x8086", "device": "0x09c4", "kernel_driver": "dfl-pci",
-        "interface_id": "69528db6eb31577a8c3668f9faa081f6",
-        "afu_id": "d8424dc4a4a3c413f89e433683f9040b"})
-    u250 = ResourceConfig("xilinx.com/fpga-u250", "fpga", {
-        "kind": "xrt", "vendor": "0x10ee", "device": "0x5005", "kernel_driver": "xocl"},
-        {"pre_start": ["/opt/xilinx/xrt/bin/xbutil", "reset", "--force"]})
+    nlb0 = ResourceConfig(
+        "fpga.intel.com/arria10.dcp1.2-nlb0",
+        "fpga",
+        {
+            "kind": "dfl",
+            "vendor": "0x8086",
+            "device": "0x09c4",
+            "kernel_driver": "dfl-pci",
+            "interface_id": "69528db6eb31577a8c3668f9faa081f6",
+            "afu_id": "d8424dc4a4a3c413f89e433683f9040b",
+        },
+    )
+    u250 = ResourceConfig(
+        "xilinx.com/fpga-u250",
+        "fpga",
+        {"kind": "xrt", "vendor": "0x10ee", "device": "0x5005", "kernel_driver": "xocl"},
+        {"pre_start": ["/opt/xilinx/xrt/bin/xbutil", "reset", "--force"]},
+    )
     FpgaDriver().check_selectors(nlb0.selectors)
     FpgaDriver().check_settings(u250.settings)
     found = discover(node, nlb0, u250)
@@ -142,10 +154,18 @@ def test_fpga_node_survives_todays_capture(node, tmp_path):
 @pytest.fixture
 def two_port(tree) -> FakeTree:
     """A D5005-class card whose FME manages two ports."""
-    ff.dfl_card(tree, "0000:3b:00.0", device=0x0B2B, numa_node=1, interface_id=D5005_INTERFACE,
-                ports=[ff.DflPortSpec(0, port_id=0),
-                       ff.DflPortSpec(1, afu_id="0b4d2f3a5c6e7f8091a2b3c4d5e6f708", port_id=1)],
-                fme_features=[(0, 0xE), (1, 0x9)])
+    ff.dfl_card(
+        tree,
+        "0000:3b:00.0",
+        device=0x0B2B,
+        numa_node=1,
+        interface_id=D5005_INTERFACE,
+        ports=[
+            ff.DflPortSpec(0, port_id=0),
+            ff.DflPortSpec(1, afu_id="0b4d2f3a5c6e7f8091a2b3c4d5e6f708", port_id=1),
+        ],
+        fme_features=[(0, 0xE), (1, 0x9)],
+    )
     return tree
 
 
@@ -181,11 +201,26 @@ def test_afu_and_interface_selectors(two_port):
 
 
 def test_vf_port_borrows_the_pf_fme(tree):
-    pf = ff.dfl_card(tree, "0000:3b:00.0", device=0x0B2B, numa_node=0, region=0,
-                     interface_id=D5005_INTERFACE, ports=[], pr_ports=[0],
-                     sriov_totalvfs=1)
-    ff.dfl_vf(tree, pf, "0000:3b:00.1", device=0x0B2C, region=2, numa_node=0,
-              port=ff.DflPortSpec(0, port_id=0))
+    pf = ff.dfl_card(
+        tree,
+        "0000:3b:00.0",
+        device=0x0B2B,
+        numa_node=0,
+        region=0,
+        interface_id=D5005_INTERFACE,
+        ports=[],
+        pr_ports=[0],
+        sriov_totalvfs=1,
+    )
+    ff.dfl_vf(
+        tree,
+        pf,
+        "0000:3b:00.1",
+        device=0x0B2C,
+        region=2,
+        numa_node=0,
+        port=ff.DflPortSpec(0, port_id=0),
+    )
     found = devices_of(tree, DFL)
     assert list(found) == ["0000:3b:00.1-port0"]  # the PF has no port left
     vf = found["0000:3b:00.1-port0"]
@@ -197,8 +232,14 @@ def test_vf_port_borrows_the_pf_fme(tree):
 
 
 def test_opae_out_of_tree_driver_layout(tree):
-    fn = tree.pci_function("0000:5e:00.0", vendor=0x8086, device=0x09C4, pci_class=0x120000,
-                           numa_node=0, driver="intel-fpga-pci")
+    fn = tree.pci_function(
+        "0000:5e:00.0",
+        vendor=0x8086,
+        device=0x09C4,
+        pci_class=0x120000,
+        numa_node=0,
+        driver="intel-fpga-pci",
+    )
     dev = f"{fn}/fpga/intel-fpga-dev.0"
     tree.link("/sys/class/fpga/intel-fpga-dev.0", dev)
     tree.attr(f"{dev}/intel-fpga-fme.0/pr/interface_id", ff.DCP12_INTERFACE)
@@ -233,13 +274,17 @@ def test_missing_fme_node_matters_only_when_handed_over(tree):
     assert devel.health is Health.UNHEALTHY and "/dev/dfl-fme.0" in devel.health_reason
 
 
-@pytest.mark.parametrize("afu_id, interface_id, reason", [
-    ("f" * 32, ff.DCP12_INTERFACE, "AFU id reads all ones"),
-    (ff.NLB0_AFU, "F" * 32, "interface id reads all ones"),
-])
+@pytest.mark.parametrize(
+    "afu_id, interface_id, reason",
+    [
+        ("f" * 32, ff.DCP12_INTERFACE, "AFU id reads all ones"),
+        (ff.NLB0_AFU, "F" * 32, "interface id reads all ones"),
+    ],
+)
 def test_all_ones_ids_mean_crashed_firmware(tree, afu_id, interface_id, reason):
-    ff.dfl_card(tree, "0000:3b:00.0", interface_id=interface_id,
-                ports=[ff.DflPortSpec(0, afu_id=afu_id)])
+    ff.dfl_card(
+        tree, "0000:3b:00.0", interface_id=interface_id, ports=[ff.DflPortSpec(0, afu_id=afu_id)]
+    )
     device = devices_of(tree, DFL)["0000:3b:00.0-port0"]
     assert device.health is Health.UNHEALTHY and reason in device.health_reason
 
@@ -263,11 +308,19 @@ def test_missing_compat_id_leaves_the_interface_unknown(tree):
 
 
 def test_port_without_id_file_uses_its_index_and_clashing_ids_stay_unique(tree, caplog):
-    ff.dfl_card(tree, "0000:3b:00.0", ports=[ff.DflPortSpec(0, port_id=None),
-                                             ff.DflPortSpec(1, port_id=None)])
+    ff.dfl_card(
+        tree,
+        "0000:3b:00.0",
+        ports=[ff.DflPortSpec(0, port_id=None), ff.DflPortSpec(1, port_id=None)],
+    )
     assert sorted(devices_of(tree, DFL)) == ["0000:3b:00.0-port0", "0000:3b:00.0-port1"]
-    ff.dfl_card(tree, "0000:5e:00.0", region=2, fme=1,
-                ports=[ff.DflPortSpec(2, port_id=0), ff.DflPortSpec(3, port_id=0)])
+    ff.dfl_card(
+        tree,
+        "0000:5e:00.0",
+        region=2,
+        fme=1,
+        ports=[ff.DflPortSpec(2, port_id=0), ff.DflPortSpec(3, port_id=0)],
+    )
     with caplog.at_level(logging.WARNING):
         found = devices_of(tree, DFL)
     assert len(found) == 4
@@ -279,8 +332,10 @@ def test_dangling_region_link_and_foreign_regions_are_skipped(tree):
     ff.dfl_card(tree, "0000:3b:00.0")
     tree.link("/sys/class/fpga_region/region9", "/sys/devices/gone/fpga_region/region9")
     tree.mkdir("/sys/devices/platform/soc/ff200000.bridge/fpga_region/region7")
-    tree.link("/sys/class/fpga_region/region7",
-              "/sys/devices/platform/soc/ff200000.bridge/fpga_region/region7")
+    tree.link(
+        "/sys/class/fpga_region/region7",
+        "/sys/devices/platform/soc/ff200000.bridge/fpga_region/region7",
+    )
     assert list(devices_of(tree, DFL)) == ["0000:3b:00.0-port0"]
 
 
@@ -314,12 +369,24 @@ def test_xrt_instance_rule():
     assert xrt_instance("garbage") is None
 
 
-@pytest.mark.parametrize("markers, instance_file, class_dir", [
-    (True, True, True), (False, True, True), (False, False, True), (False, False, False),
-])
+@pytest.mark.parametrize(
+    "markers, instance_file, class_dir",
+    [
+        (True, True, True),
+        (False, True, True),
+        (False, False, True),
+        (False, False, False),
+    ],
+)
 def test_xrt_card_from_any_generation_of_xrt_sysfs(tree, markers, instance_file, class_dir):
-    ff.xrt_card(tree, "0001:3b:00", numa_node=1, markers=markers,
-                instance_file=instance_file, mgmt_class_dir=class_dir)
+    ff.xrt_card(
+        tree,
+        "0001:3b:00",
+        numa_node=1,
+        markers=markers,
+        instance_file=instance_file,
+        mgmt_class_dir=class_dir,
+    )
     (device,) = discover(tree, XRT)[XRT.name]
     assert device.id == "0001:3b:00.1"
     assert nodes(device) == ["/dev/dri/renderD128", f"/dev/xclmgmt{(1 << 16) | 0x3B00}"]
@@ -334,12 +401,15 @@ def test_xrt_old_shell_with_swapped_functions_trusts_the_markers(tree):
     assert nodes(device)[1] == f"/dev/xclmgmt{0x3B01}"
 
 
-@pytest.mark.parametrize("kwargs, reason", [
-    ({"mgmt_dev_node": False}, "/dev/xclmgmt15104 missing"),
-    ({"render_dev_node": False}, "/dev/dri/renderD128 missing"),
-    ({"drm": False}, "no DRM render node under 0000:3b:00.1"),
-    ({"user_driver": None, "markers": False, "drm": False}, "not bound to xocl"),
-])
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        ({"mgmt_dev_node": False}, "/dev/xclmgmt15104 missing"),
+        ({"render_dev_node": False}, "/dev/dri/renderD128 missing"),
+        ({"drm": False}, "no DRM render node under 0000:3b:00.1"),
+        ({"user_driver": None, "markers": False, "drm": False}, "not bound to xocl"),
+    ],
+)
 def test_xrt_unhealthy_cases_name_the_problem(tree, kwargs, reason, caplog):
     ff.xrt_card(tree, "0000:3b:00", **kwargs)
     with caplog.at_level(logging.WARNING):
@@ -370,8 +440,9 @@ def test_plain_rom_file_is_not_a_shell(tree):
 
 
 def test_other_xilinx_functions_are_not_xrt_cards(tree):
-    tree.pci_function("0000:3b:00.0", vendor=0x10EE, device=0x9038, pci_class=0x058000,
-                      driver="xdma")
+    tree.pci_function(
+        "0000:3b:00.0", vendor=0x10EE, device=0x9038, pci_class=0x058000, driver="xdma"
+    )
     tree.pci_function("0000:3c:00.0", vendor=0x10EE, device=0x5005, pci_class=0x120000)
     assert discover(tree)[ANY.name] == []
 
@@ -382,62 +453,79 @@ def alveos(tmp_path_factory) -> FakeTree:
     tree = FakeTree(tmp_path_factory.mktemp("alveos") / "root")
     tree.numa_nodes(2)
     ff.xrt_card(tree, "0000:3b:00", numa_node=0)
-    ff.xrt_card(tree, "0000:d8:00", mgmt_device=0x500C, user_device=0x500D, numa_node=1,
-                render_minor=129, card_minor=2, shell="xilinx_u280_xdma_201920_3")
+    ff.xrt_card(
+        tree,
+        "0000:d8:00",
+        mgmt_device=0x500C,
+        user_device=0x500D,
+        numa_node=1,
+        render_minor=129,
+        card_minor=2,
+        shell="xilinx_u280_xdma_201920_3",
+    )
     ff.dfl_card(tree, "0000:5e:00.0")
     return tree
 
 
-@pytest.mark.parametrize("selectors, expected", [
-    ({}, ["0000:5e:00.0-port0", "0000:3b:00.1", "0000:d8:00.1"]),
-    ({"kind": "xrt"}, ["0000:3b:00.1", "0000:d8:00.1"]),
-    ({"kind": "alveo"}, ["0000:3b:00.1", "0000:d8:00.1"]),
-    ({"kind": ["dfl", "xrt"], "vendor": "0x10ee"}, ["0000:3b:00.1", "0000:d8:00.1"]),
-    ({"device": "0x5004"}, ["0000:3b:00.1"]),  # the card by its management PF
-    ({"device": "0x500d", "kernel_driver": "xocl"}, ["0000:d8:00.1"]),
-    ({"device": "0x5005", "kernel_driver": "xclmgmt"}, []),  # no one function has both
-    ({"pci_address": "d8:00.0"}, ["0000:d8:00.1"]),
-    ({"shell": "xilinx_u280_xdma_201920_3"}, ["0000:d8:00.1"]),
-    ({"afu_id": ff.NLB0_AFU}, ["0000:5e:00.0-port0"]),
-    ({"kind": "dfl", "vendor": "0x10ee"}, []),
-])
+@pytest.mark.parametrize(
+    "selectors, expected",
+    [
+        ({}, ["0000:5e:00.0-port0", "0000:3b:00.1", "0000:d8:00.1"]),
+        ({"kind": "xrt"}, ["0000:3b:00.1", "0000:d8:00.1"]),
+        ({"kind": "alveo"}, ["0000:3b:00.1", "0000:d8:00.1"]),
+        ({"kind": ["dfl", "xrt"], "vendor": "0x10ee"}, ["0000:3b:00.1", "0000:d8:00.1"]),
+        ({"device": "0x5004"}, ["0000:3b:00.1"]),  # the card by its management PF
+        ({"device": "0x500d", "kernel_driver": "xocl"}, ["0000:d8:00.1"]),
+        ({"device": "0x5005", "kernel_driver": "xclmgmt"}, []),  # no one function has both
+        ({"pci_address": "d8:00.0"}, ["0000:d8:00.1"]),
+        ({"shell": "xilinx_u280_xdma_201920_3"}, ["0000:d8:00.1"]),
+        ({"afu_id": ff.NLB0_AFU}, ["0000:5e:00.0-port0"]),
+        ({"kind": "dfl", "vendor": "0x10ee"}, []),
+    ],
+)
 def test_selectors(alveos, selectors, expected):
     found = discover(alveos, ResourceConfig("example.com/fpga", "fpga", selectors))
     assert [d.id for d in found["example.com/fpga"]] == expected
 
 
 # -- configuration -------------------------------------------------------------------------------
-@pytest.mark.parametrize("selectors, key", [
-    ({"kind": "intel"}, "kind"),
-    ({"kind": ["dfl", "gpu"]}, "kind"),
-    ({"afu_id": "nope"}, "afu_id"),
-    ({"interface_id": "1234"}, "interface_id"),
-    ({"kind": "xrt", "afu_id": ff.NLB0_AFU}, "afu_id"),
-    ({"kind": "dfl", "shell": "xilinx_u250"}, "shell"),
-    ({"vendor": "0xnope"}, "vendor"),
-    ({"device": "0x12345"}, "device"),
-    ({"serial": "x"}, "serial"),
-])
+@pytest.mark.parametrize(
+    "selectors, key",
+    [
+        ({"kind": "intel"}, "kind"),
+        ({"kind": ["dfl", "gpu"]}, "kind"),
+        ({"afu_id": "nope"}, "afu_id"),
+        ({"interface_id": "1234"}, "interface_id"),
+        ({"kind": "xrt", "afu_id": ff.NLB0_AFU}, "afu_id"),
+        ({"kind": "dfl", "shell": "xilinx_u250"}, "shell"),
+        ({"vendor": "0xnope"}, "vendor"),
+        ({"device": "0x12345"}, "device"),
+        ({"serial": "x"}, "serial"),
+    ],
+)
 def test_bad_selectors_name_the_key(selectors, key):
     with pytest.raises(SelectorError) as error:
         FpgaDriver().check_selectors(selectors)
     assert error.value.key == key
 
 
-@pytest.mark.parametrize("settings, key", [
-    ({"mode": "afu"}, "mode"),
-    ({"pre_start": "/bin/true"}, "pre_start"),
-    ({"pre_start": []}, "pre_start"),
-    ({"pre_start": ["bin/true"]}, "pre_start"),
-    ({"pre_start": ["/opt/../bin/true"]}, "pre_start"),
-    ({"pre_start": ["/bin/true", 3]}, "pre_start"),
-    ({"pre_start": ["/bin/true", "a\x00b"]}, "pre_start"),
-    ({"pre_start": ["/bin/true"], "pre_start_timeout_s": 0}, "pre_start_timeout_s"),
-    ({"pre_start": ["/bin/true"], "pre_start_timeout_s": 29}, "pre_start_timeout_s"),
-    ({"pre_start": ["/bin/true"], "pre_start_timeout_s": True}, "pre_start_timeout_s"),
-    ({"pre_start_timeout_s": 5}, "pre_start_timeout_s"),
-    ({"shared": 2}, "shared"),
-])
+@pytest.mark.parametrize(
+    "settings, key",
+    [
+        ({"mode": "afu"}, "mode"),
+        ({"pre_start": "/bin/true"}, "pre_start"),
+        ({"pre_start": []}, "pre_start"),
+        ({"pre_start": ["bin/true"]}, "pre_start"),
+        ({"pre_start": ["/opt/../bin/true"]}, "pre_start"),
+        ({"pre_start": ["/bin/true", 3]}, "pre_start"),
+        ({"pre_start": ["/bin/true", "a\x00b"]}, "pre_start"),
+        ({"pre_start": ["/bin/true"], "pre_start_timeout_s": 0}, "pre_start_timeout_s"),
+        ({"pre_start": ["/bin/true"], "pre_start_timeout_s": 29}, "pre_start_timeout_s"),
+        ({"pre_start": ["/bin/true"], "pre_start_timeout_s": True}, "pre_start_timeout_s"),
+        ({"pre_start_timeout_s": 5}, "pre_start_timeout_s"),
+        ({"shared": 2}, "shared"),
+    ],
+)
 def test_bad_settings_name_the_key(settings, key):
     with pytest.raises(SelectorError) as error:
         FpgaDriver().check_settings(settings)
@@ -446,11 +534,22 @@ def test_bad_settings_name_the_key(settings, key):
 
 def test_good_configuration_passes():
     driver = FpgaDriver()
-    driver.check_selectors({"kind": "dfl", "afu_id": "D8424DC4-A4A3-C413-F89E-433683F9040B",
-                            "interface_id": ff.DCP12_INTERFACE, "pci_address": "3b:00.0"})
+    driver.check_selectors(
+        {
+            "kind": "dfl",
+            "afu_id": "D8424DC4-A4A3-C413-F89E-433683F9040B",
+            "interface_id": ff.DCP12_INTERFACE,
+            "pci_address": "3b:00.0",
+        }
+    )
     driver.check_selectors({"kind": "alveo", "shell": "xilinx_u250_gen3x16_xdma_shell_4_1"})
-    driver.check_settings({"mode": "regiondevel", "pre_start": ["/usr/bin/fpgaconf", "-v"],
-                           "pre_start_timeout_s": 12.5})
+    driver.check_settings(
+        {
+            "mode": "regiondevel",
+            "pre_start": ["/usr/bin/fpgaconf", "-v"],
+            "pre_start_timeout_s": 12.5,
+        }
+    )
 
 
 def test_default_resources_and_plugin_hook():
@@ -471,7 +570,8 @@ def test_no_fpga_at_all(tmp_path):
 
 def test_pci_env_name():
     assert pci_env_name("fpga.intel.com/af-695.d84.aVKNtusx") == (
-        "PCIDEVICE_FPGA_INTEL_COM_AF_695_D84_AVKNTUSX")
+        "PCIDEVICE_FPGA_INTEL_COM_AF_695_D84_AVKNTUSX"
+    )
 
 
 # -- pre-start -------------------------------------------------------------------------------------
@@ -483,13 +583,17 @@ def script(tmp_path, body: str, name: str = "prep.sh") -> str:
 
 
 def port(device_id: str, address: str, node: str, afu: str = ff.NLB0_AFU) -> Device:
-    return Device(id=device_id, device_nodes=(DeviceNode(node),),
-                  attributes={"pci_address": address, "afu_id": afu,
-                              "interface_id": ff.DCP12_INTERFACE})
+    return Device(
+        id=device_id,
+        device_nodes=(DeviceNode(node),),
+        attributes={"pci_address": address, "afu_id": afu, "interface_id": ff.DCP12_INTERFACE},
+    )
 
 
-PORTS = [port("0000:3b:00.0-port0", "0000:3b:00.0", "/dev/dfl-port.0"),
-         port("0000:3b:00.0-port1", "0000:3b:00.0", "/dev/dfl-port.1")]
+PORTS = [
+    port("0000:3b:00.0-port0", "0000:3b:00.0", "/dev/dfl-port.0"),
+    port("0000:3b:00.0-port1", "0000:3b:00.0", "/dev/dfl-port.1"),
+]
 
 
 def test_pre_start_runs_the_program_without_a_shell_with_the_devices_in_env(tmp_path):
@@ -548,10 +652,13 @@ def test_pre_start_timeout_kills_the_whole_group(tmp_path):
         pytest.fail(f"the pre-start program's child {child} survived the timeout")
 
 
-@pytest.mark.parametrize("make, reason", [
-    (lambda tmp: str(tmp / "missing"), "not found"),
-    (lambda tmp: (tmp / "plain").write_text("x") and str(tmp / "plain"), "not executable"),
-])
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda tmp: str(tmp / "missing"), "not found"),
+        (lambda tmp: (tmp / "plain").write_text("x") and str(tmp / "plain"), "not executable"),
+    ],
+)
 def test_pre_start_program_that_cannot_run(tmp_path, make, reason):
     res = with_(DFL, settings={"pre_start": [make(tmp_path)]})
     with pytest.raises(PreStartError, match=reason):
@@ -567,9 +674,11 @@ def test_pre_start_without_a_program_is_a_no_op_and_not_advertised(tmp_path):
 
 
 def test_pre_start_env_for_xrt_cards_has_no_afu_ids():
-    card = Device(id="0000:5e:00.1",
-                  device_nodes=(DeviceNode("/dev/dri/renderD128"), DeviceNode("/dev/xclmgmt24064")),
-                  attributes={"pci_address": "0000:5e:00.1", "mgmt_address": "0000:5e:00.0"})
+    card = Device(
+        id="0000:5e:00.1",
+        device_nodes=(DeviceNode("/dev/dri/renderD128"), DeviceNode("/dev/xclmgmt24064")),
+        attributes={"pci_address": "0000:5e:00.1", "mgmt_address": "0000:5e:00.0"},
+    )
     env = pre_start_env("amd.com/alveo", [card])
     assert env == {
         "FPGA_RESOURCE": "amd.com/alveo",

@@ -27,8 +27,7 @@ ALL = ResourceConfig("example.com/usb", "usb", {})
 def tree(tmp_path) -> FakeTree:
     fake = FakeTree(tmp_path / "root")
     fake.numa_nodes(2)
-    fu.usb_controller(fake, "0000:00:14.0", numa_node=-1, local_cpulist="0-3",
-                      buses=((1, "480"),))
+    fu.usb_controller(fake, "0000:00:14.0", numa_node=-1, local_cpulist="0-3", buses=((1, "480"),))
     return fake
 
 
@@ -58,18 +57,31 @@ def nodes(device: Device) -> List[str]:
 def serial_dongle(tree: FakeTree, name: str = "1-2", devnum: int = 3, **kwargs) -> str:
     kwargs.setdefault("serial", "0001")
     return fu.usb_device(
-        tree, name, vendor=0x10C4, product=0xEA60, devnum=devnum,
-        interfaces=[fu.Interface(0xFF, driver="cp210x", tty=["ttyUSB0"])], **kwargs,
+        tree,
+        name,
+        vendor=0x10C4,
+        product=0xEA60,
+        devnum=devnum,
+        interfaces=[fu.Interface(0xFF, driver="cp210x", tty=["ttyUSB0"])],
+        **kwargs,
     )
 
 
 # -- the captured edge box --------------------------------------------------------------------
 def test_edge_box_serves_every_device_but_hubs_with_stable_ids(edge):
     found = devices_of(edge)
-    assert sorted(found) == sorted([
-        "0403:6001:A50285BI", "10c4:ea60:c8f3a4b1e2d5ec11b0a2d4c7a9e1f3b2",
-        "046d:082d:A8F4E2BF", "1-1.4", "1-4", "1-6", "1-10", "2-1.4",
-    ])
+    assert sorted(found) == sorted(
+        [
+            "0403:6001:A50285BI",
+            "10c4:ea60:c8f3a4b1e2d5ec11b0a2d4c7a9e1f3b2",
+            "046d:082d:A8F4E2BF",
+            "1-1.4",
+            "1-4",
+            "1-6",
+            "1-10",
+            "2-1.4",
+        ]
+    )
     for device in found.values():
         assert device.health is Health.HEALTHY, device.health_reason
         assert device.numa_nodes == ()  # the xHCI says numa_node = -1
@@ -80,32 +92,45 @@ def test_edge_box_serves_every_device_but_hubs_with_stable_ids(edge):
 def test_edge_box_nodes_of_each_kind(edge):
     found = devices_of(edge)
     assert nodes(found["10c4:ea60:c8f3a4b1e2d5ec11b0a2d4c7a9e1f3b2"]) == [
-        "/dev/bus/usb/001/006", "/dev/ttyUSB0"]
+        "/dev/bus/usb/001/006",
+        "/dev/ttyUSB0",
+    ]
     assert nodes(found["0403:6001:A50285BI"]) == ["/dev/bus/usb/001/005", "/dev/ttyUSB1"]
     assert nodes(found["046d:082d:A8F4E2BF"]) == [
-        "/dev/bus/usb/001/007", "/dev/video0", "/dev/video1"]
+        "/dev/bus/usb/001/007",
+        "/dev/video0",
+        "/dev/video1",
+    ]
     assert nodes(found["1-4"]) == ["/dev/bus/usb/001/003", "/dev/hidraw0", "/dev/hidraw1"]
     assert nodes(found["2-1.4"]) == ["/dev/bus/usb/002/003"]  # the Coral: libusb only
     camera = found["046d:082d:A8F4E2BF"]
     assert camera.attributes["interface_classes"] == "0x01,0x0e"
     assert camera.attributes["video_nodes"] == "/dev/video0,/dev/video1"
     assert camera.attributes["port"] == "1-1.3"
-    assert all(n.permissions == "rw" and n.container_path == n.host_path
-               for n in camera.device_nodes)
+    assert all(
+        n.permissions == "rw" and n.container_path == n.host_path for n in camera.device_nodes
+    )
 
 
 def test_edge_box_example_config_resources(edge):
     coral = resource({"vendor": ["0x1a6e", "0x18d1"], "product": ["0x089a", "0x9302"]})
-    zigbee = ResourceConfig("example.com/zigbee", "usb",
-                            {"vendor": "0x10c4", "product": "0xea60"}, {"limit": 1})
-    plc = ResourceConfig("example.com/plc", "usb",
-                         {"vendor": "0x0403", "product": "0x6001", "serial": "A50285BI"})
+    zigbee = ResourceConfig(
+        "example.com/zigbee", "usb", {"vendor": "0x10c4", "product": "0xea60"}, {"limit": 1}
+    )
+    plc = ResourceConfig(
+        "example.com/plc", "usb", {"vendor": "0x0403", "product": "0x6001", "serial": "A50285BI"}
+    )
     camera = ResourceConfig("example.com/camera", "usb", {"interface_class": "0x0e"})
-    key = ResourceConfig("example.com/licence-key", "usb",
-                         {"vendor": "0x0529", "product": "0x0001"}, {"shared": 4})
+    key = ResourceConfig(
+        "example.com/licence-key", "usb", {"vendor": "0x0529", "product": "0x0001"}, {"shared": 4}
+    )
     found = discover(edge, coral, zigbee, plc, camera, key)
     assert [d.id for d in found["example.com/licence-key"]] == [
-        "1-1.4::0", "1-1.4::1", "1-1.4::2", "1-1.4::3"]
+        "1-1.4::0",
+        "1-1.4::1",
+        "1-1.4::2",
+        "1-1.4::3",
+    ]
     assert [d.id for d in found["example.com/usb"]] == ["2-1.4"]
     assert [d.attributes["port"] for d in found["example.com/zigbee"]] == ["1-1.2"]
     assert [d.attributes["port"] for d in found["example.com/plc"]] == ["1-1.1"]
@@ -124,8 +149,9 @@ def test_shipped_edge_example_config_serves_the_edge_box(edge):
 
 def test_edge_box_survives_todays_capture(edge, tmp_path):
     """A capture keeps only some attributes (no authorized, no devpath): same devices."""
-    lines = list(capture_tree(edge.root, ["/dev/bus/usb/*/*", "/dev/tty*", "/dev/hidraw*",
-                                          "/dev/video*"]))
+    lines = list(
+        capture_tree(edge.root, ["/dev/bus/usb/*/*", "/dev/tty*", "/dev/hidraw*", "/dev/video*"])
+    )
     recaptured = FakeTree(tmp_path / "recaptured")
     recaptured.load("\n".join(lines))
     before = {d.id: nodes(d) for d in devices_of(edge).values()}
@@ -142,13 +168,30 @@ def test_usb_serial_tty_sits_under_its_port_device(tree):
 
 
 def test_cdc_acm_and_hid_shapes(tree):
-    fu.usb_device(tree, "1-3", vendor=0x2341, product=0x0043, devnum=4, serial="7583",
-                  device_class=0x02, interfaces=[
-                      fu.Interface(0x02, 0x02, 0x01, driver="cdc_acm", tty=["ttyACM0"]),
-                      fu.Interface(0x0A, driver="cdc_acm")])
-    fu.usb_device(tree, "1-4", vendor=0x046D, product=0xC52B, devnum=5, interfaces=[
-        fu.Interface(0x03, 1, 1, driver="usbhid", hidraw=["hidraw3"]),
-        fu.Interface(0x03, 1, 2, driver="usbhid", hidraw=["hidraw4"])])
+    fu.usb_device(
+        tree,
+        "1-3",
+        vendor=0x2341,
+        product=0x0043,
+        devnum=4,
+        serial="7583",
+        device_class=0x02,
+        interfaces=[
+            fu.Interface(0x02, 0x02, 0x01, driver="cdc_acm", tty=["ttyACM0"]),
+            fu.Interface(0x0A, driver="cdc_acm"),
+        ],
+    )
+    fu.usb_device(
+        tree,
+        "1-4",
+        vendor=0x046D,
+        product=0xC52B,
+        devnum=5,
+        interfaces=[
+            fu.Interface(0x03, 1, 1, driver="usbhid", hidraw=["hidraw3"]),
+            fu.Interface(0x03, 1, 2, driver="usbhid", hidraw=["hidraw4"]),
+        ],
+    )
     found = devices_of(tree)
     assert nodes(found["2341:0043:7583"]) == ["/dev/bus/usb/001/004", "/dev/ttyACM0"]
     assert nodes(found["1-4"]) == ["/dev/bus/usb/001/005", "/dev/hidraw3", "/dev/hidraw4"]
@@ -162,25 +205,44 @@ def test_interface_nodes_do_not_need_sys_class(tree):
 
 def test_links_below_an_interface_are_not_followed(tree):
     path = serial_dongle(tree)
-    fu.usb_device(tree, "1-3", vendor=0x0403, product=0x6001, devnum=4, serial="B1",
-                  interfaces=[fu.Interface(0xFF, driver="ftdi_sio", tty=["ttyUSB1"])])
+    fu.usb_device(
+        tree,
+        "1-3",
+        vendor=0x0403,
+        product=0x6001,
+        devnum=4,
+        serial="B1",
+        interfaces=[fu.Interface(0xFF, driver="ftdi_sio", tty=["ttyUSB1"])],
+    )
     other = fu.sys_path(tree, "1-3")
     tree.link(f"{path}/1-2:1.0/peer", f"{other}/1-3:1.0")  # a link into another device
     tree.link(f"{path}/1-2:1.0/loop", f"{path}")  # and one back up (a cycle)
     assert nodes(devices_of(tree)["10c4:ea60:0001"]) == ["/dev/bus/usb/001/003", "/dev/ttyUSB0"]
 
 
-@pytest.mark.parametrize("kinds, expected", [
-    (None, ["/dev/bus/usb/001/003", "/dev/ttyUSB0", "/dev/hidraw0", "/dev/video0"]),
-    ([], ["/dev/bus/usb/001/003"]),
-    (["tty"], ["/dev/bus/usb/001/003", "/dev/ttyUSB0"]),
-    (["video", "hidraw"], ["/dev/bus/usb/001/003", "/dev/hidraw0", "/dev/video0"]),
-])
+@pytest.mark.parametrize(
+    "kinds, expected",
+    [
+        (None, ["/dev/bus/usb/001/003", "/dev/ttyUSB0", "/dev/hidraw0", "/dev/video0"]),
+        ([], ["/dev/bus/usb/001/003"]),
+        (["tty"], ["/dev/bus/usb/001/003", "/dev/ttyUSB0"]),
+        (["video", "hidraw"], ["/dev/bus/usb/001/003", "/dev/hidraw0", "/dev/video0"]),
+    ],
+)
 def test_include_interfaces(tree, kinds, expected):
-    fu.usb_device(tree, "1-2", vendor=0x1234, product=0x5678, devnum=3, serial="S", interfaces=[
-        fu.Interface(0xFF, driver="cp210x", tty=["ttyUSB0"]),
-        fu.Interface(0x03, driver="usbhid", hidraw=["hidraw0"]),
-        fu.Interface(0x0E, 1, driver="uvcvideo", video=["video0"])])
+    fu.usb_device(
+        tree,
+        "1-2",
+        vendor=0x1234,
+        product=0x5678,
+        devnum=3,
+        serial="S",
+        interfaces=[
+            fu.Interface(0xFF, driver="cp210x", tty=["ttyUSB0"]),
+            fu.Interface(0x03, driver="usbhid", hidraw=["hidraw0"]),
+            fu.Interface(0x0E, 1, driver="uvcvideo", video=["video0"]),
+        ],
+    )
     settings = {} if kinds is None else {"include_interfaces": kinds}
     (device,) = discover(tree, resource(settings=settings))["example.com/usb"]
     assert nodes(device) == expected
@@ -285,50 +347,72 @@ def mixed(tmp_path_factory) -> FakeTree:
     fu.usb_controller(tree, "0000:00:14.0")
     fu.hub(tree, "1-1", devnum=2)
     serial_dongle(tree, "1-1.2", devnum=3, serial="AAA")
-    fu.usb_device(tree, "1-1.3", vendor=0x0403, product=0x6001, devnum=4, serial="BBB",
-                  interfaces=[fu.Interface(0xFF, driver="ftdi_sio", tty=["ttyUSB1"])])
-    fu.usb_device(tree, "1-4", vendor=0x046D, product=0x082D, devnum=5, device_class=0xEF,
-                  interfaces=[fu.Interface(0x0E, 1, driver="uvcvideo", video=["video0"]),
-                              fu.Interface(0x01, 1)])
+    fu.usb_device(
+        tree,
+        "1-1.3",
+        vendor=0x0403,
+        product=0x6001,
+        devnum=4,
+        serial="BBB",
+        interfaces=[fu.Interface(0xFF, driver="ftdi_sio", tty=["ttyUSB1"])],
+    )
+    fu.usb_device(
+        tree,
+        "1-4",
+        vendor=0x046D,
+        product=0x082D,
+        devnum=5,
+        device_class=0xEF,
+        interfaces=[
+            fu.Interface(0x0E, 1, driver="uvcvideo", video=["video0"]),
+            fu.Interface(0x01, 1),
+        ],
+    )
     return tree
 
 
-@pytest.mark.parametrize("selectors, expected", [
-    ({}, ["1-1.2", "1-1.3", "1-4"]),
-    ({"vendor": "0x10c4"}, ["1-1.2"]),
-    ({"vendor": "10C4"}, ["1-1.2"]),
-    ({"vendor": 0x10C4, "product": 0xEA60}, ["1-1.2"]),
-    ({"vendor": ["0x10c4", "0x0403"]}, ["1-1.2", "1-1.3"]),
-    ({"vendor": "0x10c4", "product": "0x6001"}, []),
-    ({"serial": "BBB"}, ["1-1.3"]),
-    ({"serial": ["AAA", "BBB"]}, ["1-1.2", "1-1.3"]),
-    ({"interface_class": "0x0e"}, ["1-4"]),
-    ({"interface_class": ["0xff"]}, ["1-1.2", "1-1.3"]),
-    ({"interface_class": 1}, ["1-4"]),
-    ({"device_class": "0xef"}, ["1-4"]),
-    ({"port": "1-1.3"}, ["1-1.3"]),
-    ({"port": "1-1"}, ["1-1"]),  # a hub, named explicitly
-    ({"port": "usb1"}, ["usb1"]),  # a root hub, named explicitly
-    ({"device_class": "0x09"}, ["usb1", "1-1", "usb2"]),
-    ({"vendor": "0x05e3"}, []),  # hubs are not handed out by vendor alone
-])
+@pytest.mark.parametrize(
+    "selectors, expected",
+    [
+        ({}, ["1-1.2", "1-1.3", "1-4"]),
+        ({"vendor": "0x10c4"}, ["1-1.2"]),
+        ({"vendor": "10C4"}, ["1-1.2"]),
+        ({"vendor": 0x10C4, "product": 0xEA60}, ["1-1.2"]),
+        ({"vendor": ["0x10c4", "0x0403"]}, ["1-1.2", "1-1.3"]),
+        ({"vendor": "0x10c4", "product": "0x6001"}, []),
+        ({"serial": "BBB"}, ["1-1.3"]),
+        ({"serial": ["AAA", "BBB"]}, ["1-1.2", "1-1.3"]),
+        ({"interface_class": "0x0e"}, ["1-4"]),
+        ({"interface_class": ["0xff"]}, ["1-1.2", "1-1.3"]),
+        ({"interface_class": 1}, ["1-4"]),
+        ({"device_class": "0xef"}, ["1-4"]),
+        ({"port": "1-1.3"}, ["1-1.3"]),
+        ({"port": "1-1"}, ["1-1"]),  # a hub, named explicitly
+        ({"port": "usb1"}, ["usb1"]),  # a root hub, named explicitly
+        ({"device_class": "0x09"}, ["usb1", "1-1", "usb2"]),
+        ({"vendor": "0x05e3"}, []),  # hubs are not handed out by vendor alone
+    ],
+)
 def test_selectors(mixed, selectors, expected):
     found = discover(mixed, resource(selectors))["example.com/usb"]
     assert [d.attributes["port"] for d in found] == expected
 
 
-@pytest.mark.parametrize("selectors, key", [
-    ({"vendor": "0xzz"}, "vendor"),
-    ({"vendor": "0x10000"}, "vendor"),
-    ({"product": ["0x1", "nope"]}, "product"),
-    ({"interface_class": "0x100"}, "interface_class"),
-    ({"device_class": True}, "device_class"),
-    ({"serial": " "}, "serial"),
-    ({"port": "1-1:1.0"}, "port"),
-    ({"port": "../1"}, "port"),
-    ({"pci_address": "0000:00:14.0"}, "pci_address"),
-    ({"vendor": []}, "vendor"),
-])
+@pytest.mark.parametrize(
+    "selectors, key",
+    [
+        ({"vendor": "0xzz"}, "vendor"),
+        ({"vendor": "0x10000"}, "vendor"),
+        ({"product": ["0x1", "nope"]}, "product"),
+        ({"interface_class": "0x100"}, "interface_class"),
+        ({"device_class": True}, "device_class"),
+        ({"serial": " "}, "serial"),
+        ({"port": "1-1:1.0"}, "port"),
+        ({"port": "../1"}, "port"),
+        ({"pci_address": "0000:00:14.0"}, "pci_address"),
+        ({"vendor": []}, "vendor"),
+    ],
+)
 def test_bad_selectors_name_the_key(selectors, key):
     with pytest.raises(SelectorError) as error:
         UsbDriver().check_selectors(selectors)
@@ -336,9 +420,16 @@ def test_bad_selectors_name_the_key(selectors, key):
 
 
 def test_good_selectors_pass():
-    UsbDriver().check_selectors({"vendor": ["0x10c4", 0x0403], "product": "ea60",
-                                 "serial": "A1", "interface_class": "0xff",
-                                 "device_class": 0, "port": ["1-1.2", "usb3"]})
+    UsbDriver().check_selectors(
+        {
+            "vendor": ["0x10c4", 0x0403],
+            "product": "ea60",
+            "serial": "A1",
+            "interface_class": "0xff",
+            "device_class": 0,
+            "port": ["1-1.2", "usb3"],
+        }
+    )
 
 
 # -- settings ---------------------------------------------------------------------------------
@@ -355,8 +446,7 @@ def test_limit_keeps_the_lowest_ports_every_scan(tree):
 def test_shared_devices_get_one_id_per_slot(tree):
     serial_dongle(tree)
     found = discover(tree, resource(settings={"shared": 3}))["example.com/usb"]
-    assert [d.id for d in found] == ["10c4:ea60:0001::0", "10c4:ea60:0001::1",
-                                     "10c4:ea60:0001::2"]
+    assert [d.id for d in found] == ["10c4:ea60:0001::0", "10c4:ea60:0001::1", "10c4:ea60:0001::2"]
     assert all(nodes(d) == nodes(found[0]) for d in found)
 
 
@@ -367,16 +457,19 @@ def test_limit_counts_devices_before_sharing(tree):
     assert [d.id for d in found] == ["10c4:ea60:A::0", "10c4:ea60:A::1"]
 
 
-@pytest.mark.parametrize("settings, key", [
-    ({"limit": 0}, "limit"),
-    ({"limit": "2"}, "limit"),
-    ({"limit": True}, "limit"),
-    ({"shared": 0}, "shared"),
-    ({"shared": MAX_SHARED + 1}, "shared"),
-    ({"include_interfaces": ["tty", "sound"]}, "include_interfaces"),
-    ({"include_interfaces": "tty"}, "include_interfaces"),
-    ({"count": 2}, "count"),
-])
+@pytest.mark.parametrize(
+    "settings, key",
+    [
+        ({"limit": 0}, "limit"),
+        ({"limit": "2"}, "limit"),
+        ({"limit": True}, "limit"),
+        ({"shared": 0}, "shared"),
+        ({"shared": MAX_SHARED + 1}, "shared"),
+        ({"include_interfaces": ["tty", "sound"]}, "include_interfaces"),
+        ({"include_interfaces": "tty"}, "include_interfaces"),
+        ({"count": 2}, "count"),
+    ],
+)
 def test_bad_settings_name_the_key(settings, key):
     with pytest.raises(SelectorError) as error:
         UsbDriver().check_settings(settings)
@@ -424,8 +517,9 @@ def test_odd_serial_characters_are_made_safe(tree):
 
 
 # -- NUMA -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("numa_node, expected", [(1, (1,)), (0, (0,)), (-1, ()), (None, ()),
-                                                 (7, ()), ("garbage", ())])
+@pytest.mark.parametrize(
+    "numa_node, expected", [(1, (1,)), (0, (0,)), (-1, ()), (None, ()), (7, ()), ("garbage", ())]
+)
 def test_numa_from_the_owning_pci_controller(tmp_path, numa_node, expected):
     tree = FakeTree(tmp_path / "root")
     tree.numa_nodes(2)
@@ -444,8 +538,15 @@ def test_controller_without_numa_node_inherits_its_bridges(tmp_path):
     tree = FakeTree(tmp_path / "root")
     tree.numa_nodes(2)
     bridge = tree.pci_bridge("0000:80:01.0", numa_node=1)
-    fu.usb_controller(tree, "0000:81:00.0", vendor=0x1B21, device=0x2142, numa_node=None,
-                      parent=bridge, buses=((1, "480"),))
+    fu.usb_controller(
+        tree,
+        "0000:81:00.0",
+        vendor=0x1B21,
+        device=0x2142,
+        numa_node=None,
+        parent=bridge,
+        buses=((1, "480"),),
+    )
     serial_dongle(tree)
     device = devices_of(tree)["10c4:ea60:0001"]
     assert device.numa_nodes == (1,)

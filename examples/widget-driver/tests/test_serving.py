@@ -1,0 +1,56 @@
+"""The widget driver served by the real host to the kubelet simulator, as a node would run it:
+drivers from the installed entry points, the built-in default resources, real gRPC."""
+
+from __future__ import annotations
+
+from dph_widget.testing import gaudi_server
+
+from host.config import default_config
+from host.plugins import load_drivers
+from host.testing.harness import running_host
+from host.testing.kubelet import KubeletSimulator
+from host.testing.tree import FakeTree
+
+GAUDI = "habana.ai/gaudi"
+
+
+def test_a_pod_asking_for_two_gaudi_cards_gets_both_nodes_of_each_on_one_numa_node(
+    tmp_path, short_dir, run
+):
+    tree = FakeTree(tmp_path / "root")
+    addresses = gaudi_server(tree)
+    registry = load_drivers()
+    config = default_config(registry.drivers).with_overrides(
+        plugin_dir=short_dir, host_root=str(tmp_path / "root")
+    )
+
+    async def scenario():
+        sim = KubeletSimulator(short_dir, topology_policy="single-numa-node")
+        await sim.start()
+        try:
+            async with running_host(config, registry.drivers) as app:
+                await sim.wait_for(lambda s: s.resources[GAUDI].allocatable == 8,
+                                   what="8 Gaudi cards allocatable")
+                assert "npu.intel.com/accel" not in app.served()  # no NPU on this box
+                result = await sim.allocate(GAUDI, 2, pod="train")
+                assert len(result.numa_nodes) == 1
+                assert set(result.device_ids) <= set(addresses)
+                nodes = sorted(d.host_path for d in result.response.devices)
+                indexes = sorted(addresses.index(i) for i in result.device_ids)
+                expected = [f"/dev/accel/accel{i}" for i in indexes]
+                expected += [f"/dev/accel/accel_controlD{i}" for i in indexes]
+                assert nodes == sorted(expected)
+                assert all(d.permissions == "rw" for d in result.response.devices)
+                visible = result.response.envs["HABANA_VISIBLE_DEVICES"].split(",")
+                assert sorted(int(i) for i in visible) == indexes
+
+                # A card losing its node turns Unhealthy for the kubelet after a rescan.
+                tree.remove("/dev/accel/accel7")
+                await app.rescan()
+                await sim.wait_for(lambda s: s.resources[GAUDI].allocatable == 7,
+                                   what="7 cards allocatable once accel7 lost its node")
+                assert addresses[7] in sim.resources[GAUDI].unhealthy
+        finally:
+            await sim.stop()
+
+    run(scenario())
