@@ -114,6 +114,13 @@ def short_dir(prefix: str = "dphb") -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def memory_tmp() -> Optional[str]:
+    """tmpfs for generated sysfs trees when there is one: sysfs lives in memory too, and tens
+    of thousands of small files on a VM's ext4 take a minute to create instead of seconds."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
+
+
 def child_env() -> Dict[str, str]:
     """The environment for child interpreters: this checkout first on the path."""
     env = dict(os.environ)

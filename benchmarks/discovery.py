@@ -19,7 +19,7 @@ import os
 import tempfile
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from benchmarks.core import Context, Figure, median, now
+from benchmarks.core import Context, Figure, median, memory_tmp, now
 from drivers.gpu.driver import GpuDriver
 from drivers.sriov.driver import SriovDriver
 from host.driver import Driver
@@ -156,7 +156,7 @@ def _measure_driver(ctx: Context, key: str, driver: Driver, resources: List[Reso
 
 def run(ctx: Context) -> List[Figure]:
     figures = []
-    with tempfile.TemporaryDirectory(prefix="dphb-disc-") as work:
+    with tempfile.TemporaryDirectory(prefix="dphb-disc-", dir=memory_tmp()) as work:
         if ctx.wants("discovery_ms_2048"):
             count = 2048 if not ctx.tiny else 24
             root = os.path.join(work, "gpu")

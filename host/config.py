@@ -74,6 +74,7 @@ class HostSettings:
     register_timeout_s: float = 20.0  # Register covers the kubelet's 10 s dial-back + options
     rescan_interval_s: float = 300.0  # safety rescan; 0 disables
     vanished_grace_s: float = 300.0  # how long a device gone from sysfs is still Unhealthy
+    drain_file: str = "/var/lib/device-plugin-host/drained"  # operator's Unhealthy marks
 
 
 @dataclass(frozen=True)
@@ -126,14 +127,18 @@ _HOST_NUMBERS: Mapping[str, _Range] = {
     "rescan_interval_s": _Range(1, False, 86400, zero_disables=True),
     "vanished_grace_s": _Range(0, False, 7 * 86400),
 }
-_HOST_PATHS = ("plugin_dir", "host_root", "pod_resources_socket")
+_HOST_PATHS = ("plugin_dir", "host_root", "pod_resources_socket", "drain_file")
 _HOST_ENUMS: Mapping[str, Tuple[str, ...]] = {
     "log_level": ("debug", "info", "warning", "error"),
     "log_format": ("plain", "json"),
 }
 _HOST_KEYS = tuple(field.name for field in dataclasses.fields(HostSettings))
 _TOP_KEYS = ("host", "resource")
-_RESOURCE_KEYS = ("name", "driver", "selectors", "settings")
+_RESOURCE_KEYS = (
+    "name", "driver", "selectors", "settings", "replicas", "replica_policy", "health_interval_s"
+)
+_REPLICA_POLICIES = ("pack", "spread")
+_MAX_REPLICAS = 1024
 
 
 def _check_host_value(file: str, key: str, field_name: str, value: object) -> object:
@@ -286,8 +291,38 @@ def _parse_resource(
             ) from error
         tables[part] = dict(table)
     return ResourceConfig(
-        name=name, driver=driver_name, selectors=tables["selectors"], settings=tables["settings"]
+        name=name,
+        driver=driver_name,
+        selectors=tables["selectors"],
+        settings=tables["settings"],
+        **_sharing_and_health(file, where, entry),
     )
+
+
+def _sharing_and_health(file: str, where: str, entry: Mapping[str, object]) -> Dict[str, Any]:
+    """The host-level resource keys: replicas, replica_policy, health_interval_s."""
+    out: Dict[str, Any] = {}
+    if "replicas" in entry:
+        value = entry["replicas"]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(file, f"{where}.replicas", f"must be an integer, got {_typed(value)}")
+        if not 1 <= value <= _MAX_REPLICAS:
+            raise ConfigError(file, f"{where}.replicas",
+                              f"must be between 1 and {_MAX_REPLICAS}, got {value}")
+        out["replicas"] = value
+    if "replica_policy" in entry:
+        out["replica_policy"] = _check_enum(
+            file, f"{where}.replica_policy", _REPLICA_POLICIES, entry["replica_policy"]
+        )
+        if "replicas" not in entry:
+            raise ConfigError(file, f"{where}.replica_policy",
+                              "only means something with replicas = N (N > 1)")
+    if "health_interval_s" in entry:
+        out["health_interval_s"] = _check_seconds(
+            file, f"{where}.health_interval_s", _Range(0.1, False, 86400, zero_disables=True),
+            entry["health_interval_s"],
+        )
+    return out
 
 
 def _unknown_resource_key(key: str, driver: Driver) -> str:

@@ -106,8 +106,14 @@ class ResourceConfig:
     # Built-in defaults register a resource only once it has a device, so a node without AMD
     # GPUs does not advertise amd.com/gpu = 0. Configured resources register even when empty.
     register_when_empty: bool = True
-    # Driver-independent knobs used by the host (issue-specific features read them).
-    options: Mapping[str, object] = field(default_factory=dict)
+    # Sharing: each device is advertised ``replicas`` times as ``<id>::<k>`` (time-slicing
+    # style); ``replica_policy`` "pack" fills one device's replicas first, "spread" uses
+    # distinct devices first.
+    replicas: int = 1
+    replica_policy: str = "pack"
+    # Periodic health checks (link state, AER counters) need reads no uevent announces:
+    # rescan this resource's driver this often; 0 relies on events and the safety rescan.
+    health_interval_s: float = 0.0
 
 
 def optional_int(text: Optional[str]) -> Optional[int]:

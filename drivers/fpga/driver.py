@@ -55,7 +55,10 @@ class FpgaInventory:
 
 class FpgaDriver(Driver):
     name = "fpga"
-    subsystems = ("dfl", "pci", "fpga_region")
+    # dfl-fme.N / dfl-port.N are platform devices (their /dev nodes come with "platform"
+    # events); an XRT card's render node comes with "drm" and its xclmgmt node with the
+    # "xrt_mgmt" class: without them a card would wait for the timed rescan after a reload.
+    subsystems = ("dfl", "pci", "fpga_region", "platform", "drm", "xrt_mgmt")
     selector_types = {
         **PCI_SELECTOR_TYPES,
         "kind": (str,),

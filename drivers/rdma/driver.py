@@ -34,6 +34,7 @@ from drivers.rdma.sysfs import (
     scan_char_devices,
 )
 from host.driver import Driver, SelectorError, selector_values
+from host.health import rdma_ports_problem
 from host.hostfs import HostFS
 from host.model import Device, DeviceNode, Health, ResourceConfig
 from host.pci import (
@@ -77,7 +78,7 @@ class Hca:
                 f"RDMA device {self.ib.name} ({self.function.address}): device node "
                 f"{', '.join(missing)} is missing"
             )
-        return ""
+        return rdma_ports_problem(self.ib.name, ((p.number, p.state) for p in self.ib.ports))
 
     def nodes(self) -> List[DeviceNode]:
         """The HCA's own char devices that exist now (rdma_cm is added by the caller)."""

@@ -27,6 +27,7 @@ from drivers.rdma.sysfs import CharIndex, scan_char_devices
 from drivers.sriov.selectors import index_ranges, parse_pf
 from drivers.sriov.sysfs import LINK_TYPES, VirtualFunction, list_virtual_functions
 from host.driver import Driver, SelectorError, selector_values
+from host.health import link_problem
 from host.hostfs import HostFS
 from host.model import Device, DeviceNode, Health, ResourceConfig
 from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors, matches_pci
@@ -155,6 +156,10 @@ def build_record(host: HostFS, vf: VirtualFunction, chars: Optional[CharIndex]) 
         mode = NETDEVICE
         if vf.rdma_devices and chars is not None:
             nodes, problems, has_verbs = _rdma(vf, chars)
+    if vf.pf.netdev:  # a VF of a PF whose link is down can carry no traffic
+        down = link_problem(f"PF {vf.pf.netdev.name}", vf.pf.netdev.operstate)
+        if down:
+            problems.append(down)
     return VfRecord(
         vf=vf, mode=mode, nodes=tuple(nodes), problem="; ".join(problems), has_verbs=has_verbs
     )

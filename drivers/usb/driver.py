@@ -36,7 +36,11 @@ class UsbInventory:
 
 class UsbDriver(Driver):
     name = "usb"
-    subsystems = ("usb",)
+    # The host rescans on an event once udevd has handled it, and udevd makes /dev/ttyUSB0,
+    # /dev/hidraw0 and /dev/video0 in the tty / hidraw / video4linux events that follow the
+    # USB ones: watching only "usb" would leave a new dongle Unhealthy until the next timed
+    # rescan.
+    subsystems = ("usb", "tty", "hidraw", "video4linux")
     selector_types = {
         "vendor": (str, int),
         "product": (str, int),

@@ -234,7 +234,9 @@ _CAPTURE_ATTRS = frozenset(
     "bInterfaceSubClass bInterfaceProtocol bDeviceClass manufacturer product dev uevent "
     "operstate carrier state phys_state link_layer node_guid ibdev cpulist possible address "
     "current_link_speed current_link_width aer_dev_fatal aer_dev_nonfatal aer_dev_correctable "
-    "feature_id type id afu_id interface_id name speed product_name unique_id boot_vga".split()
+    "feature_id type id afu_id interface_id name speed product_name unique_id boot_vga "
+    "compat_id bitstream_id ports_num mgmt_pf user_pf instance VBNV timestamp serial_num "
+    "authorized devpath".split()
 )
 
 

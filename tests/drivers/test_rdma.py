@@ -349,12 +349,15 @@ def test_missing_umad_node_is_left_out(tree: FakeTree, two_hcas, caplog) -> None
     assert "mlx5_0" in caplog.text
 
 
-def test_port_down_is_not_health_yet(tree: FakeTree) -> None:
+def test_port_down_is_unhealthy_and_recovers(tree: FakeTree) -> None:
     hca = mellanox_hca(tree, "0000:3b:00.0", "mlx5_0")
     tree.attr(f"{hca.path}/ports/1/state", "1: DOWN")
     device = discover(tree)[0]
-    assert device.healthy
+    assert not device.healthy
+    assert device.health_reason == "no port of mlx5_0 is ACTIVE (port 1 DOWN)"
     assert device.attributes["port_state"] == "1:DOWN"
+    tree.attr(f"{hca.path}/ports/1/state", "4: ACTIVE")
+    assert discover(tree)[0].healthy
 
 
 # -- NUMA --------------------------------------------------------------------------------------
@@ -460,8 +463,9 @@ def test_sriov_network_node(tmp_path) -> None:
     tree = load_machine("sriov-network-node", tmp_path)
     devices = by_id(discover(tree))
     assert len(devices) == 8
-    assert all(d.healthy for d in devices.values())
-    irdma = devices["0000:31:00.1"]
+    irdma = devices["0000:31:00.1"]  # its only port is DOWN: no RDMA traffic can pass
+    assert [d.id for d in devices.values() if not d.healthy] == ["0000:31:00.1"]
+    assert "no port of irdma1 is ACTIVE" in irdma.health_reason
     assert irdma.attributes["ib_device"] == "irdma1"
     assert irdma.attributes["port_state"] == "1:DOWN"
     assert paths(irdma) == ["/dev/infiniband/uverbs1", "/dev/infiniband/rdma_cm"]

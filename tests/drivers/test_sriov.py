@@ -219,12 +219,15 @@ def test_unbound_vf_is_unhealthy(tree: FakeTree) -> None:
     assert "kernel_driver" not in device.attributes
 
 
-def test_pf_link_state_is_carried_not_judged(tree: FakeTree) -> None:
-    e810(tree, operstate="down", carrier=None)
+def test_pf_link_down_makes_its_vfs_unhealthy_until_it_comes_up(tree: FakeTree) -> None:
+    pf = e810(tree, operstate="down", carrier=None)
     devices = discover(tree)
-    assert all(d.healthy for d in devices)
+    assert devices and not any(d.healthy for d in devices)
+    assert all("link of PF ens1f0 is down" in d.health_reason for d in devices)
     assert devices[0].attributes["pf_operstate"] == "down"
     assert "pf_carrier" not in devices[0].attributes
+    tree.attr(f"{pf.path}/net/ens1f0/operstate", "up")
+    assert all(d.healthy for d in discover(tree))
 
 
 # -- selectors ---------------------------------------------------------------------------------

@@ -5,15 +5,15 @@ from __future__ import annotations
 import logging
 
 import pytest
-from dph_widget.driver import WidgetDriver
-from dph_widget.testing import add_accel, add_gaudi, add_intel_npu, gaudi_server
-
 from host.config import default_config
 from host.driver import SelectorError
 from host.hostfs import HostFS
 from host.model import Health, ResourceConfig
 from host.plugins import load_drivers
 from host.testing.tree import FakeTree
+
+from dph_widget.driver import WidgetDriver
+from dph_widget.testing import add_accel, add_gaudi, add_intel_npu, gaudi_server
 
 GAUDI = ResourceConfig("habana.ai/gaudi", "widget", {"kernel_driver": "habanalabs"})
 NPU = ResourceConfig("npu.intel.com/accel", "widget", {"kernel_driver": "intel_vpu"})
@@ -91,7 +91,8 @@ def test_disabled_pci_function_is_unhealthy(tmp_path):
 def test_odd_attributes_degrade_instead_of_crashing(tmp_path):
     tree = FakeTree(tmp_path)
     function = add_gaudi(tree, "0000:19:00.0", 0, status=None, numa_node=None)
-    tree.mkdir(f"{function}/serial_number/oops")  # unreadable: a directory, not a file
+    tree.remove(f"{function}/serial_number")
+    tree.mkdir(f"{function}/serial_number")  # unreadable: a directory, not a file
     tree.attr(f"{function}/accel/accel0/uevent", "MAJOR=261\nDEVNAME=../../etc/passwd")
     (card,) = discover(tmp_path, GAUDI)["habana.ai/gaudi"]
     assert card.healthy and card.numa_nodes == ()
@@ -147,7 +148,7 @@ def test_two_minors_on_one_parent_get_distinct_ids(tmp_path):
 def test_selectors_pick_cards(tmp_path):
     tree = FakeTree(tmp_path)
     addresses = gaudi_server(tree, cards=4)
-    add_intel_npu(tree)
+    add_intel_npu(tree, index=4)
     one = ResourceConfig("x.example/one", "widget", {"pci_address": addresses[2][5:]})
     gaudi2 = ResourceConfig("x.example/g2", "widget", {"device_type": "GAUDI2"})
     intel = ResourceConfig("x.example/intel", "widget", {"vendor": "0x8086"})
@@ -157,13 +158,17 @@ def test_selectors_pick_cards(tmp_path):
     assert [d.id for d in devices["x.example/intel"]] == ["0000:00:0b.0"]
 
 
-def test_shared_setting_advertises_each_card_several_times(tmp_path):
+def test_index_env_setting_names_the_variable_carrying_the_accel_index(tmp_path):
     tree = FakeTree(tmp_path)
-    add_intel_npu(tree)
-    shared = ResourceConfig("npu.intel.com/accel", "widget", {"kernel_driver": "intel_vpu"},
-                            settings={"shared": 3})
-    ids = [d.id for d in discover(tmp_path, shared)["npu.intel.com/accel"]]
-    assert ids == ["0000:00:0b.0::0", "0000:00:0b.0::1", "0000:00:0b.0::2"]
+    gaudi_server(tree, cards=2)
+    add_intel_npu(tree, index=2)
+    qaic_style = ResourceConfig("x.example/npu", "widget", {"kernel_driver": "intel_vpu"},
+                                settings={"index_env": "NPU_VISIBLE_DEVICES"})
+    quiet = ResourceConfig("x.example/gaudi", "widget", {"kernel_driver": "habanalabs"},
+                           settings={"index_env": ""})
+    devices = discover(tmp_path, qaic_style, quiet)
+    assert [d.env for d in devices["x.example/npu"]] == [{"NPU_VISIBLE_DEVICES": "2"}]
+    assert [d.env for d in devices["x.example/gaudi"]] == [{}, {}]
 
 
 @pytest.mark.parametrize(
@@ -182,8 +187,8 @@ def test_bad_selectors_are_rejected_naming_the_key(selectors, key):
     assert error.value.key == key
 
 
-@pytest.mark.parametrize("settings", [{"shared": 0}, {"shared": 65}, {"shared": True},
-                                      {"shared": "2"}, {"limit": 1}])
+@pytest.mark.parametrize("settings", [{"index_env": "1BAD"}, {"index_env": "A-B"},
+                                      {"index_env": 3}, {"index_env": True}, {"shared": 2}])
 def test_bad_settings_are_rejected(settings):
     with pytest.raises(SelectorError):
         WidgetDriver().check_settings(settings)

@@ -3,13 +3,14 @@ drivers from the installed entry points, the built-in default resources, real gR
 
 from __future__ import annotations
 
-from dph_widget.testing import gaudi_server
-
 from host.config import default_config
 from host.plugins import load_drivers
 from host.testing.harness import running_host
 from host.testing.kubelet import KubeletSimulator
 from host.testing.tree import FakeTree
+from host.watch import InjectedSource
+
+from dph_widget.testing import gaudi_server
 
 GAUDI = "habana.ai/gaudi"
 
@@ -24,11 +25,13 @@ def test_a_pod_asking_for_two_gaudi_cards_gets_both_nodes_of_each_on_one_numa_no
         plugin_dir=short_dir, host_root=str(tmp_path / "root")
     )
 
+    events = InjectedSource()
+
     async def scenario():
         sim = KubeletSimulator(short_dir, topology_policy="single-numa-node")
         await sim.start()
         try:
-            async with running_host(config, registry.drivers) as app:
+            async with running_host(config, registry.drivers, events) as app:
                 await sim.wait_for(lambda s: s.resources[GAUDI].allocatable == 8,
                                    what="8 Gaudi cards allocatable")
                 assert "npu.intel.com/accel" not in app.served()  # no NPU on this box
@@ -44,9 +47,10 @@ def test_a_pod_asking_for_two_gaudi_cards_gets_both_nodes_of_each_on_one_numa_no
                 visible = result.response.envs["HABANA_VISIBLE_DEVICES"].split(",")
                 assert sorted(int(i) for i in visible) == indexes
 
-                # A card losing its node turns Unhealthy for the kubelet after a rescan.
+                # A card losing its node turns Unhealthy for the kubelet: the driver watches
+                # the accel subsystem, so udev's remove event rescans it.
                 tree.remove("/dev/accel/accel7")
-                await app.rescan()
+                events.inject("accel")
                 await sim.wait_for(lambda s: s.resources[GAUDI].allocatable == 7,
                                    what="7 cards allocatable once accel7 lost its node")
                 assert addresses[7] in sim.resources[GAUDI].unhealthy

@@ -20,6 +20,7 @@ from host.protocol import KUBELET_SOCKET, VERSION, api, api_grpc
 from host.resource_name import resource_name_error
 from host.testing.kubelet import allocation
 from host.testing.kubelet.allocation import MAX_NUMA_NODES, PRE_START_TIMEOUT_S, Key
+from host.testing.kubelet.podresources import PodResourcesServer
 from host.testing.kubelet.state import (
     AllocationError,
     AllocationResult,
@@ -60,7 +61,8 @@ class KubeletSimulator:
 
     ``numa_nodes`` are the machine's nodes for topology hints (default: the nodes the
     resource's devices report, as kubelet 1.36 does); ``dial_timeout`` shortens the kubelet's
-    10 s dial-back for tests of plugins that are not serving.
+    10 s dial-back for tests of plugins that are not serving. ``pod_resources_socket``: also
+    serve the PodResources v1 API there (``self.pod_resources``) while started.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class KubeletSimulator:
         numa_nodes: Optional[Sequence[int]] = None,
         topology_policy: str = "best-effort",
         dial_timeout: float = DIAL_TIMEOUT_S,
+        pod_resources_socket: Optional[str] = None,
     ) -> None:
         if topology_policy not in POLICIES:
             raise ValueError(f"topology_policy must be one of {POLICIES}, not {topology_policy!r}")
@@ -91,6 +94,9 @@ class KubeletSimulator:
         self._dialing: Set[grpc.aio.Channel] = set()
         self._cond_obj: Optional[asyncio.Condition] = None
         self._alloc_lock_obj: Optional[asyncio.Lock] = None
+        self.pod_resources: Optional[PodResourcesServer] = None
+        if pod_resources_socket is not None:
+            self.pod_resources = PodResourcesServer(self, pod_resources_socket)
 
     # -- lifecycle --
 
@@ -117,6 +123,13 @@ class KubeletSimulator:
             await server.stop(None)
             raise
         self._server = server
+        if self.pod_resources is not None:
+            try:
+                await self.pod_resources.start()
+            except BaseException:
+                self._server = None
+                await server.stop(None)
+                raise
         self._generation += 1
         self.starts += 1
         await self._notify()
@@ -127,6 +140,8 @@ class KubeletSimulator:
         server, self._server = self._server, None
         if server is not None:
             await server.stop(None)  # cancels in-flight Register calls; unlinks kubelet.sock
+        if self.pod_resources is not None:
+            await self.pod_resources.stop()
         for channel in list(self._dialing):
             await channel.close(None)
         tasks = list(self._tasks)

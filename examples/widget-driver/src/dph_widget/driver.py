@@ -12,13 +12,16 @@ Rules, chosen so that every device the kubelet sees is either usable or visibly 
   ``enable`` = 0, a card whose driver reports a ``status`` other than "operational".
 * NUMA comes from the PCI function (or the nearest ancestor for platform devices); -1 or a
   node the machine does not have means no topology at all.
-* ``settings.shared = N`` advertises each card N times (``<id>::<k>``) for drivers whose
-  hardware multiplexes contexts (the Intel NPU plugin's ``-shared-dev-num``).
+* Gaudi cards carry ``HABANA_VISIBLE_DEVICES=<accel index>``, the variable the Habana runtime
+  reads; ``settings.index_env`` names another variable (or "" for none), for stacks that find
+  their cards the same way. Several cards' values are joined with "," by the host.
+* Sharing a card between containers is the host's ``replicas`` key, not a driver setting.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Sequence, Tuple
@@ -32,11 +35,10 @@ from dph_widget.accel import AccelDevice, scan_accel
 
 log = logging.getLogger(__name__)
 
-#: The most copies ``shared`` may ask for: enough for any real context multiplexing, and a
-#: typo (10000) cannot make the kubelet track thousands of ids per card.
-MAX_SHARED = 64
 OPERATIONAL = "operational"
 HABANA_DRIVER = "habanalabs"
+HABANA_ENV = "HABANA_VISIBLE_DEVICES"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class WidgetDriver(Driver):
     name = "widget"
     subsystems = ("accel", "pci")
     selector_types = {**PCI_SELECTOR_TYPES, "device_type": (str,)}
-    setting_types = {"shared": (int,)}
+    setting_types = {"index_env": (str,)}
 
     # -- configuration -------------------------------------------------------------------
     def check_selectors(self, selectors: Mapping[str, object]) -> None:
@@ -66,9 +68,9 @@ class WidgetDriver(Driver):
 
     def check_settings(self, settings: Mapping[str, object]) -> None:
         super().check_settings(settings)
-        shared = settings.get("shared")
-        if shared is not None and not 1 <= shared <= MAX_SHARED:  # type: ignore[operator]
-            raise SelectorError("shared", f"must be 1 to {MAX_SHARED}")
+        name = settings.get("index_env")
+        if name and not _ENV_NAME.match(str(name)):
+            raise SelectorError("index_env", f"{name!r} is not an environment variable name")
 
     def default_resources(self) -> Sequence[ResourceConfig]:
         """The resource names the vendors' own plugins use, so pod specs written for those
@@ -108,16 +110,16 @@ class WidgetDriver(Driver):
 
     def select(self, inventory: AccelInventory, resource: ResourceConfig) -> List[Device]:
         selectors = resource.selectors
-        copies = int(resource.settings.get("shared", 1))  # type: ignore[call-overload]
+        index_env = resource.settings.get("index_env")
         out: List[Device] = []
         for entry in inventory.entries:
             if not _matches(entry.accel, selectors):
                 continue
             device = entry.device
-            if copies > 1:
-                out.extend(replace(device, id=f"{device.id}::{k}") for k in range(copies))
-            else:
-                out.append(device)
+            if index_env is not None:
+                env = {str(index_env): str(entry.accel.index)} if index_env else {}
+                device = replace(device, env=env)
+            out.append(device)
         return out
 
 
@@ -150,7 +152,7 @@ def _device(host: HostFS, accel: AccelDevice, device_id: str) -> Device:
     env: Dict[str, str] = {}
     if accel.kernel_driver == HABANA_DRIVER:
         # The Habana runtime finds its cards by accel index; the host joins several with ",".
-        env["HABANA_VISIBLE_DEVICES"] = str(accel.index)
+        env[HABANA_ENV] = str(accel.index)
     reason = "; ".join(problems)
     if problems:
         log.warning("accel %s (%s): unhealthy: %s", accel.name, device_id, reason)

@@ -1,0 +1,116 @@
+"""Memory and idle CPU of a host process with 64 resources and 10,000 devices in all.
+
+Setup: ``benchmarks.hostproc`` (the real HostApp, MemoryDriver devices spread over 64
+resources) registered with the kubelet simulator in this process, every ListAndWatch stream
+open. Once every resource has its snapshot and a short settle, RSS is read (psutil; MB = 10^6
+bytes), then CPU time over an idle window (30 s; quick: 5 s) as a percentage of one core.
+CPU time is the sum of the per-thread ``schedstat`` run times (nanoseconds) where Linux has
+them, else psutil's user + system (10 ms ticks).
+
+Floor: ``python -m benchmarks.floors servers --count 64``, a process that imports grpc and
+starts 64 grpc.aio servers on unix sockets, measured the same way over the same window (both
+processes idle side by side).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Dict, List, Optional, Tuple
+
+import psutil
+
+from benchmarks.core import Context, Figure, child_process, now, short_dir
+from benchmarks.hostproc import resource_name
+from host.testing.kubelet import KubeletSimulator
+
+KEYS = ("rss_mb_64r_10k", "idle_cpu_pct_64r")
+RESOURCES = 64
+DEVICES = 10_000
+
+
+def _schedstat(pid: int) -> Optional[Dict[int, int]]:
+    """Run time in ns of each thread, or None when the kernel does not expose it."""
+    out = {}
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as handle:
+                out[int(tid)] = int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return out
+
+
+class CpuMeter:
+    """CPU seconds a process spent between ``start`` and ``stop``."""
+
+    def __init__(self, pid: int) -> None:
+        self.process = psutil.Process(pid)
+        self._threads: Optional[Dict[int, int]] = None
+        self._times: Tuple[float, float] = (0.0, 0.0)
+        self.method = "schedstat"
+
+    def start(self) -> None:
+        self._threads = _schedstat(self.process.pid)
+        times = self.process.cpu_times()
+        self._times = (times.user, times.system)
+
+    def stop(self) -> float:
+        after = _schedstat(self.process.pid)
+        times = self.process.cpu_times()
+        before = self._threads
+        if before is not None and after is not None and set(before) <= set(after):
+            return sum(after[tid] - before.get(tid, 0) for tid in after) / 1e9
+        self.method = "psutil"  # a thread ended in the window: its schedstat is gone
+        return (times.user - self._times[0]) + (times.system - self._times[1])
+
+
+async def _measure(ctx: Context) -> List[Figure]:
+    idle_s = ctx.pick(30, 5, 1)
+    resources = RESOURCES if not ctx.tiny else 4
+    devices = DEVICES if not ctx.tiny else 100
+    names = [resource_name(i) for i in range(resources)]
+
+    with short_dir() as host_dir, short_dir() as bare_dir:
+        sim = KubeletSimulator(host_dir)
+        await sim.start()
+        try:
+            host_args = ["-m", "benchmarks.hostproc", "--resources", str(resources),
+                         "--devices", str(devices), "--plugin-dir", host_dir]
+            bare_args = ["-m", "benchmarks.floors", "servers", "--count", str(resources),
+                         "--dir", bare_dir]
+            async with child_process(host_args, timeout=120) as host, \
+                    child_process(bare_args, timeout=120) as bare:
+                await sim.wait_for(
+                    lambda k: all(k.resources[n].live for n in names)
+                    and sum(len(k.resources[n].devices) for n in names) == devices,
+                    timeout=120, what=f"{resources} resources with {devices} devices")
+                await asyncio.sleep(ctx.pick(2, 1, 0))  # let start-up garbage settle
+                rss = {name: psutil.Process(p.pid).memory_info().rss / 1e6
+                       for name, p in (("host", host), ("bare", bare))}
+                meters = {"host": CpuMeter(host.pid), "bare": CpuMeter(bare.pid)}
+                for meter in meters.values():
+                    meter.start()
+                started = now()
+                ctx.progress(f"idle for {idle_s} s")
+                await asyncio.sleep(idle_s)
+                cpu = {name: meter.stop() for name, meter in meters.items()}
+                wall = now() - started
+        finally:
+            await sim.stop()
+    pct = {name: 100 * seconds / wall for name, seconds in cpu.items()}
+    size = f"{resources} resources, {devices} devices"
+    return [
+        Figure("rss_mb_64r_10k", rss["host"], "MB", rss["bare"],
+               [f"{size}; floor: 64 bare grpc.aio servers"]),
+        # A floor of 0.000 is possible: the ratio is then null and the figure stands alone.
+        Figure("idle_cpu_pct_64r", pct["host"], "%", pct["bare"],
+               [f"{wall:.1f} s idle, {meters['host'].method}; host {cpu['host'] * 1000:.1f} ms,"
+                f" floor {cpu['bare'] * 1000:.1f} ms of CPU"]),
+    ]
+
+
+def run(ctx: Context) -> List[Figure]:
+    if not any(ctx.wants(key) for key in KEYS):
+        return []
+    return [f for f in asyncio.run(_measure(ctx)) if ctx.wants(f.key)]

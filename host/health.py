@@ -1,0 +1,92 @@
+"""Health checks shared by the drivers, and the host's stateful ones.
+
+Each check names its cause, so a device's ``health_reason`` tells the operator what to fix,
+and every check is re-evaluated on each scan: an Unhealthy device comes back Healthy as soon as
+its cause clears (peers that never let a device recover are a common complaint). Checks that
+need state across scans (AER error counters *rising*) live in ``AerTracker`` on the host side;
+drivers stay stateless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, Mapping, Optional, Tuple
+
+from host.hostfs import HostFS
+
+#: Link states that mean "no traffic can pass" (operstate values from the kernel's IF_OPER_*).
+LINK_DOWN = frozenset({"down", "lowerlayerdown", "notpresent"})
+
+
+def link_problem(interface: str, operstate: Optional[str]) -> str:
+    """A netdev whose link is down; "unknown"/"dormant"/missing are not judged (many drivers
+    never report operstate, and a VF's link only comes up inside its pod)."""
+    if operstate and operstate.lower() in LINK_DOWN:
+        return f"link of {interface} is {operstate}"
+    return ""
+
+
+def rdma_ports_problem(device: str, states: Iterable[Tuple[int, Optional[str]]]) -> str:
+    """An RDMA device none of whose ports is ACTIVE (ports without a state are not judged)."""
+    known = [(number, state) for number, state in states if state]
+    if not known or any(state.upper() == "ACTIVE" for _, state in known):
+        return ""
+    listing = ", ".join(f"port {number} {state}" for number, state in known)
+    return f"no port of {device} is ACTIVE ({listing})"
+
+
+@dataclass(frozen=True)
+class AerCounts:
+    fatal: int
+    nonfatal: int
+
+
+def read_aer(host: HostFS, pci_address: str) -> Optional[AerCounts]:
+    """The function's AER totals (``TOTAL_ERR_FATAL``/``TOTAL_ERR_NONFATAL``), or None where
+    the kernel has no AER statistics for it."""
+    totals = []
+    for name, key in (("aer_dev_fatal", "TOTAL_ERR_FATAL"),
+                      ("aer_dev_nonfatal", "TOTAL_ERR_NONFATAL")):
+        text = host.read(f"/sys/bus/pci/devices/{pci_address}/{name}")
+        if text is None:
+            return None
+        value = None
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[0] == key and parts[1].isdigit():
+                value = int(parts[1])
+        if value is None:
+            return None
+        totals.append(value)
+    return AerCounts(*totals)
+
+
+class AerTracker:
+    """Turns cumulative AER counters into "errors since the last check".
+
+    A device whose fatal or non-fatal count rose since the previous check is Unhealthy until a
+    check sees no new errors: old errors from boot time never condemn a device forever.
+    """
+
+    def __init__(self) -> None:
+        self._last: Dict[Tuple[str, str], AerCounts] = {}
+
+    def problem(self, resource: str, pci_address: str, counts: Optional[AerCounts]) -> str:
+        key = (resource, pci_address)
+        if counts is None:
+            self._last.pop(key, None)
+            return ""
+        before = self._last.get(key)
+        self._last[key] = counts
+        if before is None:
+            return ""
+        rises = []
+        if counts.fatal > before.fatal:
+            rises.append(f"fatal {before.fatal}->{counts.fatal}")
+        if counts.nonfatal > before.nonfatal:
+            rises.append(f"non-fatal {before.nonfatal}->{counts.nonfatal}")
+        return f"PCIe AER errors rising on {pci_address} ({', '.join(rises)})" if rises else ""
+
+    def forget(self, resource: str, keep: Mapping[str, object]) -> None:
+        for key in [k for k in self._last if k[0] == resource and k[1] not in keep]:
+            del self._last[key]
