@@ -56,6 +56,48 @@ def natural_key(text: str) -> Tuple[int, str]:
     return (len(text), text)
 
 
+def replica_preferred(
+    available: Sequence[Device],
+    must_include: Sequence[Device],
+    size: int,
+    replicas: int,
+    policy: str,
+) -> List[str]:
+    """Pick replica ids (``<device>::<k>``) by policy.
+
+    "pack" fills the devices that are already most used first (then the must-include ones),
+    keeping whole devices free for exclusive-minded pods; "spread" takes one replica from
+    each of the least-used devices in turn, so co-located containers contend least.
+    """
+    chosen: Dict[str, Device] = {d.id: d for d in must_include}
+    groups: Dict[str, List[Device]] = {}
+    for device in sorted(available, key=lambda d: natural_key(d.id)):
+        if device.id not in chosen:
+            groups.setdefault(device.attributes.get("replica_of", device.id), []).append(device)
+    must_groups = {d.attributes.get("replica_of", d.id) for d in must_include}
+
+    def in_use(group: str) -> int:
+        return replicas - len(groups[group])
+
+    if policy == "spread":
+        order = sorted(groups, key=lambda g: (in_use(g), natural_key(g)))
+        while len(chosen) < size and any(groups[g] for g in order):
+            for group in order:
+                if len(chosen) >= size:
+                    break
+                if groups[group]:
+                    device = groups[group].pop(0)
+                    chosen[device.id] = device
+    else:
+        order = sorted(groups, key=lambda g: (g not in must_groups, -in_use(g), natural_key(g)))
+        for group in order:
+            for device in groups[group]:
+                if len(chosen) >= size:
+                    break
+                chosen[device.id] = device
+    return list(chosen)
+
+
 _NO_TOPOLOGY: FrozenSet[int] = frozenset()
 
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Set, Union
 
 from host.config import Config
+from host.drain import read_drains
 from host.driver import Driver, UnavailableDriver
 from host.hostfs import HostFS
+from host.inotify import DirectoryWatch
 from host.inventory import Inventory
 from host.isolation import DriverCalls
 from host.model import ResourceConfig
@@ -57,6 +60,8 @@ class HostApp:
         self._expiry: Optional[asyncio.TimerHandle] = None
         self._stopped = False
         self._events_spec = events
+        self._drain_watch: Optional[DirectoryWatch] = None
+        self._health_timers: Dict[str, asyncio.TimerHandle] = {}
         self.events: Optional[EventSource] = None
         self.scheduler = RescanScheduler(self._drivers_for_subsystem, self.request_rescan)
 
@@ -64,10 +69,12 @@ class HostApp:
     async def start(self) -> None:
         self.registrar.start()
         self._start_events()  # before the first scan: nothing plugged in meanwhile is missed
+        self._watch_drains()
         await self.inventory.scan()
         for resource in self.config.resources:
             self._sync(resource)
         self._arm_safety_rescan()
+        self._arm_health_checks()
         self._arm_expiry()
         self._check_ready()
 
@@ -75,6 +82,10 @@ class HostApp:
         """Stop serving and remove every socket of ours; hung driver threads are abandoned."""
         self._stopped = True
         self.scheduler.close()
+        if self._drain_watch is not None:
+            self._drain_watch.close()
+        for timer in self._health_timers.values():
+            timer.cancel()
         if self.events is not None:
             self.events.close()
         for timer in self._timers:
@@ -131,6 +142,105 @@ class HostApp:
         if self._stopped:
             return
         asyncio.get_running_loop().create_task(self.rescan(drivers))
+
+    # -- live reload ------------------------------------------------------------------------
+    async def reload(self, config: Config) -> None:
+        """Apply a new, already validated config without a blip for unchanged resources.
+
+        Unchanged resources keep their socket, registration and stream. Changed ones keep
+        them too when the kubelet-visible options are the same (new selectors or replicas
+        just send a new snapshot); otherwise they re-register. New ones register; removed
+        ones stop serving. Host settings that need a restart are reported, not applied.
+        """
+        old = {r.name: r for r in self.config.resources}
+        new = {r.name: r for r in config.resources}
+        for field in ("plugin_dir", "host_root", "pod_resources_socket", "drain_file"):
+            if getattr(config.host, field) != getattr(self.config.host, field):
+                log.warning("reload: [host] %s changed; it takes effect at the next restart",
+                            field)
+        self.config = config
+        self.inventory.set_resources(config.resources)
+        for name in set(old) - set(new):
+            log.info("reload: resource %s removed; it stops serving", name)
+            await self.registrar.remove(name)
+            self.snapshots.pop(name, None)
+            self.services.pop(name, None)
+        rescan: Set[str] = set()
+        for name, resource in new.items():
+            before = old.get(name)
+            if before == resource:
+                continue
+            rescan.add(resource.driver)
+            service = self.services.get(name)
+            if before is None or service is None:
+                log.info("reload: resource %s added", name)
+                continue  # served by _sync after the rescan
+            driver = self.drivers.get(resource.driver) or UnavailableDriver(
+                resource.driver, "not installed")
+            if before.driver != resource.driver or service.needs_options_change(
+                    resource, driver):
+                log.info("reload: resource %s changed its driver or options; re-registering",
+                         name)
+                await self.registrar.remove(name)
+                self.snapshots.pop(name, None)
+                self.services.pop(name, None)
+            else:
+                log.info("reload: resource %s changed; same stream, new snapshot", name)
+                service.resource = resource
+        await self.rescan(rescan)
+        for resource in config.resources:
+            self._sync(resource)
+        self._arm_health_checks()
+
+    # -- periodic health and operator drains ---------------------------------------------------
+    def _arm_health_checks(self) -> None:
+        loop = asyncio.get_running_loop()
+        wanted = {r.name: r for r in self.config.resources if r.health_interval_s > 0}
+        for name in list(self._health_timers):
+            if name not in wanted:
+                self._health_timers.pop(name).cancel()
+
+        def check(resource: ResourceConfig) -> None:
+            if self._stopped:
+                return
+            self.request_rescan([resource.driver])
+            self._health_timers[resource.name] = loop.call_later(
+                resource.health_interval_s, check, resource)
+
+        for name, resource in wanted.items():
+            timer = self._health_timers.pop(name, None)
+            if timer is not None:
+                timer.cancel()
+            self._health_timers[name] = loop.call_later(resource.health_interval_s, check,
+                                                         resource)
+
+    def _watch_drains(self) -> None:
+        path = self.config.host.drain_file
+        self._apply_drains()
+        directory = os.path.dirname(path)
+        name = os.path.basename(path)
+
+        def changed(names: Optional[List[str]]) -> None:
+            if names is None or name in names:
+                self._apply_drains()
+
+        try:
+            self._drain_watch = DirectoryWatch(directory, changed)
+            self._drain_watch.start()
+        except OSError as error:
+            log.warning("cannot watch the drain file %s: %s", path, error)
+            self._drain_watch = None
+
+    def _apply_drains(self) -> None:
+        drains = read_drains(self.config.host.drain_file)
+        for (resource, device), reason in drains.items():
+            if (resource, device) not in self.inventory.drains:
+                log.warning("resource %s: device %s drained by an operator: %s", resource,
+                            device, reason)
+        for name in self.inventory.set_drains(drains):
+            resource = self.inventory.resources.get(name)
+            if resource is not None:
+                self._sync(resource)
 
     def _start_events(self) -> None:
         spec = self._events_spec

@@ -4,23 +4,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import logging
 import os
 import signal
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from host import __version__
 from host.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
+from host.drain import read_drains, update_drains
 from host.driver import Driver
 from host.hostfs import HostFS
+from host.inotify import DirectoryWatch
 from host.inventory import Inventory
 from host.isolation import DriverCalls
 from host.logs import setup_logging
 from host.model import Device
 from host.plugins import DriverRegistry, load_drivers
 from host.systemd import Notifier
+
+if TYPE_CHECKING:
+    from host.app import HostApp
 
 log = logging.getLogger("host")
 
@@ -48,6 +54,17 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run the real host against a sample tree and simulator")
     demo.add_argument("--keep", action="store_true", help="keep the temporary directory")
+
+    drain = sub.add_parser("drain", help="mark a device Unhealthy by hand (for draining)")
+    drain.add_argument("resource", nargs="?")
+    drain.add_argument("device", nargs="?")
+    drain.add_argument("--reason", default="drained by an operator")
+    drain.add_argument("--config", help=f"TOML config (default {DEFAULT_CONFIG_PATH})")
+    drain.add_argument("--list", action="store_true", help="print the current marks")
+    undrain = sub.add_parser("undrain", help="remove a device's drain mark")
+    undrain.add_argument("resource")
+    undrain.add_argument("device")
+    undrain.add_argument("--config", help=f"TOML config (default {DEFAULT_CONFIG_PATH})")
 
     capture = sub.add_parser("capture", help="write this machine's device tree as a .tree file")
     capture.add_argument("--host-root", default="/")
@@ -90,16 +107,105 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_CONFIG
     if args.command == "discover":
         return _discover(config, registry, as_json=args.json)
+    if args.command in ("drain", "undrain"):
+        return _drain(args, config)
     setup_logging(config.host.log_level, config.host.log_format)
-    return _run(config, registry.with_unavailable())
+    return _run(config, registry, args.config)
 
 
 # -- run -------------------------------------------------------------------------------------
-def _run(config: Config, drivers: Dict[str, Driver]) -> int:
+def _drain(args: argparse.Namespace, config: Config) -> int:
+    path = config.host.drain_file
+    if args.command == "drain" and (args.list or not args.resource):
+        for (resource, device), reason in sorted(read_drains(path).items()):
+            print(f"{resource}\t{device}\t{reason}")
+        return 0
+    if not args.device:
+        print("device-plugin-host drain: give RESOURCE and DEVICE (or --list)", file=sys.stderr)
+        return EXIT_CONFIG
+    reason = args.reason if args.command == "drain" else None
+    update_drains(path, (args.resource, args.device), reason)
+    verb = "drained" if reason else "undrained"
+    print(f"{verb} {args.resource} {args.device} ({path}); a running host applies it at once")
+    return 0
+
+
+class _ConfigReloader:
+    """Reload on SIGHUP or when the config file changes (a ConfigMap update swaps its
+    ``..data`` link); an invalid new file is rejected and the running set stays."""
+
+    def __init__(self, app: HostApp, path: Optional[str], registry: DriverRegistry,
+                 overrides: Dict[str, Optional[str]]) -> None:
+        self.app = app
+        self.path = path
+        self.registry = registry
+        self.overrides = overrides
+        self._digest = self._read_digest()
+        self._watch: Optional[DirectoryWatch] = None
+        self._pending: Optional[asyncio.TimerHandle] = None
+
+    def _read_digest(self) -> Optional[bytes]:
+        if not self.path:
+            return None
+        try:
+            with open(self.path, "rb") as handle:
+                return hashlib.sha256(handle.read()).digest()
+        except OSError:
+            return None
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, lambda: self.schedule(force=True))
+        if self.path:
+            name = os.path.basename(self.path)
+
+            def changed(names: Optional[List[str]]) -> None:
+                if names is None or name in names or "..data" in names:
+                    self.schedule()
+
+            self._watch = DirectoryWatch(os.path.dirname(os.path.abspath(self.path)), changed)
+            self._watch.start()
+
+    def schedule(self, force: bool = False) -> None:
+        """Debounced: editors and ConfigMap updates write in several steps."""
+        if self._pending is not None:
+            self._pending.cancel()
+        self._pending = asyncio.get_running_loop().call_later(
+            0.05, lambda: asyncio.ensure_future(self.reload(force)))
+
+    async def reload(self, force: bool) -> None:
+        self._pending = None
+        digest = self._read_digest()
+        if not force and digest == self._digest:
+            return
+        self._digest = digest
+        try:
+            config = load_config(self.path, self.registry.with_unavailable())
+            config = config.with_overrides(**self.overrides)
+        except ConfigError as error:
+            log.error("reload rejected, still serving the previous configuration: %s", error)
+            return
+        log.info("reloading the configuration from %s", self.path or "built-in defaults")
+        await self.app.reload(config)
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+        if self._pending is not None:
+            self._pending.cancel()
+
+
+def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -> int:
     from host.app import HostApp
+
+    drivers = registry.with_unavailable()
+    if config_path is None and os.path.lexists(DEFAULT_CONFIG_PATH):
+        config_path = DEFAULT_CONFIG_PATH
 
     async def serve() -> None:
         app = HostApp(config, drivers)
+        reloader = _ConfigReloader(app, config_path, registry, {
+            "plugin_dir": config.host.plugin_dir, "host_root": config.host.host_root})
         notifier = Notifier()
         app.on_ready.append(lambda: notifier.ready(
             f"serving {len(app.served())} resources, all registered"))
@@ -113,6 +219,7 @@ def _run(config: Config, drivers: Dict[str, Driver]) -> int:
         try:
             notifier.start_watchdog()
             await app.start()
+            reloader.start()
             if not app.ready.is_set():
                 notifier.status("serving; waiting for the kubelet to accept registrations")
             await stop.wait()
@@ -120,6 +227,7 @@ def _run(config: Config, drivers: Dict[str, Driver]) -> int:
             notifier.stopping()
         finally:
             notifier.stop_watchdog()
+            reloader.close()
             await app.stop()
 
     asyncio.run(serve())

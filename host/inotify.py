@@ -117,7 +117,7 @@ class DirectoryWatch:
     changed; ``None`` means "the directory itself appeared or vanished: re-check everything".
     """
 
-    ENTRY_MASK = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_ATTRIB
+    ENTRY_MASK = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_ATTRIB | IN_CLOSE_WRITE
     SELF_MASK = IN_DELETE_SELF | IN_MOVE_SELF
 
     def __init__(self, path: str, on_change: Callable[[Optional[List[str]]], None]) -> None:

@@ -13,10 +13,12 @@ import asyncio
 import logging
 import re
 import time
-from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set
+from dataclasses import dataclass, replace
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
+from host.drain import DrainKey
 from host.driver import Driver
+from host.health import AerCounts, AerTracker, read_aer
 from host.hostfs import HostFS
 from host.isolation import DriverCallError, DriverCalls
 from host.model import Device, Health, ResourceConfig
@@ -62,9 +64,16 @@ class Inventory:
         self.status: Dict[str, DriverStatus] = {}
         self._vanished: Dict[str, Dict[str, float]] = {}  # resource -> id -> monotonic time
         self._machine_numa = host.machine_numa_nodes()
+        # What the driver reported last, checked but before host-level health and replicas,
+        # so a drain mark or a config change re-publishes without rescanning.
+        self._reported: Dict[str, List[Device]] = {}
+        self._aer = AerTracker()
+        self._aer_problems: Dict[str, Dict[str, str]] = {}  # resource -> pci address -> why
+        self.drains: Dict[DrainKey, str] = {}
         self.set_resources(resources)
 
     def set_resources(self, resources: Sequence[ResourceConfig]) -> None:
+        old = self.resources if hasattr(self, "resources") else {}
         self.resources = {r.name: r for r in resources}
         self.by_driver = {}
         for resource in resources:
@@ -74,6 +83,17 @@ class Inventory:
             if name not in self.resources:
                 del self.devices[name]
                 self._vanished.pop(name, None)
+                self._reported.pop(name, None)
+        # A resource whose config changed (selectors, replicas) is rescanned by the caller;
+        # its replicas are re-derived right away from what the driver last reported.
+        for name, resource in self.resources.items():
+            if name in old and old[name] != resource:
+                # Ids that a config change retires (new selectors, replicas) are not devices
+                # gone from the host: no Unhealthy grace period for them.
+                self.devices[name] = []
+                self._vanished.pop(name, None)
+                if name in self._reported:
+                    self._publish(name, self._host_view(resource, self._reported[name]))
         for driver in self.by_driver:
             self.status.setdefault(driver, DriverStatus(driver))
 
@@ -123,13 +143,10 @@ class Inventory:
         try:
             if driver is None:
                 raise DriverCallError(name, "discover", "driver is not loaded")
-            result = await self.calls.call(
-                name, "discover", self.discover_timeout_s, driver.discover, self.host,
+            result, aer = await self.calls.call(
+                name, "discover", self.discover_timeout_s, self._discover_and_probe, driver,
                 list(resources),
             )
-            if not isinstance(result, Mapping):
-                raise DriverCallError(name, "discover",
-                                      f"returned {type(result).__name__}, not a mapping")
         except DriverCallError as error:
             status.errors += 1
             status.last_error = str(error)
@@ -143,11 +160,83 @@ class Inventory:
         changed = set()
         for resource in resources:
             devices = self._sanitize(name, resource.name, result.get(resource.name, ()))
-            if self._publish(resource.name, devices):
+            self._reported[resource.name] = devices
+            if resource.health_interval_s > 0:
+                self._aer_problems[resource.name] = {
+                    address: self._aer.problem(resource.name, address, counts)
+                    for address, counts in aer.get(resource.name, {}).items()
+                }
+            if self._publish(resource.name, self._host_view(resource, devices)):
                 changed.add(resource.name)
         for extra in set(result) - {r.name for r in resources}:
             log.warning("driver %r returned devices for %r, which it was not asked for", name,
                         extra)
+        return changed
+
+    def _discover_and_probe(
+        self, driver: Driver, resources: List[ResourceConfig]
+    ) -> Tuple[Mapping[str, Sequence[Device]], Dict[str, Dict[str, Optional[AerCounts]]]]:
+        """Runs in the driver's worker thread: the driver's snapshot, then the host's own
+        periodic reads (AER counters) for resources that asked for health checks."""
+        result = driver.discover(self.host, resources)
+        if not isinstance(result, Mapping):
+            raise TypeError(f"discover returned {type(result).__name__}, not a mapping")
+        aer: Dict[str, Dict[str, Optional[AerCounts]]] = {}
+        for resource in resources:
+            if resource.health_interval_s <= 0:
+                continue
+            addresses = set()
+            try:
+                for device in result.get(resource.name, ()):
+                    address = getattr(device, "attributes", {}).get("pci_address")
+                    if isinstance(address, str):
+                        addresses.add(address)
+            except TypeError:
+                continue  # garbage: _sanitize reports it
+            aer[resource.name] = {a: read_aer(self.host, a) for a in sorted(addresses)}
+        return result, aer
+
+    def _host_view(self, resource: ResourceConfig, devices: List[Device]) -> List[Device]:
+        """Host-level health (AER errors rising, operator drains), then replicas."""
+        aer = self._aer_problems.get(resource.name, {})
+        out: List[Device] = []
+        for device in devices:
+            reasons = [device.health_reason] if not device.healthy and device.health_reason \
+                else []
+            address = device.attributes.get("pci_address")
+            if address and aer.get(address):
+                reasons.append(aer[address])
+            drained = self.drains.get((resource.name, device.id))
+            if drained:
+                reasons.append(f"drained by an operator: {drained}")
+            if reasons and (device.healthy or len(reasons) > 1):
+                device = device.with_health(Health.UNHEALTHY, "; ".join(reasons))
+            out.append(device)
+        if resource.replicas <= 1:
+            return out
+        expanded = []
+        for device in out:
+            for k in range(resource.replicas):
+                replica = replace(device, id=f"{device.id}::{k}",
+                                  attributes={**device.attributes, "replica_of": device.id})
+                drained = self.drains.get((resource.name, replica.id))
+                if drained and replica.healthy:
+                    replica = replica.with_health(Health.UNHEALTHY,
+                                                  f"drained by an operator: {drained}")
+                expanded.append(replica)
+        return expanded
+
+    def set_drains(self, drains: Mapping[DrainKey, str]) -> Set[str]:
+        """Apply the operator's marks; the resources whose advertised health changed."""
+        touched = {r for r, _ in drains} | {r for r, _ in self.drains}
+        self.drains = dict(drains)
+        changed = set()
+        for name in touched:
+            resource = self.resources.get(name)
+            if resource is not None and name in self._reported and self._publish(
+                name, self._host_view(resource, self._reported[name])
+            ):
+                changed.add(name)
         return changed
 
     def _degrade(self, resources: List[ResourceConfig], reason: str) -> Set[str]:
@@ -196,8 +285,6 @@ class Inventory:
                 for n in numa
             ):
                 problems.append(f"device {device_id}: NUMA nodes {numa!r} are not on this machine")
-                from dataclasses import replace
-
                 device = replace(device, numa_nodes=())
             out.append(device)
         for problem in problems[:5]:

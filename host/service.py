@@ -68,6 +68,15 @@ class DevicePluginService:
         self._has_allocate = implements(driver, "allocate")
         self._has_preferred = implements(driver, "preferred")
 
+    def needs_options_change(self, resource: ResourceConfig, driver: Driver) -> bool:
+        """Would this resource config advertise different options? Options are read by the
+        kubelet only at registration, so a change means registering again."""
+        try:
+            wanted = bool(driver.needs_pre_start(resource))
+        except Exception:
+            wanted = False
+        return wanted != self.options.pre_start_required
+
     def _needs_pre_start(self) -> bool:
         try:
             return bool(self.driver.needs_pre_start(self.resource))
@@ -243,6 +252,11 @@ class DevicePluginService:
             picked = await self._driver_preferred(request, set(available_ids), must)
             if picked is not None:
                 return picked
+        if self.resource.replicas > 1:
+            return allocation.replica_preferred(
+                available, must_devices, size, self.resource.replicas,
+                self.resource.replica_policy,
+            )
         return allocation.numa_compact(available, must_devices, size)
 
     async def _driver_preferred(

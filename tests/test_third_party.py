@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import importlib.util
+import importlib.metadata
 import inspect
 import json
 import os
@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import pytest
 
@@ -61,9 +61,12 @@ def _clean_env(**extra: str) -> Dict[str, str]:
     return env
 
 
-def _pip(args: Sequence[str], what: str, cwd: Path) -> None:
+def _pip(args: Sequence[str], what: str, cwd: Path,
+         installer: Sequence[str] = (sys.executable,)) -> None:
+    """Run pip; ``installer`` is the interpreter, then options that go before the command."""
+    python, *options = installer
     result = subprocess.run(
-        [sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=600,
+        [python, "-m", "pip", *options, *args], capture_output=True, text=True, timeout=600,
         env=_clean_env(), cwd=cwd,
     )
     if result.returncode != 0:
@@ -93,18 +96,31 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     widget = _source_copy(EXAMPLE, work / "src" / "widget-driver", ("src",))
     wheels = work / "wheels"
     # Without isolation the build reuses this interpreter's setuptools: no download.
-    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    isolation = ["--no-build-isolation"] if _version("setuptools") >= (77,) else []
     _pip(["wheel", "--no-deps", *isolation, "-q", "-w", str(wheels), str(main), str(widget)],
          "building the wheels", work)
     built = sorted(str(p) for p in wheels.glob("*.whl"))
     assert len(built) == 2, built
     path = work / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True,
-                   env=_clean_env(), timeout=120)
-    # pip --python installs into the new venv without bootstrapping a pip inside it.
-    _pip(["--python", str(path / "bin" / "python"), "install", "-q", "--prefer-binary",
-          *built, "pytest>=8"], "installing into the fresh venv", work)
+    # pip --python (pip 22.3+) installs into the new venv without bootstrapping a pip in it,
+    # which saves most of the venv's creation time; an older pip gets a venv with its own.
+    outside = _version("pip") >= (22, 3)
+    subprocess.run([sys.executable, "-m", "venv", *(["--without-pip"] if outside else []),
+                    str(path)], check=True, env=_clean_env(), timeout=120)
+    python = path / "bin" / "python"
+    installer = (sys.executable, "--python", str(python)) if outside else (str(python),)
+    _pip(["install", "-q", "--prefer-binary", *built, "pytest>=8"],
+         "installing into the fresh venv", work, installer)
     return path
+
+
+def _version(distribution: str) -> Tuple[int, ...]:
+    """An installed distribution's version as numbers; () when it is not installed."""
+    try:
+        text = importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
 
 
 def _run_in(venv: Path, *args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -160,7 +176,7 @@ def test_discover_in_the_fresh_venv_serves_the_widget_devices(venv, tmp_path, de
                      str(defaults_config), "--host-root", str(tmp_path / "root"), "--json",
                      cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "failed" not in result.stderr.lower(), result.stderr  # every entry point loaded
+    assert "other drivers keep loading" not in result.stderr, result.stderr  # all loaded
     rows = [row for row in json.loads(result.stdout) if row["driver"] == "widget"]
     assert [row["resource"] for row in rows] == [GAUDI] * 4
     assert [row["id"] for row in rows] == addresses

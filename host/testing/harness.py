@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
+import tempfile
 from typing import AsyncIterator, Dict, Sequence, Union
 
 from host.app import HostApp
@@ -13,6 +16,11 @@ from host.watch import EventSource
 
 
 def make_config(plugin_dir: str, resources: Sequence[ResourceConfig], **host: object) -> Config:
+    """A config for tests: the drain file defaults to a per-plugin-dir temp path (never the
+    real /var/lib, never inside the plugin dir)."""
+    digest = hashlib.sha1(plugin_dir.encode()).hexdigest()[:12]
+    host.setdefault("drain_file", os.path.join(tempfile.gettempdir(), f"dph-drain-{digest}",
+                                               "drained"))
     settings = HostSettings(plugin_dir=plugin_dir, **host)  # type: ignore[arg-type]
     return Config(path=None, host=settings, resources=tuple(resources), is_default=False)
 

@@ -1,0 +1,414 @@
+"""The Kubernetes manifests and the image recipe in deploy/.
+
+Base and every overlay are rendered by kubectl's built-in kustomize, exactly as
+``kubectl apply -k`` renders them and without a cluster or network, then every object is
+checked against the Kubernetes OpenAPI schemas that kubernetes-validate ships (strict: a
+misspelled field fails) and the rendered ConfigMap's TOML goes through the real
+``python -m host check-config``. The remaining tests hold what neither a schema nor
+check-config can see: the mounts must match the paths in the config, the rules the API server
+adds on top of the schema, and the image recipe must agree with the DaemonSet.
+
+kubectl is installed on this project's development and CI machines; where it is missing (a
+laptop) the tests that render are skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import posixpath
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import kubernetes_validate
+import pytest
+import yaml
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from host.config import parse_config
+from host.plugins import load_drivers
+
+try:
+    import tomllib
+except ImportError:  # pragma: no cover - Python < 3.11
+    import tomli as tomllib  # type: ignore[no-redef]
+
+REPO = Path(__file__).resolve().parents[1]
+KUBE = REPO / "deploy" / "kubernetes"
+CONTAINERFILE = REPO / "deploy" / "container" / "Containerfile"
+CONSTRAINTS = REPO / "deploy" / "container" / "constraints.txt"
+IGNOREFILE = REPO / "deploy" / "container" / "Containerfile.dockerignore"
+
+# recursiveReadOnly (used on /sys and /dev) exists from Kubernetes 1.30 on.
+OLDEST_KUBERNETES = "1.30"
+NAME = "device-plugin-host"
+CONFIG_KEY = "config.toml"
+ENTRYPOINT = ["device-plugin-host", "run", "--config", "/etc/device-plugin-host/config.toml"]
+IMAGE_PYTHON = "3.12"
+
+KUSTOMIZATIONS = [
+    "base",
+    *sorted(f"overlays/{path.parent.name}" for path in KUBE.glob("overlays/*/kustomization.yaml")),
+]
+
+
+# -- rendering -------------------------------------------------------------------------------
+
+
+@functools.cache
+def _rendered_text(name: str) -> str:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (with its built-in kustomize) is not installed")
+    result = subprocess.run(
+        [kubectl, "kustomize", str(KUBE / name)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert result.returncode == 0, f"kubectl kustomize {name} failed:\n{result.stderr}"
+    return result.stdout
+
+
+def render(name: str) -> List[Dict[str, Any]]:
+    """A fresh copy each time, so a test cannot change what the next one sees."""
+    return [doc for doc in yaml.safe_load_all(_rendered_text(name)) if doc]
+
+
+def only(objects: List[Dict[str, Any]], kind: str) -> Dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {[o['metadata']['name'] for o in found]}"
+    return found[0]
+
+
+def pod_spec(objects: List[Dict[str, Any]]) -> Dict[str, Any]:
+    return only(objects, "DaemonSet")["spec"]["template"]["spec"]
+
+
+def container(objects: List[Dict[str, Any]]) -> Dict[str, Any]:
+    containers = pod_spec(objects)["containers"]
+    assert [c["name"] for c in containers] == [NAME]
+    return containers[0]
+
+
+def mounts(objects: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """mountPath -> the mount, with the volume it mounts under the key "volume"."""
+    volumes = {v["name"]: v for v in pod_spec(objects)["volumes"]}
+    result = {}
+    for mount in container(objects)["volumeMounts"]:
+        assert mount["name"] in volumes, f"mount {mount['mountPath']}: no volume {mount['name']}"
+        assert mount["mountPath"] not in result, f"mounted twice: {mount['mountPath']}"
+        result[mount["mountPath"]] = {**mount, "volume": volumes[mount["name"]]}
+    return result
+
+
+def config_text(objects: List[Dict[str, Any]]) -> str:
+    return only(objects, "ConfigMap")["data"][CONFIG_KEY]
+
+
+def containerfile_entrypoint() -> List[str]:
+    lines = [line for line in CONTAINERFILE.read_text().splitlines()
+             if line.startswith("ENTRYPOINT ")]
+    assert len(lines) == 1
+    return json.loads(lines[0][len("ENTRYPOINT "):])
+
+
+def test_every_overlay_is_found():
+    assert {"base", "overlays/gpu-nodes", "overlays/sriov-nodes",
+            "overlays/fpga-nodes"} <= set(KUSTOMIZATIONS)
+
+
+# -- schemas ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+@pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
+def test_every_object_matches_the_kubernetes_schema(name, version):
+    objects = render(name)
+    assert {o["kind"] for o in objects} == {"Namespace", "ConfigMap", "DaemonSet"}
+    problems = []
+    for obj in objects:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            where = ".".join(str(part) for part in error.absolute_path)
+            problems.append(f"{obj['kind']} {obj['metadata']['name']}: {where}: {error.message}")
+    assert not problems, f"{name} (Kubernetes {version}):\n" + "\n".join(problems)
+
+
+def test_the_schema_check_is_strict():
+    """A misspelled field must fail, or the schema test above proves little."""
+    daemonset = only(render("base"), "DaemonSet")
+    daemonset["spec"]["template"]["spec"]["containers"][0]["volumeMount"] = []
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(daemonset, OLDEST_KUBERNETES, strict=True)
+
+
+# -- the config ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_the_configmap_passes_check_config(name, tmp_path):
+    path = tmp_path / CONFIG_KEY
+    path.write_text(config_text(render(name)), encoding="utf-8")
+    result = subprocess.run(
+        [sys.executable, "-m", "host", "check-config", str(path)],
+        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert result.returncode == 0, f"{name}: {result.stdout}{result.stderr}"
+    assert "valid" in result.stdout
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_the_configmap_holds_the_kustomization_s_own_file(name):
+    """An overlay's configMapGenerator replaces the base file instead of merging into it."""
+    objects = render(name)
+    own = KUBE / name / CONFIG_KEY
+    assert config_text(objects) == own.read_text(encoding="utf-8")
+    configmap = only(objects, "ConfigMap")
+    assert list(configmap["data"]) == [CONFIG_KEY]
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_the_daemonset_mounts_the_generated_configmap_where_the_image_reads_it(name):
+    objects = render(name)
+    configmap = only(objects, "ConfigMap")
+    # The hash suffix is what turns a config change into a rollout.
+    assert re.fullmatch(rf"{NAME}-config-[a-z0-9]{{10}}", configmap["metadata"]["name"])
+    config_path = containerfile_entrypoint()[-1]
+    mount = mounts(objects)[posixpath.dirname(config_path)]
+    assert mount["volume"]["configMap"]["name"] == configmap["metadata"]["name"]
+    assert mount["readOnly"] is True
+    assert "subPath" not in mount  # a subPath mount would never see a new file
+    assert "items" not in mount["volume"]["configMap"]
+    assert posixpath.basename(config_path) == CONFIG_KEY
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_the_paths_in_the_config_are_the_mounted_host_paths(name):
+    """host_root "/" means the host reads /sys and /dev where it is and hands those same paths
+    to the kubelet, so each must be the node's own directory mounted at the same path; the
+    kubelet's directories must be mounted as directories (sockets are re-created)."""
+    text = config_text(render(name))
+    host = parse_config(text, f"{name}/{CONFIG_KEY}",
+                        load_drivers().with_unavailable()).host
+    assert host.host_root == "/"
+    by_path = mounts(render(name))
+
+    for path in ("/sys", "/dev"):
+        mount = by_path[path]
+        assert mount["volume"]["hostPath"] == {"path": path, "type": "Directory"}
+
+    plugins = by_path[host.plugin_dir]
+    assert plugins["volume"]["hostPath"]["type"] == "Directory"
+    assert plugins["volume"]["hostPath"]["path"].endswith("/device-plugins")
+    assert not plugins.get("readOnly", False)  # our sockets are created there
+
+    pod_resources = by_path[posixpath.dirname(host.pod_resources_socket)]
+    assert pod_resources["volume"]["hostPath"]["type"] in ("Directory", "DirectoryOrCreate")
+    assert pod_resources["volume"]["hostPath"]["path"].endswith("/pod-resources")
+
+    cdi = by_path["/var/run/cdi"]
+    assert cdi["volume"]["hostPath"] == {"path": "/var/run/cdi", "type": "DirectoryOrCreate"}
+
+
+def test_the_base_config_serves_the_built_in_defaults():
+    """The base goes onto every Linux node of a mixed cluster; explicit resources would make
+    every node register every one of them, with zero devices."""
+    config = parse_config(config_text(render("base")), "base/config.toml",
+                          load_drivers().with_unavailable())
+    assert config.is_default
+    assert "nvidia.com/gpu" in {r.name for r in config.resources}
+
+
+# -- security --------------------------------------------------------------------------------
+
+
+def test_the_base_container_is_unprivileged_root_with_a_read_only_filesystem():
+    objects = render("base")
+    spec = pod_spec(objects)
+    security = container(objects)["securityContext"]
+    assert security["privileged"] is False
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert spec["securityContext"]["runAsUser"] == 0
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for flag in ("hostNetwork", "hostPID", "hostIPC"):
+        assert not spec.get(flag, False), flag
+    assert spec["automountServiceAccountToken"] is False
+    by_path = mounts(objects)
+    for path in ("/sys", "/dev", "/var/lib/kubelet/pod-resources", "/etc/device-plugin-host"):
+        assert by_path[path].get("readOnly") is True, path
+
+
+def test_only_the_fpga_overlay_is_privileged():
+    privileged = {name for name in KUSTOMIZATIONS
+                  if container(render(name))["securityContext"].get("privileged")}
+    assert privileged == {"overlays/fpga-nodes"}
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_the_api_server_s_own_rules_hold(name):
+    """Rules the API server enforces that are not in the OpenAPI schema."""
+    objects = render(name)
+    security = container(objects)["securityContext"]
+    if security.get("privileged"):
+        assert security.get("allowPrivilegeEscalation") is not False
+    for path, mount in mounts(objects).items():
+        if mount.get("recursiveReadOnly", "Disabled") != "Disabled":
+            assert mount.get("readOnly") is True, path
+    names = [v["name"] for v in pod_spec(objects)["volumes"]]
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_udevd_is_invisible_to_a_pod_outside_the_host_network(name):
+    """host/watch.py listens to udevd's events when /run/udev/control exists, and to the
+    kernel's otherwise. udevd's events never reach a pod's own network namespace, the kernel's
+    do: mounting /run/udev without hostNetwork would silently lose every hot-plug event."""
+    objects = render(name)
+    if pod_spec(objects).get("hostNetwork"):
+        return
+    for path in mounts(objects):
+        for control in ("/run/udev/control", "/var/run/udev/control"):
+            assert not (control + "/").startswith(path.rstrip("/") + "/"), path
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_the_termination_message_is_written_to_a_writable_volume(name):
+    """The default /dev/termination-log lands in the host's /dev mount, read-only here."""
+    objects = render(name)
+    path = container(objects)["terminationMessagePath"]
+    assert not path.startswith("/dev/")
+    mount = mounts(objects)[posixpath.dirname(path)]
+    assert "emptyDir" in mount["volume"]
+    assert not mount.get("readOnly", False)
+
+
+# -- scheduling and updates ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_the_daemonset_is_node_critical_and_rolls_one_host_per_node(name):
+    objects = render(name)
+    daemonset = only(objects, "DaemonSet")
+    spec = pod_spec(objects)
+    assert spec["priorityClassName"] == "system-node-critical"
+    strategy = daemonset["spec"]["updateStrategy"]
+    assert strategy["type"] == "RollingUpdate"
+    assert strategy["rollingUpdate"]["maxUnavailable"]
+    # Two hosts on one node would keep taking the same resources' registration from each other.
+    assert strategy["rollingUpdate"].get("maxSurge", 0) in (0, "0%")
+    assert daemonset["spec"]["minReadySeconds"] > 0
+    assert spec["nodeSelector"]["kubernetes.io/os"] == "linux"
+    assert {"nvidia.com/gpu", "amd.com/gpu"} <= {t.get("key") for t in spec["tolerations"]}
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_resources_are_small_but_leave_the_idle_host_room(name):
+    resources = container(render(name))["resources"]
+    assert set(resources["requests"]) == {"cpu", "memory"}
+    assert set(resources["limits"]) == {"cpu", "memory"}
+    # The host idles at about 40 MiB RSS: an OOM kill of the device plugin is a node outage.
+    assert _mebibytes(resources["limits"]["memory"]) >= 128
+    assert _mebibytes(resources["requests"]["memory"]) <= _mebibytes(resources["limits"]["memory"])
+
+
+def _mebibytes(quantity: str) -> float:
+    number, unit = re.fullmatch(r"(\d+)(Mi|Gi)", quantity).groups()
+    return int(number) * (1024 if unit == "Gi" else 1)
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_namespaced_objects_are_in_the_namespace_that_allows_host_paths(name):
+    objects = render(name)
+    namespace = only(objects, "Namespace")
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    for obj in objects:
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"]["namespace"] == namespace["metadata"]["name"], obj["kind"]
+
+
+def test_overlays_schedule_onto_their_own_nodes():
+    for name in KUSTOMIZATIONS:
+        if name == "base":
+            continue
+        spec = pod_spec(render(name))
+        selector = dict(spec["nodeSelector"])
+        selector.pop("kubernetes.io/os")
+        assert selector or spec.get("affinity", {}).get("nodeAffinity"), name
+
+
+# -- the image -------------------------------------------------------------------------------
+
+
+def test_the_base_image_tag_is_the_project_version():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    image = container(render("base"))["image"]
+    assert image == f"registry.example.com/{NAME}:{project['version']}"
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_the_image_is_pinned_to_a_tag_or_digest(name):
+    image = container(render(name))["image"]
+    assert re.fullmatch(r"[a-z0-9.-]+(/[a-z0-9._-]+)+(:[\w][\w.-]*|@sha256:[0-9a-f]{64})", image)
+    assert not image.endswith(":latest")
+
+
+def test_the_containerfile_pins_python_and_runs_the_host_on_the_mounted_config():
+    text = CONTAINERFILE.read_text()
+    base = re.search(r"^ARG PYTHON_IMAGE=(\S+)$", text, re.M)
+    assert base is not None
+    # An exact patch release (3.12.N) on a named Debian release, optionally with a digest.
+    assert re.fullmatch(
+        rf"docker\.io/library/python:{re.escape(IMAGE_PYTHON)}\.\d+-slim-[a-z]+"
+        r"(@sha256:[0-9a-f]{64})?",
+        base.group(1),
+    )
+    assert [line.split()[1] for line in text.splitlines() if line.startswith("FROM ")] == [
+        "${PYTHON_IMAGE}", "${PYTHON_IMAGE}"]
+    assert containerfile_entrypoint() == ENTRYPOINT
+    # Root on purpose: the kubelet's directories and sockets are writable only by root.
+    assert not re.search(r"^USER\s+(?!(root|0)\s*$)", text, re.M)
+    assert re.search(r"pip install --no-cache-dir --constraint /tmp/constraints.txt", text)
+
+
+def test_the_containerfile_copies_paths_that_exist_and_are_sent_to_the_build():
+    """A renamed directory must break this test, not the next image build; and the ignore file
+    (an allow-list) must let every copied path into the build context."""
+    allowed = {line[1:] for line in IGNOREFILE.read_text().splitlines() if line.startswith("!")}
+    copied = set()
+    for line in CONTAINERFILE.read_text().splitlines():
+        if line.startswith("COPY ") and "--from=" not in line:
+            copied.update(line.split()[1:-1])
+    assert copied == allowed
+    for source in copied:
+        assert (REPO / source).exists(), source
+
+
+def test_every_runtime_dependency_is_pinned_within_its_range():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    pins: Dict[str, str] = {}
+    for line in CONSTRAINTS.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, sep, version = line.partition("==")
+        assert sep and version, f"not an exact pin: {line!r}"
+        key = canonicalize_name(name)
+        assert key not in pins, f"pinned twice: {name}"
+        pins[key] = version
+    environment = {**default_environment(), "python_version": IMAGE_PYTHON,
+                   "python_full_version": f"{IMAGE_PYTHON}.0"}
+    for text in project["dependencies"]:
+        requirement = Requirement(text)
+        if requirement.marker and not requirement.marker.evaluate(environment):
+            continue
+        version: Optional[str] = pins.get(canonicalize_name(requirement.name))
+        assert version is not None, f"{requirement.name} is not pinned in {CONSTRAINTS.name}"
+        assert requirement.specifier.contains(version), f"{requirement.name}=={version}: {text}"
