@@ -13,6 +13,7 @@ import os
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Set, Union
 
+from host.cdi import CdiWriter
 from host.config import Config
 from host.drain import read_drains
 from host.driver import Driver, UnavailableDriver
@@ -20,7 +21,7 @@ from host.hostfs import HostFS
 from host.inotify import DirectoryWatch
 from host.inventory import Inventory
 from host.isolation import DriverCalls
-from host.model import ResourceConfig
+from host.model import Device, ResourceConfig
 from host.registration import Endpoint, Registrar
 from host.service import DevicePluginService
 from host.snapshot import Snapshot
@@ -50,6 +51,7 @@ class HostApp:
         )
         self.registrar = Registrar(config.host.plugin_dir, config.host.register_timeout_s)
         self.registrar.on_registered = self._endpoint_registered
+        self.cdi = CdiWriter(config.host.cdi_dir)
         self.snapshots: Dict[str, Snapshot] = {}
         self.services: Dict[str, DevicePluginService] = {}
         self.ready = asyncio.Event()
@@ -95,6 +97,7 @@ class HostApp:
         if self._rescan_task is not None:
             self._rescan_task.cancel()
         await self.registrar.close()
+        self.cdi.remove_all()
         self.calls.shutdown()
 
     # -- serving ---------------------------------------------------------------------------
@@ -112,6 +115,7 @@ class HostApp:
                 return  # a built-in default with nothing on this node: not advertised
             snapshot = Snapshot()
             snapshot.update(devices)
+            self._write_cdi(resource, devices)
             driver = self.drivers.get(resource.driver) or UnavailableDriver(
                 resource.driver, "not installed"
             )
@@ -124,9 +128,14 @@ class HostApp:
             self.registrar.add(service)
             self.ready.clear()
             return
+        self._write_cdi(resource, devices)  # before the kubelet can ask for a new device
         if snapshot.update(devices):
             log.info("resource %s: %d devices (%d healthy)", resource.name, len(devices),
                      sum(1 for d in devices if d.healthy))
+
+    def _write_cdi(self, resource: ResourceConfig, devices: List[Device]) -> None:
+        if resource.cdi:
+            self.cdi.update(resource.name, devices)
 
     async def rescan(self, drivers: Optional[Iterable[str]] = None) -> Set[str]:
         """Rescan drivers and push every changed resource to its streams."""
@@ -162,6 +171,7 @@ class HostApp:
         self.inventory.set_resources(config.resources)
         for name in set(old) - set(new):
             log.info("reload: resource %s removed; it stops serving", name)
+            self.cdi.remove(name)
             await self.registrar.remove(name)
             self.snapshots.pop(name, None)
             self.services.pop(name, None)
@@ -187,6 +197,8 @@ class HostApp:
             else:
                 log.info("reload: resource %s changed; same stream, new snapshot", name)
                 service.resource = resource
+            if before.cdi and not resource.cdi:
+                self.cdi.remove(name)
         await self.rescan(rescan)
         for resource in config.resources:
             self._sync(resource)

@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from host.cdi import kind_error
 from host.driver import Driver, SelectorError
 from host.model import ResourceConfig
 from host.resource_name import resource_name_error
@@ -75,6 +76,7 @@ class HostSettings:
     rescan_interval_s: float = 300.0  # safety rescan; 0 disables
     vanished_grace_s: float = 300.0  # how long a device gone from sysfs is still Unhealthy
     drain_file: str = "/var/lib/device-plugin-host/drained"  # operator's Unhealthy marks
+    cdi_dir: str = "/var/run/cdi"  # where CDI specs go for resources with cdi = true
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ _HOST_NUMBERS: Mapping[str, _Range] = {
     "rescan_interval_s": _Range(1, False, 86400, zero_disables=True),
     "vanished_grace_s": _Range(0, False, 7 * 86400),
 }
-_HOST_PATHS = ("plugin_dir", "host_root", "pod_resources_socket", "drain_file")
+_HOST_PATHS = ("plugin_dir", "host_root", "pod_resources_socket", "drain_file", "cdi_dir")
 _HOST_ENUMS: Mapping[str, Tuple[str, ...]] = {
     "log_level": ("debug", "info", "warning", "error"),
     "log_format": ("plain", "json"),
@@ -135,7 +137,8 @@ _HOST_ENUMS: Mapping[str, Tuple[str, ...]] = {
 _HOST_KEYS = tuple(field.name for field in dataclasses.fields(HostSettings))
 _TOP_KEYS = ("host", "resource")
 _RESOURCE_KEYS = (
-    "name", "driver", "selectors", "settings", "replicas", "replica_policy", "health_interval_s"
+    "name", "driver", "selectors", "settings", "replicas", "replica_policy", "health_interval_s",
+    "cdi", "cdi_fallback",
 )
 _REPLICA_POLICIES = ("pack", "spread")
 _MAX_REPLICAS = 1024
@@ -317,6 +320,17 @@ def _sharing_and_health(file: str, where: str, entry: Mapping[str, object]) -> D
         if "replicas" not in entry:
             raise ConfigError(file, f"{where}.replica_policy",
                               "only means something with replicas = N (N > 1)")
+    for flag in ("cdi", "cdi_fallback"):
+        if flag in entry:
+            if not isinstance(entry[flag], bool):
+                raise ConfigError(file, f"{where}.{flag}",
+                                  f"must be true or false, got {_typed(entry[flag])}")
+            out[flag] = entry[flag]
+    if out.get("cdi"):
+        problem = kind_error(str(entry.get("name", "")))
+        if problem:
+            raise ConfigError(file, f"{where}.cdi", f"the resource name cannot be a CDI kind: "
+                                                     f"{problem}")
     if "health_interval_s" in entry:
         out["health_interval_s"] = _check_seconds(
             file, f"{where}.health_interval_s", _Range(0.1, False, 86400, zero_disables=True),

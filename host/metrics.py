@@ -95,7 +95,8 @@ class HostMetrics:
     """The host's metrics and their HTTP endpoint.
 
     ``pod_resources_socket`` (HostSettings.pod_resources_socket) fills ``allocated_device`` on
-    each scrape; None leaves it empty.
+    each scrape; None leaves it empty. Scrapes closer together than ``pod_list_min_interval_s``
+    reuse the last List.
     """
 
     def __init__(
@@ -104,6 +105,7 @@ class HostMetrics:
         pod_resources_socket: Optional[str] = None,
         version: str = __version__,
         pod_list_timeout_s: float = POD_LIST_TIMEOUT_S,
+        pod_list_min_interval_s: float = POD_LIST_MIN_INTERVAL_S,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -143,6 +145,7 @@ class HostMetrics:
         self._pods = (PodResourcesClient(pod_resources_socket, timeout_s=pod_list_timeout_s)
                       if pod_resources_socket else None)
         self._pods_at: Optional[float] = None
+        self._pods_min_interval_s = pod_list_min_interval_s
         self._pods_lock: Optional[asyncio.Lock] = None
         self._pods_error: Optional[str] = None
         self._driver_errors_seen: Dict[str, int] = {}
@@ -259,7 +262,7 @@ class HostMetrics:
             self._pods_lock = asyncio.Lock()
         async with self._pods_lock:
             now = time.monotonic()
-            if self._pods_at is not None and now - self._pods_at < POD_LIST_MIN_INTERVAL_S:
+            if self._pods_at is not None and now - self._pods_at < self._pods_min_interval_s:
                 return
             self._pods_at = now
             try:

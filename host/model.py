@@ -114,6 +114,11 @@ class ResourceConfig:
     # Periodic health checks (link state, AER counters) need reads no uevent announces:
     # rescan this resource's driver this often; 0 relies on events and the safety rescan.
     health_interval_s: float = 0.0
+    # CDI: write a spec for the devices and return their CDI names from Allocate; with
+    # ``cdi_fallback`` the device nodes and mounts are returned as well, for runtimes
+    # without CDI support.
+    cdi: bool = False
+    cdi_fallback: bool = True
 
 
 def optional_int(text: Optional[str]) -> Optional[int]:

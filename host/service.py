@@ -8,11 +8,13 @@ reason; nothing a request contains can raise out of a handler.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Callable, List, Optional, Sequence
 
 import grpc
 
 from host import allocation
+from host.cdi import qualified_names
 from host.driver import Driver, implements
 from host.isolation import DriverCallError, DriverCalls
 from host.model import ContainerAllocation, Device, PreferredRequest, ResourceConfig
@@ -25,6 +27,17 @@ log = logging.getLogger(__name__)
 PRE_START_TIMEOUT_S = 28.0  # inside the kubelet's 30 s PreStartContainer deadline
 MAX_IDS_PER_REQUEST = 100_000
 SERVICE_NAME = "v1beta1.DevicePlugin"
+
+
+def with_cdi(
+    resource: ResourceConfig, devices: Sequence[Device], merged: ContainerAllocation
+) -> ContainerAllocation:
+    """Add the devices' CDI names (and drop what the spec already carries, unless the
+    resource keeps device specs as a fallback for runtimes without CDI)."""
+    names = tuple(dict.fromkeys([*merged.cdi_devices, *qualified_names(resource.name, devices)]))
+    if resource.cdi_fallback:
+        return replace(merged, cdi_devices=names)
+    return replace(merged, cdi_devices=names, device_nodes=(), mounts=())
 
 
 class RequestError(Exception):
@@ -151,6 +164,8 @@ class DevicePluginService:
                 merged = allocation.merge(devices)
                 if self._has_allocate:
                     merged = await self._driver_allocate(devices, merged)
+                if self.resource.cdi:
+                    merged = with_cdi(self.resource, devices, merged)
                 response.container_responses.append(allocate_response(merged))
             self._observe("allocated", request)
             return response

@@ -114,7 +114,8 @@ class WiredHost(HostApp):
 
 
 class Node:
-    def __init__(self, plugin_dir: str, host_root: str, *, with_pod_resources: bool = True):
+    def __init__(self, plugin_dir: str, host_root: str, *, with_pod_resources: bool = True,
+                 list_interval: float = 0.0):
         FakeTree(host_root).numa_nodes(2)
         self.pod_socket = os.path.join(plugin_dir, "pod-resources", "kubelet.sock")
         self.driver = MemoryDriver("mem", {GPU: make_devices("gpu", 4, (0, 1)),
@@ -123,7 +124,8 @@ class Node:
                                                ResourceConfig(NIC, "mem")], host_root=host_root)
         self.sim = KubeletSimulator(
             plugin_dir, pod_resources_socket=self.pod_socket if with_pod_resources else None)
-        self.metrics = HostMetrics(pod_resources_socket=self.pod_socket)
+        self.metrics = HostMetrics(pod_resources_socket=self.pod_socket,
+                                   pod_list_min_interval_s=list_interval)
         self.app = WiredHost(self.config, {"mem": self.driver}, self.metrics)
 
     async def __aenter__(self) -> Node:
@@ -179,9 +181,8 @@ def test_scrape_after_real_allocations(short_dir, tmp_path, run):
                                 "container": "server"}.items())] = 1.0
             assert series(found, "allocated_device") == expected
 
-            # A released pod leaves the metric on the next scrape (after the 1 s List reuse).
+            # A released pod leaves the metric on the next scrape.
             sim.release("train")
-            node.metrics._pods_at = None  # the next scrape may List again at once
             found = await samples(node.metrics)
             assert {dict(k)["pod"] for k in series(found, "allocated_device")} == {"infer"}
 
@@ -253,24 +254,33 @@ def test_without_a_pod_resources_socket_the_pod_metric_is_empty(short_dir, tmp_p
     run(scenario())
 
 
-def test_scrapes_share_one_list_and_rate_limits_leave_the_metric_empty(short_dir, tmp_path, run):
+def test_scrapes_close_together_share_one_list(short_dir, tmp_path, run):
+    async def scenario():
+        async with Node(short_dir, str(tmp_path / "root"), list_interval=60.0) as node:
+            await node.sim.allocate(GPU, 1, pod="p")
+            servicer = node.sim.pod_resources.servicer
+            results = await asyncio.gather(*(samples(node.metrics) for _ in range(5)))
+            results.append(await samples(node.metrics))
+            assert servicer.calls.get("List", 0) == 1
+            assert all(len(series(r, "allocated_device")) == 1 for r in results)
+
+    run(scenario())
+
+
+def test_a_rate_limited_list_leaves_the_metric_empty(short_dir, tmp_path, run):
     async def scenario():
         async with Node(short_dir, str(tmp_path / "root")) as node:
             await node.sim.allocate(GPU, 1, pod="p")
             servicer = node.sim.pod_resources.servicer
-            before = servicer.calls.get("List", 0)
-            results = await asyncio.gather(*(samples(node.metrics) for _ in range(5)))
-            assert servicer.calls.get("List", 0) - before == 1
-            assert all(len(series(r, "allocated_device")) == 1 for r in results)
+            found = await samples(node.metrics)
+            assert len(series(found, "allocated_device")) == 1
 
             servicer.limiter = TokenBucket(qps=0.0, burst=0)  # every call refused
-            node.metrics._pods_at = None
             found = await samples(node.metrics)
             assert series(found, "allocated_device") == {}
             assert value(found, "pod_resources_up") == 0
 
             servicer.limiter = TokenBucket()
-            node.metrics._pods_at = None
             found = await samples(node.metrics)
             assert len(series(found, "allocated_device")) == 1
             assert value(found, "pod_resources_up") == 1

@@ -227,6 +227,7 @@ _CAPTURE_ROOTS = (
     "/sys/class/hidraw",
     "/sys/class/video4linux",
     "/sys/kernel/iommu_groups",
+    "/sys/class/accel",
 )
 _CAPTURE_ATTRS = frozenset(
     "vendor device class numa_node local_cpulist enable subsystem_vendor subsystem_device "
@@ -236,7 +237,7 @@ _CAPTURE_ATTRS = frozenset(
     "current_link_speed current_link_width aer_dev_fatal aer_dev_nonfatal aer_dev_correctable "
     "feature_id type id afu_id interface_id name speed product_name unique_id boot_vga "
     "compat_id bitstream_id ports_num mgmt_pf user_pf instance VBNV timestamp serial_num "
-    "authorized devpath".split()
+    "authorized devpath status device_type module_id serial_number".split()
 )
 
 

@@ -1,0 +1,162 @@
+"""CDI (Container Device Interface) spec files for resources that ask for them.
+
+The kubelet copies the names Allocate returns into the CRI request; the runtime resolves them
+against spec files in /etc/cdi and /var/run/cdi. So the spec must exist before a pod asks,
+follow every device change, and go away with the host. Files are written to a temp name in
+the same directory and renamed, so a runtime never reads half a file, and each declares the
+*lowest* cdiVersion its fields need: a runtime whose CDI library predates the declared
+version rejects the whole file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from host.model import Device
+
+log = logging.getLogger(__name__)
+
+_VENDOR_CLASS = re.compile(r"[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?\Z")
+_NAME_BAD = re.compile(r"[^A-Za-z0-9_.:-]")
+FILE_PREFIX = "device-plugin-host_"
+
+
+def cdi_kind(resource: str) -> Tuple[str, str]:
+    """(vendor, class) for a resource name, e.g. ("nvidia.com", "gpu")."""
+    vendor, _, klass = resource.partition("/")
+    return vendor, klass
+
+
+def kind_error(resource: str) -> Optional[str]:
+    """Why a resource name cannot be a CDI kind, or None (CDI wants a letter first)."""
+    vendor, klass = cdi_kind(resource)
+    for part, what in ((vendor, "vendor (the domain)"), (klass, "class (after '/')")):
+        if not _VENDOR_CLASS.match(part):
+            return (f"the CDI {what} {part!r} must start with a letter, end with a letter or "
+                    "digit and contain only letters, digits, '_', '-' and '.'")
+    return None
+
+
+def device_name(device_id: str) -> str:
+    """A CDI device name for an id: letters, digits and ``_.:-``, alphanumeric at both ends."""
+    name = _NAME_BAD.sub("_", device_id)
+    if not name[:1].isalnum():
+        name = "d" + name
+    if not name[-1:].isalnum():
+        name = name + "0"
+    return name
+
+
+def qualified_names(resource: str, devices: Sequence[Device]) -> List[str]:
+    vendor, klass = cdi_kind(resource)
+    return [f"{vendor}/{klass}={device_name(d.id)}" for d in devices]
+
+
+def build_spec(resource: str, devices: Sequence[Device]) -> Optional[Dict[str, Any]]:
+    """The spec for a resource's devices; None when there is nothing to describe (a spec
+    with no device is invalid, so the file is removed instead)."""
+    vendor, klass = cdi_kind(resource)
+    version = (0, 3, 0)
+    entries = []
+    for device in devices:
+        edits: Dict[str, Any] = {}
+        nodes = []
+        for node in device.device_nodes:
+            entry: Dict[str, Any] = {"path": node.container_path, "permissions": node.permissions}
+            if node.host_path != node.container_path:
+                entry["hostPath"] = node.host_path
+                version = max(version, (0, 5, 0))
+            nodes.append(entry)
+        if nodes:
+            edits["deviceNodes"] = nodes
+        if device.mounts:
+            edits["mounts"] = [
+                {"hostPath": m.host_path, "containerPath": m.container_path,
+                 "options": ["ro", "nosuid", "nodev", "bind"] if m.read_only
+                 else ["rw", "nosuid", "nodev", "bind"]}
+                for m in device.mounts
+            ]
+        if not edits:
+            # Every CDI device needs non-empty containerEdits; env is joined per container by
+            # the host (PCIDEVICE_*=a,b), so it stays in the Allocate response, except here
+            # where a device has nothing else to say.
+            edits["env"] = [f"{k}={v}" for k, v in sorted(device.env.items())] or [
+                f"DEVICE_PLUGIN_HOST_DEVICE={device.id}"]
+        name = device_name(device.id)
+        if name[0].isdigit():
+            version = max(version, (0, 5, 0))
+        entries.append({"name": name, "containerEdits": edits})
+    if not entries:
+        return None
+    if "." in klass:
+        version = max(version, (0, 6, 0))
+    return {
+        "cdiVersion": ".".join(map(str, version)),
+        "kind": f"{vendor}/{klass}",
+        "devices": entries,
+    }
+
+
+class CdiWriter:
+    """Keeps one spec file per resource in ``directory`` in step with its devices."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._written: Dict[str, str] = {}  # resource -> file path
+        self._last: Dict[str, str] = {}  # resource -> JSON text written
+
+    def path_for(self, resource: str) -> str:
+        vendor, klass = cdi_kind(resource)
+        return os.path.join(self.directory, f"{FILE_PREFIX}{vendor}-{klass}.json")
+
+    def update(self, resource: str, devices: Sequence[Device]) -> bool:
+        """Write (or remove) the resource's spec; False when it could not be written (disk
+        full, read-only mount): the previous file stays and the error is logged."""
+        spec = build_spec(resource, devices)
+        path = self.path_for(resource)
+        if spec is None:
+            self.remove(resource)
+            return True
+        text = json.dumps(spec, indent=2, sort_keys=True) + "\n"
+        if self._last.get(resource) == text and os.path.exists(path):
+            return True
+        try:
+            os.makedirs(self.directory, mode=0o755, exist_ok=True)
+            fd, temp = tempfile.mkstemp(dir=self.directory, prefix=".dph-", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as out:
+                    out.write(text)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.chmod(temp, 0o644)  # container runtimes (and `cdi list`) read it
+                os.replace(temp, path)
+            except BaseException:
+                if os.path.exists(temp):
+                    os.unlink(temp)
+                raise
+        except OSError as error:
+            log.error("resource %s: cannot write CDI spec %s: %s; the previous spec (if any) "
+                      "stays", resource, path, error)
+            return False
+        self._written[resource] = path
+        self._last[resource] = text
+        return True
+
+    def remove(self, resource: str) -> None:
+        path = self._written.pop(resource, None) or self.path_for(resource)
+        self._last.pop(resource, None)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            log.error("resource %s: cannot remove CDI spec %s: %s", resource, path, error)
+
+    def remove_all(self) -> None:
+        for resource in list(self._written):
+            self.remove(resource)

@@ -1,0 +1,172 @@
+"""CDI specs: valid by the spec rules, lowest cdiVersion, following devices, gone on stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from host.cdi import CdiWriter, build_spec, device_name, kind_error
+from host.model import Device, DeviceNode, Health, Mount, ResourceConfig
+from host.testing.drivers import MemoryDriver, make_devices
+from host.testing.harness import make_config, running_host
+from host.testing.kubelet import KubeletSimulator
+
+_VENDOR = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*[A-Za-z0-9]\Z")
+_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?\Z")
+_VERSIONS = ["0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0"]
+
+
+def check_spec_rules(spec: dict) -> None:
+    """The CDI rules of the facts sheet §5, as a runtime's CDI library applies them."""
+    assert set(spec) <= {"cdiVersion", "kind", "devices", "containerEdits", "annotations"}
+    assert spec["cdiVersion"] in _VERSIONS
+    version = tuple(int(p) for p in spec["cdiVersion"].split("."))
+    vendor, klass = spec["kind"].split("/")
+    assert _VENDOR.match(vendor) and _VENDOR.match(klass)
+    if "." in klass:
+        assert version >= (0, 6, 0)
+    assert spec["devices"], "a spec needs at least one device"
+    names = [d["name"] for d in spec["devices"]]
+    assert len(names) == len(set(names))
+    for device in spec["devices"]:
+        assert set(device) <= {"name", "containerEdits", "annotations"}
+        assert _NAME.match(device["name"])
+        if device["name"][0].isdigit():
+            assert version >= (0, 5, 0)
+        edits = device["containerEdits"]
+        assert edits and set(edits) <= {"env", "deviceNodes", "mounts", "hooks"}
+        for node in edits.get("deviceNodes", []):
+            assert node["path"].startswith("/")
+            assert set(node.get("permissions", "")) <= set("rwm")
+            if "hostPath" in node:
+                assert version >= (0, 5, 0)
+        for mount in edits.get("mounts", []):
+            assert mount["hostPath"] and mount["containerPath"]
+        for env in edits.get("env", []):
+            assert "=" in env and env.split("=", 1)[0]
+
+
+def test_lowest_version_for_the_fields_used():
+    plain = build_spec("vendor.com/gpu", [Device(id="gpu0",
+                                                 device_nodes=(DeviceNode("/dev/vgpu0"),))])
+    assert plain["cdiVersion"] == "0.3.0"
+    check_spec_rules(plain)
+    digit = build_spec("vendor.com/gpu", [Device(id="0000:18:00.0",
+                                                 device_nodes=(DeviceNode("/dev/x"),))])
+    assert digit["cdiVersion"] == "0.5.0"  # digit-first device name
+    moved = build_spec("vendor.com/gpu", [Device(id="g", device_nodes=(
+        DeviceNode("/dev/nvidia3", "/dev/nvidia0"),))])
+    assert moved["cdiVersion"] == "0.5.0"  # hostPath differs
+    dotted = build_spec("vendor.com/a.b", [Device(id="g", mounts=(Mount("/a", "/b"),))])
+    assert dotted["cdiVersion"] == "0.6.0"
+    for spec in (digit, moved, dotted):
+        check_spec_rules(spec)
+    assert build_spec("vendor.com/gpu", []) is None
+
+
+def test_names_and_kinds():
+    assert device_name("0000:18:00.0") == "0000:18:00.0"
+    assert device_name("g0::1") == "g0::1"
+    assert device_name("-weird id/") == "d-weird_id_0"
+    assert kind_error("nvidia.com/gpu") is None
+    assert "start with a letter" in kind_error("3com.com/nic")
+    assert "start with a letter" in kind_error("example.com/1gpu")
+
+
+def test_writer_is_atomic_follows_changes_and_survives_a_full_disk(tmp_path):
+    writer = CdiWriter(str(tmp_path / "cdi"))
+    devices = make_devices("g", 2)
+    assert writer.update("example.com/gpu", devices)
+    path = writer.path_for("example.com/gpu")
+    spec = json.loads(Path(path).read_text())
+    check_spec_rules(spec)
+    assert [d["name"] for d in spec["devices"]] == ["g0", "g1"]
+    assert writer.update("example.com/gpu", devices[:1])
+    assert [d["name"] for d in json.loads(Path(path).read_text())["devices"]] == ["g0"]
+    assert [n for n in os.listdir(tmp_path / "cdi") if n.endswith(".tmp")] == []
+    writer.remove_all()
+    assert not os.path.exists(path)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_disk_full_keeps_the_previous_spec(tmp_path):
+    writer = CdiWriter(str(tmp_path))
+    assert writer.update("example.com/gpu", make_devices("g", 1))
+    path = writer.path_for("example.com/gpu")
+    before = Path(path).read_text()
+    os.chmod(tmp_path, 0o500)  # stands in for ENOSPC/EROFS: the temp file cannot be made
+    try:
+        if os.geteuid() == 0:
+            pytest.skip("root ignores directory permissions; covered by the read-only case")
+        assert writer.update("example.com/gpu", make_devices("g", 2)) is False
+        assert Path(path).read_text() == before
+    finally:
+        os.chmod(tmp_path, 0o700)
+
+
+def test_cdi_write_failure_is_logged_and_allocation_still_works(tmp_path, short_dir, run):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the CDI directory should be")
+    driver = MemoryDriver("m", {"example.com/gpu": make_devices("g", 2)})
+    resource = ResourceConfig("example.com/gpu", "m", cdi=True)
+    config = make_config(short_dir, [resource], cdi_dir=str(blocker / "cdi"))
+
+    async def scenario():
+        sim = KubeletSimulator(short_dir)
+        await sim.start()
+        try:
+            async with running_host(config, {"m": driver}):
+                await sim.wait_for(lambda s: "example.com/gpu" in s.resources
+                                   and s.resources["example.com/gpu"].allocatable == 2)
+                result = await sim.allocate("example.com/gpu", 1)
+                assert [d.host_path for d in result.response.devices] == ["/dev/g0"]
+        finally:
+            await sim.stop()
+
+    run(scenario())
+
+
+def test_allocate_returns_cdi_names_and_specs_vanish_on_stop(tmp_path, short_dir, run):
+    devices = make_devices("g", 3)
+    devices[2] = devices[2].with_health(Health.UNHEALTHY, "x")
+    driver = MemoryDriver("m", {"example.com/gpu": devices,
+                                "example.com/nic": make_devices("n", 1)})
+    cdi_dir = tmp_path / "cdi"
+    resources = [ResourceConfig("example.com/gpu", "m", cdi=True, cdi_fallback=False),
+                 ResourceConfig("example.com/nic", "m", cdi=True)]
+    config = make_config(short_dir, resources, cdi_dir=str(cdi_dir))
+
+    async def scenario():
+        sim = KubeletSimulator(short_dir)
+        await sim.start()
+        try:
+            async with running_host(config, {"m": driver}) as app:
+                await sim.wait_for(lambda s: len(s.resources) == 2
+                                   and all(r.snapshots for r in s.resources.values()))
+                files = sorted(os.listdir(cdi_dir))
+                assert files == ["device-plugin-host_example.com-gpu.json",
+                                 "device-plugin-host_example.com-nic.json"]
+                for name in files:
+                    check_spec_rules(json.loads((cdi_dir / name).read_text()))
+                gpu = await sim.allocate("example.com/gpu", 2)
+                assert list(gpu.response.cdi_devices) and not gpu.response.devices
+                assert [c.name for c in gpu.response.cdi_devices] == \
+                    [f"example.com/gpu={i}" for i in gpu.device_ids]
+                assert gpu.response.envs["VISIBLE"]  # env stays in the response
+                nic = await sim.allocate("example.com/nic", 1)
+                assert [c.name for c in nic.response.cdi_devices] == ["example.com/nic=n0"]
+                assert [d.host_path for d in nic.response.devices] == ["/dev/n0"]  # fallback
+                # A new device: the spec follows before the kubelet can ask for it.
+                driver.devices["example.com/gpu"] = make_devices("g", 4)
+                await app.rescan()
+                spec = json.loads((cdi_dir / files[0]).read_text())
+                assert [d["name"] for d in spec["devices"]] == ["g0", "g1", "g2", "g3"]
+            assert os.listdir(cdi_dir) == []  # removed on shutdown
+        finally:
+            await sim.stop()
+
+    run(scenario())
