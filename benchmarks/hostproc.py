@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import signal
 import sys
 import tempfile
 from typing import Dict, List, Optional
 
+from host.config import Config
 from host.model import Device, ResourceConfig
 from host.testing.drivers import MemoryDriver, make_devices
 from host.testing.harness import make_config, running_host
@@ -48,12 +50,23 @@ def build_devices(resources: int, devices: int, numa_nodes: int) -> Dict[str, Li
     }
 
 
+def bench_config(plugin_dir: str, resources: List[ResourceConfig], host_root: str,
+                 state_dir: str) -> Config:
+    """The harness config, with the operator drain file in a directory that exists (as a
+    DaemonSet's hostPath makes it): a missing one is watched through its nearest ancestor,
+    and on a shared /tmp every file anyone creates there would wake the host."""
+    drain_dir = os.path.join(state_dir, "device-plugin-host")
+    os.makedirs(drain_dir, exist_ok=True)
+    return make_config(plugin_dir, resources, host_root=host_root,
+                       drain_file=os.path.join(drain_dir, "drained"))
+
+
 async def serve(resources: int, devices: int, plugin_dir: str, host_root: str,
-                numa_nodes: int) -> None:
+                numa_nodes: int, state_dir: str) -> None:
     table = build_devices(resources, devices, numa_nodes)
     driver = MemoryDriver(DRIVER, table)
-    config = make_config(plugin_dir, [ResourceConfig(name, DRIVER) for name in table],
-                         host_root=host_root)
+    config = bench_config(plugin_dir, [ResourceConfig(name, DRIVER) for name in table],
+                          host_root, state_dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -76,17 +89,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.resources < 1 or args.devices < 0:
         parser.error("--resources must be at least 1 and --devices not negative")
+    state = tempfile.mkdtemp(prefix="dphb-host-")
     root = args.host_root
-    made = None
     if root is None:
-        made = root = tempfile.mkdtemp(prefix="dphb-root-")
+        root = os.path.join(state, "root")
         FakeTree(root).numa_nodes(max(1, args.numa_nodes))
     try:
         asyncio.run(serve(args.resources, args.devices, args.plugin_dir, root,
-                          args.numa_nodes))
+                          args.numa_nodes, state))
     finally:
-        if made is not None:
-            shutil.rmtree(made, ignore_errors=True)
+        shutil.rmtree(state, ignore_errors=True)
     return 0
 
 

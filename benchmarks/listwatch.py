@@ -22,12 +22,12 @@ import grpc
 
 from benchmarks.core import Context, Figure, median, now, percentile, short_dir
 from benchmarks.floors import CLIENT_OPTIONS, PUSH_METHOD, PushServer, start_server
-from benchmarks.hostproc import DRIVER
+from benchmarks.hostproc import DRIVER, bench_config
 from host.model import Device, Health, ResourceConfig
 from host.protocol import HEALTHY, api
 from host.protocol.convert import framed_device, snapshot_payload
 from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import make_config, running_host
+from host.testing.harness import running_host
 from host.testing.kubelet import KubeletSimulator
 from host.testing.tree import FakeTree
 
@@ -80,7 +80,7 @@ async def _measure_size(n: int, updates: int, root: str) -> Dict[str, List[float
         receiver = _Receiver(channel.unary_stream(
             PUSH_METHOD, request_serializer=lambda data: data,
             response_deserializer=api.ListAndWatchResponse.FromString)(b""))
-        config = make_config(plugin_dir, [ResourceConfig(RESOURCE, DRIVER)], host_root=root)
+        config = bench_config(plugin_dir, [ResourceConfig(RESOURCE, DRIVER)], root, root)
         try:
             async with running_host(config, {DRIVER: MemoryDriver(DRIVER, {RESOURCE: devices})}
                                     ) as app:

@@ -120,6 +120,9 @@ def table(result: SuiteResult) -> str:
                  + (f" ({', '.join(misses)})" if misses else ""))
     if result.missing:
         lines.append(f"missing: {', '.join(result.missing)}")
+    info = machine()
+    lines.append(f"machine: {info['cpus']} CPUs, Python {info['python']}, grpcio {info['grpcio']};"
+                 f" load average {result.load[0]:.2f} before, {result.load[1]:.2f} after")
     return "\n".join(lines)
 
 
@@ -165,7 +168,9 @@ def write_readme(result: SuiteResult, *, quick: bool, command: str,
         f"Run `{command}` on {date}{' (quick run: fewer repetitions)' if quick else ''}.",
         "",
         f"Machine: {info['cpus']} CPUs ({info['cpu']}), {info['platform']}; Python "
-        f"{info['python']}, grpcio {info['grpcio']}, protobuf {info['protobuf']}.",
+        f"{info['python']}, grpcio {info['grpcio']}, protobuf {info['protobuf']}. "
+        f"1-minute load average {result.load[0]:.2f} before the run, {result.load[1]:.2f} "
+        "after (before the run, anything above 0 is other work sharing the CPUs).",
         "",
         "Each figure is next to a floor measured in the same run with the same client and "
         "setup, and the ratio of the two; ratios carry over between machines, absolute "

@@ -21,11 +21,11 @@ from typing import Callable, Dict, List, Sequence
 
 from benchmarks.core import Context, Figure, median, now, percentile, short_dir
 from benchmarks.floors import MinimalPlugin, kubelet_channel
-from benchmarks.hostproc import DRIVER, build_devices
+from benchmarks.hostproc import DRIVER, bench_config, build_devices
 from host.model import ResourceConfig
 from host.protocol.convert import framed_device, snapshot_payload
 from host.testing.drivers import MemoryDriver
-from host.testing.harness import make_config, running_host
+from host.testing.harness import running_host
 from host.testing.kubelet import KubeletSimulator
 from host.testing.tree import FakeTree
 
@@ -73,8 +73,8 @@ async def _measure_size(n: int, restarts: int, root: str) -> Dict[str, List[floa
             channels.append(kubelet_channel(floor_dir))
             await asyncio.gather(old.close(), *(p.register(channels[0]) for p in plugins))
 
-        config = make_config(host_dir, [ResourceConfig(name, DRIVER) for name in names],
-                             host_root=root)
+        config = bench_config(host_dir, [ResourceConfig(name, DRIVER) for name in names], root,
+                              root)
         samples: Dict[str, List[float]] = {"host": [], "floor": []}
         try:
             async with running_host(config, {DRIVER: MemoryDriver(DRIVER, table)}):

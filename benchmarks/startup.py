@@ -39,10 +39,15 @@ def build_gpu_tree(root: str, gpus: int = GPUS) -> None:
                                 numa_node=0 if minor < gpus // 2 else 1)
 
 
-def write_config(path: str, count: int) -> List[str]:
+def write_config(path: str, count: int, drain_dir: str) -> List[str]:
+    """Default [host] settings (info logging, metrics served) but for the metrics port, any
+    free one so that a concurrent test run cannot clash, and the drain file's directory,
+    which exists as a DaemonSet's hostPath makes it."""
     names = [f"example.com/gpu-{i}" for i in range(count)]
     with open(path, "w", encoding="utf-8") as out:
-        for name in names:  # default [host] settings, info logging included
+        out.write(f'[host]\nmetrics_address = "127.0.0.1:0"\n'
+                  f'drain_file = "{os.path.join(drain_dir, "drained")}"\n')
+        for name in names:
             out.write(f'\n[[resource]]\nname = "{name}"\ndriver = "gpu"\n'
                       '[resource.selectors]\nvendor = "0x10de"\n')
     return names
@@ -99,13 +104,15 @@ async def _measure(ctx: Context) -> List[Figure]:
     with tempfile.TemporaryDirectory(prefix="dphb-startup-") as work:
         root = os.path.join(work, "root")
         build_gpu_tree(root)
+        drain_dir = os.path.join(work, "drain")
+        os.makedirs(drain_dir)
         await _bare_start()  # warm the page cache for both
         samples: Dict[int, List[float]] = {n: [] for n in sizes}
         floors: List[float] = []
         configs = {}
         for n in sizes:
             configs[n] = os.path.join(work, f"config-{n}.toml")
-            names = write_config(configs[n], ctx.pick(n, n, min(n, 4)))
+            names = write_config(configs[n], ctx.pick(n, n, min(n, 4)), drain_dir)
             configs[n] = (configs[n], names)
         for _ in range(runs):  # interleaved, so drift hits every size and the floor alike
             floors.append(await _bare_start())

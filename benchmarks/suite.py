@@ -9,6 +9,7 @@ families still run. The udev event latencies (``event_to_kubelet_p99_ms_1/_16/_6
 
 from __future__ import annotations
 
+import os
 import traceback
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -35,6 +36,8 @@ def family_name(family: ModuleType) -> str:
 class SuiteResult:
     figures: Dict[str, Figure] = field(default_factory=dict)
     missing: Dict[str, str] = field(default_factory=dict)  # key -> why there is no figure
+    # 1-minute load average before and after: other work on a shared machine shows up here.
+    load: Tuple[float, float] = (0.0, 0.0)
 
     def ordered(self, keys: Sequence[str]) -> List[Figure]:
         return [self.figures[k] for k in keys if k in self.figures]
@@ -42,6 +45,7 @@ class SuiteResult:
 
 def run_suite(ctx: Context, families: Sequence[ModuleType] = FAMILIES) -> SuiteResult:
     result = SuiteResult()
+    load_before = _load()
     for family in families:
         wanted = [key for key in family.KEYS if ctx.wants(key)]
         if not wanted:
@@ -61,4 +65,12 @@ def run_suite(ctx: Context, families: Sequence[ModuleType] = FAMILIES) -> SuiteR
         for key in wanted:
             if key not in result.figures:
                 result.missing[key] = f"{family_name(family)} produced no figure for it"
+    result.load = (load_before, _load())
     return result
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0

@@ -21,6 +21,7 @@ from host.hostfs import HostFS
 from host.inotify import DirectoryWatch
 from host.inventory import Inventory
 from host.isolation import DriverCalls
+from host.metrics import HostMetrics
 from host.model import Device, ResourceConfig
 from host.registration import Endpoint, Registrar
 from host.service import DevicePluginService
@@ -66,6 +67,7 @@ class HostApp:
         self._health_timers: Dict[str, asyncio.TimerHandle] = {}
         self.events: Optional[EventSource] = None
         self.scheduler = RescanScheduler(self._drivers_for_subsystem, self.request_rescan)
+        self.metrics = HostMetrics(pod_resources_socket=config.host.pod_resources_socket)
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -73,6 +75,7 @@ class HostApp:
         self._start_events()  # before the first scan: nothing plugged in meanwhile is missed
         self._watch_drains()
         await self.inventory.scan()
+        self.metrics.sync_drivers(self.inventory.status)
         for resource in self.config.resources:
             self._sync(resource)
         self._arm_safety_rescan()
@@ -122,16 +125,19 @@ class HostApp:
             service = DevicePluginService(
                 resource, driver,
                 snapshot, self.calls, allocate_timeout_s=self.config.host.allocate_timeout_s,
+                observer=self.metrics.allocate_observer,
             )
             self.snapshots[resource.name] = snapshot
             self.services[resource.name] = service
             self.registrar.add(service)
+            self.metrics.set_devices(resource.name, devices)
             self.ready.clear()
             return
         self._write_cdi(resource, devices)  # before the kubelet can ask for a new device
         if snapshot.update(devices):
             log.info("resource %s: %d devices (%d healthy)", resource.name, len(devices),
                      sum(1 for d in devices if d.healthy))
+        self.metrics.set_devices(resource.name, devices)
 
     def _write_cdi(self, resource: ResourceConfig, devices: List[Device]) -> None:
         if resource.cdi:
@@ -140,6 +146,7 @@ class HostApp:
     async def rescan(self, drivers: Optional[Iterable[str]] = None) -> Set[str]:
         """Rescan drivers and push every changed resource to its streams."""
         changed = await self.inventory.scan(drivers)
+        self.metrics.sync_drivers(self.inventory.status)
         for name in changed:
             resource = self.inventory.resources.get(name)
             if resource is not None:
@@ -163,7 +170,8 @@ class HostApp:
         """
         old = {r.name: r for r in self.config.resources}
         new = {r.name: r for r in config.resources}
-        for field in ("plugin_dir", "host_root", "pod_resources_socket", "drain_file"):
+        for field in ("plugin_dir", "host_root", "pod_resources_socket", "drain_file",
+                      "cdi_dir", "metrics_address"):
             if getattr(config.host, field) != getattr(self.config.host, field):
                 log.warning("reload: [host] %s changed; it takes effect at the next restart",
                             field)
@@ -172,6 +180,7 @@ class HostApp:
         for name in set(old) - set(new):
             log.info("reload: resource %s removed; it stops serving", name)
             self.cdi.remove(name)
+            self.metrics.remove_resource(name)
             await self.registrar.remove(name)
             self.snapshots.pop(name, None)
             self.services.pop(name, None)
@@ -271,6 +280,7 @@ class HostApp:
         try:
             source.start(self.scheduler.event)
         except Exception as error:
+            log.debug("event source failed to start", exc_info=True)
             log.warning("device events unavailable (%s); relying on the safety rescan every "
                         "%g s", error, self.config.host.rescan_interval_s)
             return
@@ -309,6 +319,8 @@ class HostApp:
 
     # -- readiness -----------------------------------------------------------------------
     def _endpoint_registered(self, endpoint: Endpoint) -> None:
+        self.metrics.registered(endpoint.name)
+        self.metrics.kubelet_restarts_seen(self.registrar.link.restarts_seen)
         self._check_ready()
 
     def _check_ready(self) -> None:

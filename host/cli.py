@@ -23,6 +23,7 @@ from host.isolation import DriverCalls
 from host.logs import setup_logging
 from host.model import Device
 from host.plugins import DriverRegistry, load_drivers
+from host.protocol import POD_RESOURCES_SOCKET
 from host.systemd import Notifier
 
 if TYPE_CHECKING:
@@ -66,6 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     undrain.add_argument("device")
     undrain.add_argument("--config", help=f"TOML config (default {DEFAULT_CONFIG_PATH})")
 
+    pods = sub.add_parser("pods", help="which pod holds which device (kubelet PodResources API)")
+    pods.add_argument("--socket", default=POD_RESOURCES_SOCKET,
+                      help=f"the kubelet's pod-resources socket (default {POD_RESOURCES_SOCKET})")
+    pods.add_argument("--resource", help="only this resource name (or a pattern: 'nvidia.com/*')")
+    pods.add_argument("--json", action="store_true", help="a JSON array, one object a row")
+
     capture = sub.add_parser("capture", help="write this machine's device tree as a .tree file")
     capture.add_argument("--host-root", default="/")
     capture.add_argument("--output", "-o", default="-")
@@ -94,6 +101,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_demo(keep=args.keep)
     if args.command == "capture":
         return _capture(args)
+    if args.command == "pods":
+        from host.podresources import pods_main
+
+        return pods_main(args.socket, args.resource, args.json)
     registry = load_drivers()
     try:
         if args.command == "check-config":
@@ -195,6 +206,24 @@ class _ConfigReloader:
             self._pending.cancel()
 
 
+async def _announce_ready(app: HostApp, notifier: Notifier, config: Config) -> None:
+    """READY=1 once every resource is registered, but never held hostage by a kubelet that
+    is not there yet: boot ordering (cloud-init running kubeadm join after
+    multi-user.target) would otherwise deadlock. Without a kubelet, serving is ready."""
+    if app.ready.is_set():
+        return  # on_ready already sent it
+    kubelet = os.path.join(config.host.plugin_dir, "kubelet.sock")
+    if not os.path.exists(kubelet):
+        notifier.ready(f"serving {len(app.served())} resources; waiting for the kubelet at "
+                       f"{kubelet}")
+        return
+    try:
+        await asyncio.wait_for(app.ready.wait(), config.host.register_timeout_s)
+    except asyncio.TimeoutError:
+        pending = [name for name, ep in app.registrar.endpoints.items() if not ep.registered]
+        notifier.ready(f"serving; registration pending for {', '.join(pending)}")
+
+
 def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -> int:
     from host.app import HostApp
 
@@ -218,17 +247,19 @@ def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -
                  len(config.resources))
         try:
             notifier.start_watchdog()
+            await app.metrics.start(config.host.metrics_address)
             await app.start()
             reloader.start()
-            if not app.ready.is_set():
-                notifier.status("serving; waiting for the kubelet to accept registrations")
+            announce = loop.create_task(_announce_ready(app, notifier, config))
             await stop.wait()
+            announce.cancel()
             log.info("stopping: removing our sockets")
             notifier.stopping()
         finally:
             notifier.stop_watchdog()
             reloader.close()
             await app.stop()
+            await app.metrics.stop()
 
     asyncio.run(serve())
     logging.shutdown()

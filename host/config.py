@@ -77,6 +77,7 @@ class HostSettings:
     vanished_grace_s: float = 300.0  # how long a device gone from sysfs is still Unhealthy
     drain_file: str = "/var/lib/device-plugin-host/drained"  # operator's Unhealthy marks
     cdi_dir: str = "/var/run/cdi"  # where CDI specs go for resources with cdi = true
+    metrics_address: str = "127.0.0.1:9400"  # Prometheus endpoint; "" disables it
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,17 @@ def _check_host_value(file: str, key: str, field_name: str, value: object) -> ob
         return _check_path(file, key, field_name, value)
     if field_name in _HOST_ENUMS:
         return _check_enum(file, key, _HOST_ENUMS[field_name], value)
+    if field_name == "metrics_address":
+        if not isinstance(value, str):
+            raise ConfigError(file, key, f"must be a string like \"127.0.0.1:9400\", got "
+                                         f"{_typed(value)}")
+        from host.metrics import parse_address  # prometheus_client only when needed
+
+        try:
+            parse_address(value)
+        except ValueError as error:
+            raise ConfigError(file, key, str(error)) from None
+        return value
     return _check_seconds(file, key, _HOST_NUMBERS[field_name], value)
 
 

@@ -9,9 +9,9 @@ package is logged with its distribution name and version and every other driver 
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from importlib.metadata import EntryPoint, distributions
+from typing import Any, Dict, List, Optional, Tuple
 
 import pluggy
 
@@ -20,16 +20,19 @@ from host.driver import Driver, UnavailableDriver
 
 log = logging.getLogger(__name__)
 
-if sys.version_info >= (3, 10):
-    from importlib.metadata import EntryPoint, entry_points
-
-    def _entry_points(group: str) -> Sequence[EntryPoint]:
-        return list(entry_points(group=group))
-else:  # pragma: no cover - Python 3.9
-    from importlib.metadata import EntryPoint, entry_points
-
-    def _entry_points(group: str) -> Sequence[EntryPoint]:
-        return list(entry_points().get(group, ()))
+def _entry_points(group: str) -> List[Tuple[EntryPoint, Optional[str]]]:
+    """Entry points of a group with "distribution version" for each; walks distributions
+    itself because Python 3.9's EntryPoint does not know its distribution."""
+    found = []
+    for dist in distributions():
+        try:
+            label = f"{dist.metadata['Name']} {dist.version}"
+        except Exception:  # broken metadata must not stop the walk
+            label = None
+        for entry_point in dist.entry_points:
+            if entry_point.group == group:
+                found.append((entry_point, label))
+    return found
 
 
 @dataclass(frozen=True)
@@ -54,12 +57,12 @@ class DriverRegistry:
     # -- loading ---------------------------------------------------------------------------
     def load_entry_points(self, group: str = hookspecs.ENTRY_POINT_GROUP) -> None:
         seen = set()
-        for entry_point in sorted(_entry_points(group), key=lambda ep: ep.name):
+        for entry_point, dist in sorted(_entry_points(group), key=lambda pair: pair[0].name):
             key = (entry_point.name, entry_point.value)
             if key in seen:  # the same distribution visible twice on sys.path
                 continue
             seen.add(key)
-            source = _describe(entry_point)
+            source = f"entry point {entry_point.name} ({dist or entry_point.value})"
             try:
                 plugin = entry_point.load()
             except BaseException as error:
@@ -128,16 +131,6 @@ class DriverRegistry:
                 drivers[failure.driver] = UnavailableDriver(failure.driver, failure.reason)
         drivers.update(self.drivers)
         return drivers
-
-
-def _describe(entry_point: EntryPoint) -> str:
-    dist = getattr(entry_point, "dist", None)
-    if dist is not None:
-        try:
-            return f"entry point {entry_point.name} ({dist.name} {dist.version})"
-        except Exception:  # a broken metadata file must not stop the description
-            pass
-    return f"entry point {entry_point.name} ({entry_point.value})"
 
 
 def load_drivers() -> DriverRegistry:

@@ -234,13 +234,17 @@ class Endpoint:
             os.unlink(path)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         server.add_generic_rpc_handlers((self.service.handler(self.generation),))
-        old_umask = os.umask(0o077)  # the socket is born 0600: only root (the kubelet) dials
+        # The socket is born 0600 (only root, the kubelet, dials it). grpc binds inside
+        # add_insecure_port, synchronously, so the umask change never spans an await where
+        # other coroutines could run (and save/restore it out of order).
+        old_umask = os.umask(0o077)
         try:
-            if server.add_insecure_port(f"unix://{path}") == 0:
-                raise OSError(f"could not bind {path}")
-            await server.start()
+            bound = server.add_insecure_port(f"unix://{path}")
         finally:
             os.umask(old_umask)
+        if bound == 0:
+            raise OSError(f"could not bind {path}")
+        await server.start()
         os.chmod(path, 0o600)
         self.server = server
         self._server_used = False

@@ -8,6 +8,7 @@ reason; nothing a request contains can raise out of a handler.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import Callable, List, Optional, Sequence
 
@@ -153,6 +154,7 @@ class DevicePluginService:
     async def _allocate(
         self, request: api.AllocateRequest, context: grpc.aio.ServicerContext
     ) -> api.AllocateResponse:
+        started = time.perf_counter()
         try:
             if not request.container_requests:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -167,10 +169,10 @@ class DevicePluginService:
                 if self.resource.cdi:
                     merged = with_cdi(self.resource, devices, merged)
                 response.container_responses.append(allocate_response(merged))
-            self._observe("allocated", request)
+            self._observe("allocated", request, started)
             return response
         except RequestError as error:
-            self._observe("refused", error)
+            self._observe("refused", error, started)
             log.warning("resource %s: Allocate refused: %s", self.resource.name, error.reason)
             await context.abort(error.code, error.reason)
             raise AssertionError("unreachable") from None
@@ -321,9 +323,10 @@ class DevicePluginService:
             await context.abort(error.code, error.reason)
             raise AssertionError("unreachable") from None
 
-    def _observe(self, event: str, detail: object) -> None:
+    def _observe(self, event: str, detail: object, started: float) -> None:
         if self.observer is not None:
             try:
-                self.observer(self.resource.name, event, detail)
+                self.observer(self.resource.name, event, detail,
+                              time.perf_counter() - started)
             except Exception:  # metrics must never break an RPC
                 log.exception("observer failed")

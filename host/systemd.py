@@ -24,6 +24,7 @@ class Notifier:
         self.address = address or None
         self.watchdog_s = self._watchdog_interval(env)
         self._timer: Optional[asyncio.TimerHandle] = None
+        self._ready_sent = False
 
     @staticmethod
     def _watchdog_interval(env: dict) -> Optional[float]:
@@ -51,6 +52,11 @@ class Notifier:
             return False
 
     def ready(self, status: str) -> None:
+        """READY=1 once per process; later calls only update the status line."""
+        if self._ready_sent:
+            self.status(status)
+            return
+        self._ready_sent = True
         self.send("READY=1", f"STATUS={status}")
 
     def status(self, status: str) -> None:

@@ -45,7 +45,10 @@ class UdevSource:
         if self.source == "udev":  # kernel-source monitors cannot filter in the kernel
             for subsystem in self.subsystems:
                 monitor.filter_by(subsystem)
-        monitor.set_receive_buffer_size(4 * 1024 * 1024)  # hot-plug bursts must not overflow
+        try:  # hot-plug bursts must not overflow; forcing the size needs CAP_NET_ADMIN
+            monitor.set_receive_buffer_size(4 * 1024 * 1024)
+        except OSError as error:
+            log.debug("udev monitor: keeping the default receive buffer: %s", error)
         monitor.start()
         self._monitor = monitor
         self._loop = asyncio.get_running_loop()

@@ -471,3 +471,31 @@ def test_garbage_from_a_driver_never_reaches_the_kubelet(short_dir, run):
             await sim.stop()
 
     run(scenario())
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def test_serving_many_resources_at_once_leaves_the_process_umask_alone(short_dir, run):
+    names = [f"example.com/u{i}" for i in range(16)]
+    driver = MemoryDriver("m", {n: make_devices("d", 1) for n in names})
+    before = _current_umask()
+
+    async def scenario():
+        sim = KubeletSimulator(short_dir)
+        await sim.start()
+        try:
+            config = make_config(short_dir, _resources(*[(n, "m") for n in names]))
+            async with running_host(config, {"m": driver}):
+                await sim.wait_for(_registered(sim, names))
+                await sim.restart()
+                await sim.wait_for(lambda s: all(s.resources[n].registrations >= 2
+                                                 and s.resources[n].connected for n in names))
+        finally:
+            await sim.stop()
+
+    run(scenario())
+    assert _current_umask() == before

@@ -1,10 +1,8 @@
 """Metrics scraped over real HTTP from a running host, after real allocations through the
 kubelet simulator (which also serves PodResources, the source of ``allocated_device``).
 
-``WiredHost`` does from outside what HostApp will do once the metrics are wired in (the calls
-are listed in its docstring); the one assertion that needs a change in service.py (latency
-samples from the real Allocate path) is marked xfail(strict=True), so it fails loudly the day
-it starts to pass and its marker must go.
+The real HostApp is wired to HostMetrics; the test swaps in its own instance only to shorten
+the PodResources List interval.
 """
 
 from __future__ import annotations
@@ -75,44 +73,6 @@ def series(found: Samples, name: str) -> Dict[FrozenSet[Tuple[str, str]], float]
     return {labels: v for (n, labels), v in found.items() if n == P + name}
 
 
-# -- the host, wired -------------------------------------------------------------------------
-class WiredHost(HostApp):
-    """HostApp plus the metrics calls the lead adds to host/app.py:
-
-    - ``_sync``: ``observer=self.metrics.allocate_observer`` on the new service, and
-      ``self.metrics.set_devices(resource.name, devices)`` whenever a served resource syncs;
-    - ``_endpoint_registered``: ``self.metrics.registered(endpoint.name)`` and
-      ``self.metrics.kubelet_restarts_seen(self.registrar.link.restarts_seen)``;
-    - after every ``inventory.scan`` (start and rescan):
-      ``self.metrics.sync_drivers(self.inventory.status)``.
-    """
-
-    def __init__(self, config, drivers, metrics: HostMetrics) -> None:
-        super().__init__(config, drivers, events=None)
-        self.metrics = metrics
-
-    def _sync(self, resource: ResourceConfig) -> None:
-        super()._sync(resource)
-        service = self.services.get(resource.name)
-        if service is not None:
-            service.observer = self.metrics.allocate_observer
-            self.metrics.set_devices(resource.name, self.inventory.devices.get(resource.name, []))
-
-    def _endpoint_registered(self, endpoint) -> None:
-        super()._endpoint_registered(endpoint)
-        self.metrics.registered(endpoint.name)
-        self.metrics.kubelet_restarts_seen(self.registrar.link.restarts_seen)
-
-    async def start(self) -> None:
-        await super().start()
-        self.metrics.sync_drivers(self.inventory.status)
-
-    async def rescan(self, drivers=None):
-        changed = await super().rescan(drivers)
-        self.metrics.sync_drivers(self.inventory.status)
-        return changed
-
-
 class Node:
     def __init__(self, plugin_dir: str, host_root: str, *, with_pod_resources: bool = True,
                  list_interval: float = 0.0):
@@ -126,7 +86,8 @@ class Node:
             plugin_dir, pod_resources_socket=self.pod_socket if with_pod_resources else None)
         self.metrics = HostMetrics(pod_resources_socket=self.pod_socket,
                                    pod_list_min_interval_s=list_interval)
-        self.app = WiredHost(self.config, {"mem": self.driver}, self.metrics)
+        self.app = HostApp(self.config, {"mem": self.driver}, events=None)
+        self.app.metrics = self.metrics  # the test's instance: a fast List interval
 
     async def __aenter__(self) -> Node:
         await self.sim.start()
@@ -189,8 +150,6 @@ def test_scrape_after_real_allocations(short_dir, tmp_path, run):
     run(scenario())
 
 
-@pytest.mark.xfail(strict=True, reason="needs service.py to pass Allocate's duration to the "
-                   "observer (lead wiring, step 4 of the metrics report)")
 def test_allocate_latency_is_observed_on_the_real_path(short_dir, tmp_path, run):
     async def scenario():
         async with Node(short_dir, str(tmp_path / "root")) as node:

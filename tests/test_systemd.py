@@ -79,3 +79,35 @@ def test_host_sends_ready_after_every_resource_registered_then_stopping(tmp_path
             listener.close()
 
     asyncio.run(scenario())
+
+
+def test_ready_without_a_kubelet_does_not_hold_up_boot(tmp_path, short_dir):
+    """No kubelet yet (a node before kubeadm join): READY comes once the sockets serve."""
+    tree = FakeTree(tmp_path / "root")
+    tree.numa_nodes(1)
+    fake_gpu.add_nvidia_control_nodes(tree)
+    fake_gpu.add_nvidia_gpu(tree, "0000:18:00.0", minor=0, numa_node=0)
+    notify_path = os.path.join(short_dir, "notify")
+    plugin_dir = os.path.join(short_dir, "dp")
+    os.mkdir(plugin_dir)
+    listener = _listener(notify_path)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        env = dict(os.environ, PYTHONPATH=str(REPO), NOTIFY_SOCKET=notify_path)
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "host", "run", "--plugin-dir", plugin_dir, "--host-root",
+            str(tmp_path / "root"), env=env, stderr=asyncio.subprocess.PIPE)
+        try:
+            message = (await asyncio.wait_for(loop.sock_recv(listener, 4096), 20)).decode()
+            assert "READY=1" in message and "waiting for the kubelet" in message
+            assert [n for n in os.listdir(plugin_dir) if n.startswith("dph-")]
+            process.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(process.wait(), 15)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            listener.close()
+
+    asyncio.run(scenario())
