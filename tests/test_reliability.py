@@ -1,0 +1,413 @@
+"""The reliability suite: churn, faults, fuzzed input and security properties.
+
+Marked ``slow`` where long (``-m 'not slow'`` skips them locally); CI runs everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import random
+import re
+import subprocess
+import threading
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from host.config import ConfigError, parse_config
+from host.hostfs import HostFS
+from host.model import Device, ResourceConfig
+from host.pci import list_functions
+from host.protocol import api
+from host.testing.drivers import MemoryDriver, make_devices
+from host.testing.harness import make_config, running_host
+from host.testing.kubelet import KubeletSimulator
+from host.testing.kubelet.state import AllocationError
+from host.testing.tree import FakeTree
+
+REPO = Path(__file__).resolve().parents[1]
+RESOURCE = "example.com/x"
+
+
+def _serving(sim, names):
+    return lambda s: all(n in s.resources and s.resources[n].connected
+                         and s.resources[n].snapshots for n in names)
+
+
+# -- churn ------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_500_kubelet_restarts_with_allocations_running(short_dir, run):
+    names = [f"example.com/c{i}" for i in range(4)]
+    driver = MemoryDriver("m", {n: make_devices("d", 4, (0, 1)) for n in names})
+    process = psutil.Process()
+    rng = random.Random(7)
+    outcomes = {"ok": 0, "refused": 0}
+
+    async def allocations(sim, stop: asyncio.Event):
+        pod = 0
+        while not stop.is_set():
+            pod += 1
+            name = rng.choice(names)
+            try:
+                await sim.allocate(name, 1, pod=f"p{pod}")
+                outcomes["ok"] += 1
+                sim.release(f"p{pod}")
+            except (AllocationError, LookupError, grpc.aio.AioRpcError,
+                    grpc.aio.UsageError) as error:
+                # Refused while the kubelet restarts: always with a reason, never a hang.
+                assert str(error)
+                outcomes["refused"] += 1
+            except asyncio.CancelledError:
+                if stop.is_set():
+                    raise
+                # grpc.aio cancels a call whose channel the restarting kubelet closed.
+                outcomes["refused"] += 1
+            await asyncio.sleep(0)
+
+    async def scenario():
+        sim = KubeletSimulator(short_dir)
+        await sim.start()
+        stop = asyncio.Event()
+        try:
+            config = make_config(short_dir, [ResourceConfig(n, "m") for n in names])
+            async with running_host(config, {"m": driver}):
+                await sim.wait_for(_serving(sim, names))
+                worker = asyncio.ensure_future(allocations(sim, stop))
+                baseline = None
+                for restart in range(500):
+                    await sim.restart()
+                    await asyncio.sleep(rng.random() * 0.03)
+                    await sim.wait_for(_serving(sim, names), timeout=10,
+                                       what=f"all registered after restart {restart}")
+                    if restart == 50:
+                        gc.collect()
+                        baseline = (process.num_fds(), threading.active_count(),
+                                    process.memory_info().rss)
+                stop.set()
+                await worker
+                gc.collect()
+                fds, threads, rss = (process.num_fds(), threading.active_count(),
+                                     process.memory_info().rss)
+                assert fds <= baseline[0] + 8, (baseline, fds)
+                assert threads <= baseline[1] + 2, (baseline, threads)
+                assert rss <= baseline[2] + 30 * 2**20, (baseline, rss)
+                assert all(sim.resources[n].connected for n in names)
+        finally:
+            stop.set()
+            await sim.stop()
+
+    run(scenario(), timeout=600)
+    assert outcomes["ok"] > 50, outcomes
+
+
+# -- faults -----------------------------------------------------------------------------------
+def test_kubelet_vanishing_mid_stream_then_returning(short_dir, run):
+    driver = MemoryDriver("m", {RESOURCE: make_devices("x", 2)})
+
+    async def scenario():
+        sim = KubeletSimulator(short_dir)
+        await sim.start()
+        config = make_config(short_dir, [ResourceConfig(RESOURCE, "m")])
+        async with running_host(config, {"m": driver}) as app:
+            await sim.wait_for(_serving(sim, [RESOURCE]))
+            await sim.stop()  # gone without cleaning anything
+            driver.devices[RESOURCE] = make_devices("x", 3)
+            await app.rescan()  # changes while nobody listens are not lost
+            await asyncio.sleep(0.2)
+            await sim.start()
+            try:
+                await sim.wait_for(lambda s: s.resources[RESOURCE].capacity == 3
+                                   and s.resources[RESOURCE].connected, timeout=5)
+            finally:
+                await sim.stop()
+
+    run(scenario())
+
+
+def test_a_stale_socket_or_file_of_a_crashed_run_is_not_in_the_way(short_dir, run):
+    driver = MemoryDriver("m", {RESOURCE: make_devices("x", 1)})
+    # What a crashed earlier run leaves: our old sockets, a regular file and a symlink.
+    import socket as socketlib
+
+    stale = socketlib.socket(socketlib.AF_UNIX)
+    stale.bind(os.path.join(short_dir, "dph-example-com-x-old-1.sock"))
+    stale.close()
+    Path(short_dir, "junk").write_text("x")
+
+    async def scenario():
+        sim = KubeletSimulator(short_dir)
+        await sim.start()
+        try:
+            config = make_config(short_dir, [ResourceConfig(RESOURCE, "m")])
+            async with running_host(config, {"m": driver}):
+                await sim.wait_for(_serving(sim, [RESOURCE]))
+        finally:
+            await sim.stop()
+
+    run(scenario())
+
+
+def test_never_follows_a_symlink_planted_at_its_socket_path(short_dir, run, tmp_path):
+    from host.registration import socket_file_name
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    driver = MemoryDriver("m", {RESOURCE: make_devices("x", 1)})
+
+    async def scenario():
+        sim = KubeletSimulator(short_dir)
+        await sim.start()
+        try:
+            config = make_config(short_dir, [ResourceConfig(RESOURCE, "m")])
+            from host.app import HostApp
+
+            app = HostApp(config, {"m": driver}, events=None)
+            # Plant links at the names the next generations would use.
+            for generation in range(1, 4):
+                name = socket_file_name(RESOURCE, app.registrar.token, generation)
+                os.symlink(victim, os.path.join(short_dir, name))
+            await app.start()
+            try:
+                await sim.wait_for(_serving(sim, [RESOURCE]))
+                path = os.path.join(short_dir, sim.resources[RESOURCE].endpoint)
+                assert not os.path.islink(path)
+            finally:
+                await app.stop()
+        finally:
+            await sim.stop()
+
+    run(scenario())
+    assert victim.read_text() == "precious"
+
+
+def test_config_paths_cannot_escape_the_host_root():
+    host = HostFS("/tmp")
+    with pytest.raises(ValueError):
+        host.confine("/sys/../../etc/shadow")
+    with pytest.raises(ValueError):
+        host.confine("relative/path")
+    with pytest.raises(ConfigError) as bad:
+        parse_config('[host]\nhost_root = "/host/../etc"\n', "c.toml", {})
+    assert "host.host_root" in str(bad.value)
+
+
+def test_absolute_symlinks_in_a_captured_tree_resolve_inside_the_root(tmp_path):
+    tree = FakeTree(tmp_path)
+    tree.attr("/sys/devices/pci0000:00/0000:00:01.0/vendor", "0x8086")
+    os.makedirs(tmp_path / "sys/bus/pci/devices", exist_ok=True)
+    os.symlink("/sys/devices/pci0000:00/0000:00:01.0",
+               tmp_path / "sys/bus/pci/devices/0000:00:01.0")
+    host = HostFS(str(tmp_path))
+    assert host.resolve("/sys/bus/pci/devices/0000:00:01.0") == \
+        "/sys/devices/pci0000:00/0000:00:01.0"
+    os.symlink("/etc/passwd", tmp_path / "sys/escape")
+    assert host.resolve("/sys/escape") is None  # /etc/passwd inside the root: not there
+
+
+def test_metrics_bind_to_localhost_unless_configured():
+    from host.config import HostSettings
+
+    assert HostSettings().metrics_address.startswith("127.0.0.1:")
+
+
+def test_no_shell_is_ever_invoked():
+    """No subprocess with shell=True, os.system or os.popen anywhere in the shipped code."""
+    pattern = re.compile(r"shell\s*=\s*True|os\.system\(|os\.popen\(")
+    offenders = []
+    for folder in ("host", "drivers"):
+        for path in (REPO / folder).rglob("*.py"):
+            if pattern.search(path.read_text()):
+                offenders.append(str(path.relative_to(REPO)))
+    assert offenders == []
+
+
+def test_sockets_and_written_files_get_restrictive_modes(short_dir, run, tmp_path):
+    driver = MemoryDriver("m", {RESOURCE: make_devices("x", 1)})
+
+    async def scenario():
+        sim = KubeletSimulator(short_dir)
+        await sim.start()
+        try:
+            config = make_config(short_dir, [ResourceConfig(RESOURCE, "m", cdi=True)],
+                                 cdi_dir=str(tmp_path / "cdi"))
+            async with running_host(config, {"m": driver}):
+                await sim.wait_for(_serving(sim, [RESOURCE]))
+                sock = os.path.join(short_dir, sim.resources[RESOURCE].endpoint)
+                assert os.stat(sock).st_mode & 0o777 == 0o600
+                for name in os.listdir(tmp_path / "cdi"):
+                    # Runtimes and `cdi list` must read it; nobody else may write it.
+                    assert os.stat(tmp_path / "cdi" / name).st_mode & 0o022 == 0
+        finally:
+            await sim.stop()
+
+    run(scenario())
+
+
+# -- fuzzed requests ----------------------------------------------------------------------------
+_ids = st.one_of(
+    st.sampled_from(["x0", "x1", "x2", "x3", "unhealthy"]),
+    st.text(min_size=0, max_size=40),
+    st.text(alphabet="ab", min_size=2000, max_size=3000),  # huge ids
+)
+
+
+class _FuzzTarget:
+    """One host + simulator kept across hypothesis examples (start-up is the slow part)."""
+
+    def __init__(self, plugin_dir: str) -> None:
+        devices = make_devices("x", 4)
+        devices.append(Device(id="unhealthy").with_health(
+            __import__("host.model", fromlist=["Health"]).Health.UNHEALTHY, "broken"))
+        self.driver = MemoryDriver("m", {RESOURCE: devices})
+        self.driver.needs_pre_start = lambda resource: True  # type: ignore[method-assign]
+        self.loop = asyncio.new_event_loop()
+        self.sim = KubeletSimulator(plugin_dir)
+        self.cm = running_host(make_config(plugin_dir, [ResourceConfig(RESOURCE, "m")]),
+                               {"m": self.driver})
+        self.loop.run_until_complete(self._start())
+
+    async def _start(self) -> None:
+        await self.sim.start()
+        self.app = await self.cm.__aenter__()
+        await self.sim.wait_for(_serving(self.sim, [RESOURCE]))
+
+    def call(self, coro):
+        return self.loop.run_until_complete(asyncio.wait_for(coro, 10))
+
+    def close(self) -> None:
+        async def stop():
+            await self.cm.__aexit__(None, None, None)
+            await self.sim.stop()
+
+        self.loop.run_until_complete(stop())
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def fuzz_target():
+    import shutil
+    import tempfile
+
+    plugin_dir = tempfile.mkdtemp(prefix="dphf", dir="/tmp")
+    target = _FuzzTarget(plugin_dir)
+    yield target
+    target.close()
+    shutil.rmtree(plugin_dir, ignore_errors=True)
+
+
+def _expect_answer_or_reasoned_refusal(call):
+    try:
+        return call()
+    except grpc.aio.AioRpcError as error:
+        assert error.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                grpc.StatusCode.FAILED_PRECONDITION), error
+        assert error.details(), "a refusal must carry a reason"
+        return None
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(containers=st.lists(st.lists(_ids, max_size=6), max_size=3))
+def test_fuzzed_allocate_requests(fuzz_target, containers):
+    response = _expect_answer_or_reasoned_refusal(
+        lambda: fuzz_target.call(fuzz_target.sim.call_allocate(RESOURCE, containers)))
+    if response is not None:
+        assert len(response.container_responses) == len(containers)
+        for ids in containers:
+            assert set(ids) <= {"x0", "x1", "x2", "x3"} and len(set(ids)) == len(ids)
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(available=st.lists(_ids, max_size=8), must=st.lists(_ids, max_size=4),
+       size=st.integers(min_value=-5, max_value=2**31 - 1))
+def test_fuzzed_preferred_allocation_requests(fuzz_target, available, must, size):
+    response = _expect_answer_or_reasoned_refusal(
+        lambda: fuzz_target.call(fuzz_target.sim.call_preferred(RESOURCE, available, must,
+                                                                size)))
+    if response is not None:
+        picked = list(response.container_responses[0].deviceIDs)
+        assert len(picked) == len(set(picked)) and len(picked) <= size
+        assert set(must) <= set(picked)
+        assert set(picked) <= set(available) | set(must)
+
+
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(ids=st.lists(_ids, max_size=6))
+def test_fuzzed_pre_start_requests(fuzz_target, ids):
+    _expect_answer_or_reasoned_refusal(
+        lambda: fuzz_target.call(fuzz_target.sim.call_pre_start(RESOURCE, ids)))
+
+
+def test_process_still_serves_after_the_fuzzing(fuzz_target):
+    options = fuzz_target.call(fuzz_target.sim.call_options(RESOURCE))
+    assert isinstance(options, api.DevicePluginOptions)
+    assert fuzz_target.sim.resources[RESOURCE].connected
+
+
+# -- fuzzed configs and sysfs -----------------------------------------------------------------
+_toml_values = st.one_of(st.integers(-10**20, 10**20), st.floats(allow_nan=True),
+                         st.booleans(), st.text(max_size=30),
+                         st.lists(st.integers(-3, 3), max_size=3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(host=st.dictionaries(st.sampled_from(["plugin_dir", "host_root", "log_level",
+                                             "allocate_timeout_s", "rescan_interval_s",
+                                             "metrics_address", "bogus"]),
+                            _toml_values, max_size=4),
+       name=st.text(max_size=40), replicas=_toml_values)
+def test_fuzzed_configs_load_or_fail_with_file_key_and_reason(host, name, replicas):
+    import json
+
+    def value(v):
+        if isinstance(v, float) and v != v:
+            return "nan"
+        if isinstance(v, float):
+            return repr(v) if v not in (float("inf"), float("-inf")) else ("inf" if v > 0
+                                                                           else "-inf")
+        return json.dumps(v) if not isinstance(v, bool) else str(v).lower()
+
+    lines = ["[host]"] + [f"{k} = {value(v)}" for k, v in host.items()]
+    lines += ["[[resource]]", f"name = {json.dumps(name)}", 'driver = "m"',
+              f"replicas = {value(replicas)}"]
+    text = "\n".join(lines) + "\n"
+    try:
+        parse_config(text, "fuzz.toml", {"m": MemoryDriver("m")})
+    except ConfigError as error:
+        assert str(error).startswith("fuzz.toml: ") and error.key and error.reason
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(values=st.dictionaries(
+    st.sampled_from(["vendor", "device", "class", "numa_node", "enable", "local_cpulist"]),
+    st.one_of(st.text(max_size=20), st.binary(max_size=20).map(lambda b: b.decode("latin-1"))),
+    max_size=6))
+def test_fuzzed_sysfs_attributes_never_crash_discovery(tmp_path_factory, values):
+    root = tmp_path_factory.mktemp("fuzz")
+    tree = FakeTree(root)
+    path = tree.pci_function("0000:01:00.0", vendor=0x10DE, device=0x2330,
+                             pci_class=0x030200, numa_node=0)
+    for name, text in values.items():
+        tree.attr(f"{path}/{name}", text)
+    functions = list_functions(HostFS(str(root)))
+    assert [f.address for f in functions] == ["0000:01:00.0"]
+    from drivers.gpu.driver import GpuDriver
+
+    GpuDriver().discover(HostFS(str(root)),
+                         [ResourceConfig("nvidia.com/gpu", "gpu", {"vendor": "0x10de"})])
+
+
+def test_no_test_writes_outside_temp_dirs():
+    """The suite must not leave sockets behind in the repo (a crashed run's litter)."""
+    result = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=REPO,
+                            capture_output=True, text=True)
+    assert ".sock" not in result.stdout
