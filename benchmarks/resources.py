@@ -1,8 +1,10 @@
 """Memory and idle CPU of a host process with 64 resources and 10,000 devices in all.
 
 Setup: ``benchmarks.hostproc`` (the real HostApp, MemoryDriver devices spread over 64
-resources) registered with the kubelet simulator in this process, every ListAndWatch stream
-open. Once every resource has its snapshot and a short settle, RSS is read (psutil; MB = 10^6
+resources; the CLI, the entry-point drivers and the udev monitor are not loaded, so a
+``device-plugin-host run`` process is a little bigger) registered with the kubelet simulator
+in this process, every ListAndWatch stream open, the operator drain file's directory present.
+Once every resource has its snapshot and a short settle, RSS is read (psutil; MB = 10^6
 bytes), then CPU time over an idle window (30 s; quick: 5 s) as a percentage of one core.
 CPU time is the sum of the per-thread ``schedstat`` run times (nanoseconds) where Linux has
 them, else psutil's user + system (10 ms ticks).

@@ -8,23 +8,47 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from typing import Optional
 
 CONTEXT_FIELDS = ("resource", "driver", "device")
 
+# The house style names what a line concerns in its text ("resource nvidia.com/gpu: ...",
+# "driver 'gpu' ...", "device 0000:3b:00.0 ..."); these recover the fields from it for lines
+# whose caller did not pass them with ``extra``, so JSON logs can be filtered on them.
+_FROM_TEXT = {
+    "resource": re.compile(r"\bresources? \(?([a-z0-9][-a-z0-9.]*/[A-Za-z0-9][-A-Za-z0-9_.]*)"),
+    "driver": re.compile(r"\bdriver '([^']+)'|\bdriver ([A-Za-z0-9_.-]+)"),
+    "device": re.compile(r"\bdevice ([^\s;,()']+)"),
+}
+
+
+class ContextFilter(logging.Filter):
+    """Fill record.resource/driver/device from the message where not given explicitly."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a bad format string must still be logged
+            return True
+        for field, pattern in _FROM_TEXT.items():
+            if hasattr(record, field):
+                continue
+            match = pattern.search(message)
+            if match:
+                value = next((g for g in match.groups() if g), None) if match.groups() else None
+                if value:
+                    setattr(record, field, value.rstrip(".:"))
+        return True
+
 
 class PlainFormatter(logging.Formatter):
+    """For people: the message already names what it concerns, so no repeated fields."""
+
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
-
-    def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
-        context = " ".join(
-            f"{key}={getattr(record, key)}" for key in CONTEXT_FIELDS if hasattr(record, key)
-        )
-        return f"{text} [{context}]" if context else text
 
 
 class JsonFormatter(logging.Formatter):
@@ -47,6 +71,7 @@ class JsonFormatter(logging.Formatter):
 def setup_logging(level: str = "info", fmt: str = "plain", stream: Optional[object] = None) -> None:
     handler = logging.StreamHandler(stream or sys.stderr)  # type: ignore[arg-type]
     handler.setFormatter(JsonFormatter() if fmt == "json" else PlainFormatter())
+    handler.addFilter(ContextFilter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
