@@ -191,3 +191,32 @@ def test_sigint_also_exits_cleanly(tmp_path, short_dir, signum):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+@pytest.mark.parametrize(("machine", "example", "expected"), [
+    ("gpu-server-8x", "gpu-server", {"nvidia.com/gpu": 8}),
+    ("sriov-network-node", "sriov-node", {"intel.com/intel_sriov_netdevice": 4,
+                                          "intel.com/intel_sriov_dpdk": 4,
+                                          "nvidia.com/cx6dx_vf": 4,
+                                          "rdma/hca_shared_devices_a": 100}),
+    ("edge-box", "edge-usb", {"google.com/coral-tpu": 1, "example.com/zigbee": 1,
+                              "example.com/plc-line3": 1, "example.com/licence-key": 4,
+                              "example.com/camera": 1}),
+    ("fpga-node", "fpga-node", {"fpga.intel.com/arria10.dcp1.2-nlb0": 1,
+                                "xilinx.com/fpga-u250": 1}),
+])
+def test_discover_each_captured_machine_with_its_example_config(tmp_path, machine, example,
+                                                                expected):
+    load_machine(machine, tmp_path / "root")
+    config = REPO / "config" / "examples" / f"{example}.toml"
+    table = _cli("discover", "--host-root", str(tmp_path / "root"), "--config", str(config))
+    assert table.returncode == 0, table.stderr
+    as_json = _cli("discover", "--host-root", str(tmp_path / "root"), "--config", str(config),
+                   "--json")
+    rows = json.loads(as_json.stdout)
+    counts = {}
+    for row in rows:
+        counts[row["resource"]] = counts.get(row["resource"], 0) + 1
+        assert row["health"] == "Healthy", row
+        assert row["id"] in table.stdout
+    assert counts == expected
