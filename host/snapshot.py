@@ -27,22 +27,28 @@ class Snapshot:
     def update(self, devices: Sequence[Device]) -> bool:
         """Replace the device list; True (and streams woken) when the kubelet's view changed."""
         old_wire = self._wire
+        old_devices = self.devices
         new_wire: Dict[str, Tuple[_WireKey, bytes]] = {}
         changed = len(devices) != len(old_wire)
-        order_changed = False
         old_ids = iter(old_wire)
         for device in devices:
-            key = (device.health, device.numa_nodes)
-            cached = old_wire.get(device.id)
-            if cached is not None and cached[0] == key:
-                new_wire[device.id] = cached
+            device_id = device.id
+            cached = old_wire.get(device_id)
+            # The same object as last time (a one-device change in a 10,000-device list):
+            # nothing to compare or encode.
+            if cached is not None and old_devices.get(device_id) is device:
+                new_wire[device_id] = cached
             else:
-                new_wire[device.id] = (key, framed_device(device))
-                changed = True
-            if not changed and not order_changed and next(old_ids, None) != device.id:
-                order_changed = True
+                key = (device.health, device.numa_nodes)
+                if cached is not None and cached[0] == key:
+                    new_wire[device_id] = cached
+                else:
+                    new_wire[device_id] = (key, framed_device(device))
+                    changed = True
+            if not changed and next(old_ids, None) != device_id:
+                changed = True  # same devices, new order: the kubelet sees a new list
         self.devices = {device.id: device for device in devices}
-        if not (changed or order_changed):
+        if not changed:
             return False
         self._wire = new_wire
         self._payload = None
