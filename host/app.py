@@ -8,6 +8,7 @@ register. Later rescans only update snapshots; ListAndWatch streams see the chan
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -82,6 +83,10 @@ class HostApp:
         self._arm_health_checks()
         self._arm_expiry()
         self._check_ready()
+        # Everything built so far lives as long as the process: keep it out of the cyclic
+        # collector, whose full passes over ~80,000 objects (10,000 devices) took ~18 ms and
+        # set ListAndWatch's p99.
+        gc.freeze()
 
     async def stop(self) -> None:
         """Stop serving and remove every socket of ours; hung driver threads are abandoned."""
@@ -239,6 +244,10 @@ class HostApp:
         path = self.config.host.drain_file
         self._apply_drains()
         directory = os.path.dirname(path)
+        try:  # watching the directory itself, not a busy ancestor such as /var/lib or /tmp
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+        except OSError as error:
+            log.debug("cannot create %s (%s); watching for it", directory, error)
         name = os.path.basename(path)
 
         def changed(names: Optional[List[str]]) -> None:

@@ -7,8 +7,15 @@ and a merge: no sysfs read happens on the allocation path. These types do no I/O
 from __future__ import annotations
 
 import enum
+import sys
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Mapping, Optional, Sequence, Tuple
+
+# A node may carry 10,000 devices: __slots__ saves about a third of their memory (3.10+).
+_SLOTS = {"slots": True} if sys.version_info >= (3, 10) else {}
+# One shared, immutable empty mapping instead of a fresh dict per device.
+_EMPTY: Mapping[str, str] = MappingProxyType({})
 
 
 class Health(str, enum.Enum):
@@ -18,7 +25,7 @@ class Health(str, enum.Enum):
     UNHEALTHY = "Unhealthy"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, **_SLOTS)
 class DeviceNode:
     """A device node handed to the container; host_path is a host path, never under --host-root."""
 
@@ -33,14 +40,14 @@ class DeviceNode:
             raise ValueError(f"device node {self.host_path}: permissions must be of 'rwm'")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, **_SLOTS)
 class Mount:
     host_path: str
     container_path: str
     read_only: bool = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, **_SLOTS)
 class Device:
     """One schedulable unit of a resource.
 
@@ -55,10 +62,10 @@ class Device:
     numa_nodes: Tuple[int, ...] = ()
     device_nodes: Tuple[DeviceNode, ...] = ()
     mounts: Tuple[Mount, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
-    annotations: Mapping[str, str] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
+    annotations: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
     cdi_devices: Tuple[str, ...] = ()
-    attributes: Mapping[str, str] = field(default_factory=dict)
+    attributes: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
     health_reason: str = ""
 
     __hash__ = None  # type: ignore[assignment]  # mappings inside: compare, never hash

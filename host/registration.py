@@ -244,11 +244,12 @@ class Endpoint:
             os.umask(old_umask)
         if bound == 0:
             raise OSError(f"could not bind {path}")
+        # Kept before the await: a close() arriving during start() must find and stop it.
+        self.server = server
+        self.socket_name = name
         await server.start()
         os.chmod(path, 0o600)
-        self.server = server
         self._server_used = False
-        self.socket_name = name
         self._socket_inode = os.lstat(path).st_ino
         self.registered_with = None
         log.debug("resource %s: serving on %s", self.name, path)

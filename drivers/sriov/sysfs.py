@@ -148,7 +148,7 @@ def list_virtual_functions(
             )
         for index, name in virtfns:
             vf_address = host.link_name(f"{link}/{name}")
-            if vf_address is None or host.resolve(f"{link}/{name}") is None:
+            if vf_address is None or not host.exists(f"{link}/{name}"):
                 log.warning("PF %s: %s is a dangling link; VF %d skipped", pf_address, name, index)
                 continue
             listed.add(vf_address)
