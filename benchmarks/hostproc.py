@@ -62,16 +62,20 @@ def bench_config(plugin_dir: str, resources: List[ResourceConfig], host_root: st
 
 
 async def serve(resources: int, devices: int, plugin_dir: str, host_root: str,
-                numa_nodes: int, state_dir: str) -> None:
+                numa_nodes: int, state_dir: str, events: Optional[str] = None) -> None:
     table = build_devices(resources, devices, numa_nodes)
     driver = MemoryDriver(DRIVER, table)
+    driver.subsystems = ("pci", "usb", "net", "infiniband", "drm")  # every watch armed
     config = bench_config(plugin_dir, [ResourceConfig(name, DRIVER) for name in table],
                           host_root, state_dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    async with running_host(config, {DRIVER: driver}) as app:
+    async with running_host(config, {DRIVER: driver}, events=events) as app:
+        if events and app.events is None:
+            print("event source failed to start", file=sys.stderr, flush=True)
+            return
         app.on_ready.append(lambda: print("ready", flush=True))
         print("serving", flush=True)
         if app.ready.is_set():
@@ -86,6 +90,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--plugin-dir", required=True)
     parser.add_argument("--numa-nodes", type=int, default=2)
     parser.add_argument("--host-root", help="default: a fake tree with --numa-nodes nodes")
+    parser.add_argument("--events", choices=["udev"], help="arm the kernel uevent monitor")
     args = parser.parse_args(argv)
     if args.resources < 1 or args.devices < 0:
         parser.error("--resources must be at least 1 and --devices not negative")
@@ -96,7 +101,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         FakeTree(root).numa_nodes(max(1, args.numa_nodes))
     try:
         asyncio.run(serve(args.resources, args.devices, args.plugin_dir, root,
-                          args.numa_nodes, state))
+                          args.numa_nodes, state, args.events))
     finally:
         shutil.rmtree(state, ignore_errors=True)
     return 0

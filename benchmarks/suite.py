@@ -15,12 +15,21 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Dict, List, Sequence, Tuple
 
-from benchmarks import discovery, listwatch, preferred, reregister, resources, rpc, startup
+from benchmarks import (
+    discovery,
+    events,
+    listwatch,
+    preferred,
+    reregister,
+    resources,
+    rpc,
+    startup,
+)
 from benchmarks.core import Context, Figure
 
 #: Cheap, in-process families first; the idle-CPU window last.
 FAMILIES: Tuple[ModuleType, ...] = (
-    preferred, rpc, listwatch, reregister, discovery, startup, resources,
+    preferred, rpc, listwatch, reregister, discovery, startup, events, resources,
 )
 
 
