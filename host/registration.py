@@ -33,7 +33,7 @@ KubeletId = Tuple[int, int]  # (inode, ctime_ns) of kubelet.sock: a new kubelet,
 MAX_SOCKET_PATH = 107
 BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 5.0
-SERVER_STOP_GRACE_S = 0.2
+SERVER_STOP_GRACE_S = 0.05  # streams run forever: grace only lets a unary call finish
 
 
 def socket_file_name(resource: str, token: str, generation: int) -> str:
