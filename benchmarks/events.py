@@ -21,15 +21,11 @@ import os
 import tempfile
 from typing import Dict, List
 
-import grpc
-
 from benchmarks.core import Context, Figure, child_process, median, now, percentile, short_dir
-from benchmarks.floors import CLIENT_OPTIONS, PUSH_METHOD, PushServer, start_server
+from benchmarks.floors import PushFloor
 from benchmarks.hostproc import DRIVER, bench_config, resource_name
-from benchmarks.listwatch import _Receiver
 from benchmarks.resources import CpuMeter
 from host.model import Health, ResourceConfig
-from host.protocol import api
 from host.protocol.convert import framed_device, snapshot_payload
 from host.testing.drivers import MemoryDriver, make_devices
 from host.testing.harness import running_host
@@ -53,16 +49,10 @@ async def _measure_count(count: int, samples: int, root: str) -> Dict[str, List[
     with short_dir() as plugin_dir:
         sim = KubeletSimulator(plugin_dir)
         await sim.start()
-        push = PushServer()
-        floor_server = await start_server(os.path.join(plugin_dir, "push.sock"), push.handler())
-        channel = grpc.aio.insecure_channel(f"unix:{os.path.join(plugin_dir, 'push.sock')}",
-                                            options=CLIENT_OPTIONS)
-        receiver = _Receiver(channel.unary_stream(
-            PUSH_METHOD, request_serializer=lambda data: data,
-            response_deserializer=api.ListAndWatchResponse.FromString)(b""))
         config = bench_config(plugin_dir, [ResourceConfig(n, DRIVER) for n in names], root, root)
         try:
-            async with running_host(config, {DRIVER: driver}, events=source):
+            async with PushFloor(plugin_dir) as floor, running_host(
+                    config, {DRIVER: driver}, events=source):
                 await sim.wait_for(lambda k: all(k.resources[n].live for n in names),
                                    timeout=60, what=f"{count} resources registered")
                 for i in range(samples):
@@ -82,15 +72,8 @@ async def _measure_count(count: int, samples: int, root: str) -> Dict[str, List[
                     out["host"].append((now() - started) * 1000)
 
                     payload = snapshot_payload(framed_device(d) for d in devices)
-                    seen = receiver.received
-                    started = now()
-                    push.queue.put_nowait(payload)
-                    await asyncio.wait_for(receiver.next_after(seen), 30)
-                    out["floor"].append((now() - started) * 1000)
+                    out["floor"].append(await floor.time_push_ms(payload))
         finally:
-            await receiver.close()
-            await channel.close()
-            await floor_server.stop(None)
             await sim.stop()
     return out
 

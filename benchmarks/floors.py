@@ -18,6 +18,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from typing import AsyncIterator, List, Optional
 
 import grpc
@@ -73,6 +74,60 @@ class PushServer:
             "Watch": grpc.unary_stream_rpc_method_handler(
                 watch, request_deserializer=_identity, response_serializer=_identity),
         })
+
+
+class _Receiver:
+    """The floor's client: reads the stream, wakes whoever waits for the next message."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self.call = call
+        self.received = 0
+        self._waiter: Optional[asyncio.Future] = None
+        self.task = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        async for _message in self.call:
+            self.received += 1
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_result(None)
+
+    async def next_after(self, seen: int) -> None:
+        while self.received <= seen:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+
+    async def close(self) -> None:
+        self.call.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+class PushFloor:
+    """A bare server-stream push to a client that only parses what it receives: the least a
+    ListAndWatch message of the same bytes costs here. ``async with PushFloor(dir) as f``."""
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, "push.sock")
+        self.push = PushServer()
+
+    async def __aenter__(self) -> PushFloor:
+        self.server = await start_server(self.path, self.push.handler())
+        self.channel = grpc.aio.insecure_channel(f"unix:{self.path}", options=CLIENT_OPTIONS)
+        self.receiver = _Receiver(self.channel.unary_stream(
+            PUSH_METHOD, request_serializer=_identity,
+            response_deserializer=api.ListAndWatchResponse.FromString)(b""))
+        return self
+
+    async def time_push_ms(self, payload: bytes) -> float:
+        seen = self.receiver.received
+        started = time.perf_counter()
+        self.push.queue.put_nowait(payload)
+        await asyncio.wait_for(self.receiver.next_after(seen), 30)
+        return (time.perf_counter() - started) * 1000
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.receiver.close()
+        await self.channel.close()
+        await self.server.stop(None)
 
 
 # -- minimal plugin (floor of re-registration) ------------------------------------------------

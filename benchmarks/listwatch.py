@@ -16,15 +16,13 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-from typing import Dict, List, Optional
-
-import grpc
+from typing import Dict, List
 
 from benchmarks.core import Context, Figure, median, now, percentile, short_dir
-from benchmarks.floors import CLIENT_OPTIONS, PUSH_METHOD, PushServer, start_server
+from benchmarks.floors import PushFloor
 from benchmarks.hostproc import DRIVER, bench_config
 from host.model import Device, Health, ResourceConfig
-from host.protocol import HEALTHY, api
+from host.protocol import HEALTHY
 from host.protocol.convert import framed_device, snapshot_payload
 from host.testing.drivers import MemoryDriver, make_devices
 from host.testing.harness import running_host
@@ -42,48 +40,16 @@ def _flip(device: Device) -> Device:
     return device.with_health(Health.HEALTHY)
 
 
-class _Receiver:
-    """The floor's client: reads the stream, wakes whoever waits for the next message."""
-
-    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
-        self.call = call
-        self.received = 0
-        self._waiter: Optional[asyncio.Future] = None
-        self.task = asyncio.ensure_future(self._read())
-
-    async def _read(self) -> None:
-        async for _message in self.call:
-            self.received += 1
-            if self._waiter is not None and not self._waiter.done():
-                self._waiter.set_result(None)
-
-    async def next_after(self, seen: int) -> None:
-        while self.received <= seen:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-
-    async def close(self) -> None:
-        self.call.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-
-
 async def _measure_size(n: int, updates: int, root: str) -> Dict[str, List[float]]:
     devices = make_devices("dev", n, (0, 1))
     samples: Dict[str, List[float]] = {"host": [], "floor": [], "update": []}
     with short_dir() as plugin_dir:
         sim = KubeletSimulator(plugin_dir)
         await sim.start()
-        push = PushServer()
-        floor_server = await start_server(os.path.join(plugin_dir, "push.sock"), push.handler())
-        channel = grpc.aio.insecure_channel(f"unix:{os.path.join(plugin_dir, 'push.sock')}",
-                                            options=CLIENT_OPTIONS)
-        receiver = _Receiver(channel.unary_stream(
-            PUSH_METHOD, request_serializer=lambda data: data,
-            response_deserializer=api.ListAndWatchResponse.FromString)(b""))
         config = bench_config(plugin_dir, [ResourceConfig(RESOURCE, DRIVER)], root, root)
         try:
-            async with running_host(config, {DRIVER: MemoryDriver(DRIVER, {RESOURCE: devices})}
-                                    ) as app:
+            async with PushFloor(plugin_dir) as floor, running_host(
+                    config, {DRIVER: MemoryDriver(DRIVER, {RESOURCE: devices})}) as app:
                 await sim.wait_for(lambda k: k.resources[RESOURCE].live
                                    and len(k.resources[RESOURCE].devices) == n, timeout=30,
                                    what=f"{n} devices registered")
@@ -108,15 +74,8 @@ async def _measure_size(n: int, updates: int, root: str) -> Dict[str, List[float
                     current = new
 
                     payload = snapshot_payload(framed_device(d) for d in new)
-                    seen_count = receiver.received
-                    started = now()
-                    push.queue.put_nowait(payload)
-                    await asyncio.wait_for(receiver.next_after(seen_count), 30)
-                    samples["floor"].append((now() - started) * 1000)
+                    samples["floor"].append(await floor.time_push_ms(payload))
         finally:
-            await receiver.close()
-            await channel.close()
-            await floor_server.stop(None)
             await sim.stop()
     return samples
 

@@ -208,9 +208,9 @@ class DevicePluginService:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"{where}: device id {_show(duplicate)} is listed twice")
         devices = []
-        known = self.snapshot.devices
+        known = self.snapshot
         for device_id in ids:
-            device = known.get(device_id)
+            device = known.device(device_id)
             if device is None:
                 raise RequestError(
                     grpc.StatusCode.INVALID_ARGUMENT,

@@ -2,7 +2,8 @@
 
 Only what the kubelet sees (id, health, NUMA nodes) decides whether a device's cached encoding
 is reused, so a rescan that rebuilds 10,000 Device objects re-encodes only the ones whose wire
-form changed, and a full snapshot is a join of cached bytes.
+form changed, and a full snapshot is a join of cached bytes. One dict per version holds each
+device with its encoding: an update over 10,000 devices builds nothing else.
 """
 
 from __future__ import annotations
@@ -14,43 +15,43 @@ from host.model import Device, Health
 from host.protocol.convert import framed_device, snapshot_payload
 
 _WireKey = Tuple[Health, Tuple[int, ...]]
+_Entry = Tuple[Device, _WireKey, bytes]  # the device, what the kubelet sees of it, its bytes
 
 
 class Snapshot:
     def __init__(self) -> None:
         self.version = 0
-        self.devices: Dict[str, Device] = {}
-        self._wire: Dict[str, Tuple[_WireKey, bytes]] = {}
+        self._entries: Dict[str, _Entry] = {}
         self._payload: Optional[bytes] = b""
         self._changed: Optional[asyncio.Future] = None
 
     def update(self, devices: Sequence[Device]) -> bool:
         """Replace the device list; True (and streams woken) when the kubelet's view changed."""
-        old_wire = self._wire
-        old_devices = self.devices
-        new_wire: Dict[str, Tuple[_WireKey, bytes]] = {}
-        changed = len(devices) != len(old_wire)
-        old_ids = iter(old_wire)
+        old = self._entries
+        entries: Dict[str, _Entry] = {}
+        changed = len(devices) != len(old)
+        old_ids = iter(old)
         for device in devices:
             device_id = device.id
-            cached = old_wire.get(device_id)
-            # The same object as last time (a one-device change in a 10,000-device list):
-            # nothing to compare or encode.
-            if cached is not None and old_devices.get(device_id) is device:
-                new_wire[device_id] = cached
+            entry = old.get(device_id)
+            if entry is None:
+                entries[device_id] = (device, *self._encode(device))
+                changed = True
+            elif entry[0] is device:
+                # The same object as last time (one change in a 10,000-device list).
+                entries[device_id] = entry
             else:
                 key = (device.health, device.numa_nodes)
-                if cached is not None and cached[0] == key:
-                    new_wire[device_id] = cached
+                if entry[1] == key:
+                    entries[device_id] = (device, key, entry[2])
                 else:
-                    new_wire[device_id] = (key, framed_device(device))
+                    entries[device_id] = (device, key, framed_device(device))
                     changed = True
             if not changed and next(old_ids, None) != device_id:
                 changed = True  # same devices, new order: the kubelet sees a new list
-        self.devices = {device.id: device for device in devices}
+        self._entries = entries
         if not changed:
             return False
-        self._wire = new_wire
         self._payload = None
         self.version += 1
         waiter, self._changed = self._changed, None
@@ -58,11 +59,26 @@ class Snapshot:
             waiter.set_result(None)
         return True
 
+    @staticmethod
+    def _encode(device: Device) -> Tuple[_WireKey, bytes]:
+        return (device.health, device.numa_nodes), framed_device(device)
+
+    def device(self, device_id: str) -> Optional[Device]:
+        entry = self._entries.get(device_id)
+        return None if entry is None else entry[0]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def devices(self) -> List[Device]:
+        return [entry[0] for entry in self._entries.values()]
+
     @property
     def payload(self) -> bytes:
         """The serialized ListAndWatchResponse for the current version."""
         if self._payload is None:
-            self._payload = snapshot_payload(entry[1] for entry in self._wire.values())
+            self._payload = snapshot_payload(entry[2] for entry in self._entries.values())
         return self._payload
 
     async def next_payload(self, seen_version: int) -> Tuple[int, bytes]:
@@ -74,4 +90,4 @@ class Snapshot:
         return self.version, self.payload
 
     def get(self, ids: Iterable[str]) -> List[Optional[Device]]:
-        return [self.devices.get(device_id) for device_id in ids]
+        return [self.device(device_id) for device_id in ids]
