@@ -411,3 +411,70 @@ def test_no_test_writes_outside_temp_dirs():
     result = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=REPO,
                             capture_output=True, text=True)
     assert ".sock" not in result.stdout
+
+
+def test_a_hanging_driver_cannot_pile_up_threads(short_dir, run):
+    """Rescans of a hung driver are not queued behind it: its threads stay bounded."""
+    from host.isolation import WORKERS_PER_DRIVER
+
+    stuck = MemoryDriver("stuck", {RESOURCE: make_devices("s", 1)})
+    good = MemoryDriver("good", {"example.com/good": make_devices("g", 1)})
+    config = make_config(short_dir, [ResourceConfig(RESOURCE, "stuck"),
+                                     ResourceConfig("example.com/good", "good")],
+                         discover_timeout_s=0.1)
+
+    async def scenario():
+        sim = KubeletSimulator(short_dir)
+        await sim.start()
+        try:
+            async with running_host(config, {"stuck": stuck, "good": good}) as app:
+                await sim.wait_for(_serving(sim, [RESOURCE, "example.com/good"]))
+                stuck.hang.set()
+                for _ in range(50):
+                    await app.rescan()
+                threads = [t for t in threading.enumerate() if t.name.startswith("driver-stuck")]
+                assert len(threads) <= WORKERS_PER_DRIVER
+                assert stuck.scans <= 3  # one hung call; the rest were skipped, not queued
+                good.devices["example.com/good"] = make_devices("g", 2)
+                await app.rescan(["good"])
+                await sim.wait_for(lambda s: s.resources["example.com/good"].capacity == 2)
+                stuck.hang.clear()
+                stuck.release.set()
+        finally:
+            await sim.stop()
+
+    run(scenario())
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+    """A real 16 KiB tmpfs: writes past it fail with ENOSPC, as on a full disk."""
+    mount_point = tmp_path / "full"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount_point)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], capture_output=True)
+
+
+def test_disk_full_while_writing_cdi_specs_keeps_the_last_good_spec(tiny_filesystem):
+    from host.cdi import CdiWriter
+
+    writer = CdiWriter(str(tiny_filesystem))
+    assert writer.update("example.com/gpu", make_devices("g", 2))
+    path = writer.path_for("example.com/gpu")
+    good = Path(path).read_text()
+    try:
+        with open(tiny_filesystem / "filler", "wb") as filler:
+            while True:
+                filler.write(b"\0" * 512)
+                filler.flush()
+    except OSError:
+        pass  # the filesystem is full now
+    assert writer.update("example.com/gpu", make_devices("g", 400)) is False  # ENOSPC
+    assert Path(path).read_text() == good
+    assert [n for n in os.listdir(tiny_filesystem) if n.endswith(".tmp")] == []
