@@ -12,7 +12,7 @@ import pytest
 from host.cdi import CdiWriter, build_spec, device_name, kind_error
 from host.model import Device, DeviceNode, Health, Mount, ResourceConfig
 from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import make_config, running_host
+from host.testing.harness import kubelet_and_host, make_config, running_host
 from host.testing.kubelet import KubeletSimulator
 
 _VENDOR = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*[A-Za-z0-9]\Z")
@@ -116,16 +116,11 @@ def test_cdi_write_failure_is_logged_and_allocation_still_works(tmp_path, short_
     config = make_config(short_dir, [resource], cdi_dir=str(blocker / "cdi"))
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            async with running_host(config, {"m": driver}):
-                await sim.wait_for(lambda s: "example.com/gpu" in s.resources
-                                   and s.resources["example.com/gpu"].allocatable == 2)
-                result = await sim.allocate("example.com/gpu", 1)
-                assert [d.host_path for d in result.response.devices] == ["/dev/g0"]
-        finally:
-            await sim.stop()
+        async with kubelet_and_host(config, {"m": driver}) as (sim, _app):
+            await sim.wait_for(lambda s: "example.com/gpu" in s.resources
+                               and s.resources["example.com/gpu"].allocatable == 2)
+            result = await sim.allocate("example.com/gpu", 1)
+            assert [d.host_path for d in result.response.devices] == ["/dev/g0"]
 
     run(scenario())
 

@@ -13,7 +13,7 @@ from host.model import ResourceConfig
 from host.plugins import load_drivers
 from host.testing import fake_gpu
 from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import make_config, running_host
+from host.testing.harness import kubelet_and_host, make_config, running_host
 from host.testing.kubelet import KubeletSimulator
 from host.testing.tree import FakeTree
 from host.watch import InjectedSource
@@ -36,27 +36,22 @@ def test_hot_plugged_gpu_reaches_the_kubelet_after_one_event(tmp_path, short_dir
     source = InjectedSource()
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            async with running_host(config, drivers, events=source):
-                await sim.wait_for(lambda s: "nvidia.com/gpu" in s.resources
-                                   and s.resources["nvidia.com/gpu"].capacity == 1)
-                fake_gpu.add_nvidia_gpu(tree, "0000:86:00.0", minor=1, numa_node=1)
-                loop = asyncio.get_running_loop()
-                started = loop.time()
-                source.inject("pci")
-                await sim.wait_for(lambda s: s.resources["nvidia.com/gpu"].allocatable == 2,
-                                   timeout=2, what="the new GPU")
-                assert loop.time() - started < 1.0
-                # Unplug: the device stays, Unhealthy, for the grace period.
-                tree.remove("/sys/bus/pci/devices/0000:86:00.0")
-                source.inject("pci")
-                await sim.wait_for(lambda s: s.resources["nvidia.com/gpu"].allocatable == 1,
-                                   timeout=2, what="the GPU unplugged")
-                assert sim.resources["nvidia.com/gpu"].capacity == 2
-        finally:
-            await sim.stop()
+        async with kubelet_and_host(config, drivers, events=source) as (sim, _app):
+            await sim.wait_for(lambda s: "nvidia.com/gpu" in s.resources
+                               and s.resources["nvidia.com/gpu"].capacity == 1)
+            fake_gpu.add_nvidia_gpu(tree, "0000:86:00.0", minor=1, numa_node=1)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            source.inject("pci")
+            await sim.wait_for(lambda s: s.resources["nvidia.com/gpu"].allocatable == 2,
+                               timeout=2, what="the new GPU")
+            assert loop.time() - started < 1.0
+            # Unplug: the device stays, Unhealthy, for the grace period.
+            tree.remove("/sys/bus/pci/devices/0000:86:00.0")
+            source.inject("pci")
+            await sim.wait_for(lambda s: s.resources["nvidia.com/gpu"].allocatable == 1,
+                               timeout=2, what="the GPU unplugged")
+            assert sim.resources["nvidia.com/gpu"].capacity == 2
 
     run(scenario())
 
@@ -72,27 +67,23 @@ def test_events_rescan_only_the_drivers_that_watch_the_subsystem(short_dir, run)
     source = InjectedSource()
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            async with running_host(config, {"usbish": usb, "pciish": pci}, events=source):
-                await sim.wait_for(lambda s: len(s.resources) == 2
-                                   and all(r.snapshots for r in s.resources.values()))
-                usb_scans, pci_scans = usb.scans, pci.scans
-                snapshots_p = sim.resources["example.com/p"].snapshots
-                usb.devices["example.com/u"] = make_devices("u", 3)
-                for _ in range(50):  # a burst: one coalesced rescan
-                    source.inject("usb")
-                source.inject("block")  # nobody watches it
-                await sim.wait_for(lambda s: s.resources["example.com/u"].capacity == 3,
-                                   timeout=2)
-                await asyncio.sleep(0.05)
-                assert usb.scans - usb_scans <= 2
-                assert pci.scans == pci_scans
-                # Only the resource whose snapshot changed sent a new message.
-                assert sim.resources["example.com/p"].snapshots == snapshots_p
-        finally:
-            await sim.stop()
+        drivers = {"usbish": usb, "pciish": pci}
+        async with kubelet_and_host(config, drivers, events=source) as (sim, _app):
+            await sim.wait_for(lambda s: len(s.resources) == 2
+                               and all(r.snapshots for r in s.resources.values()))
+            usb_scans, pci_scans = usb.scans, pci.scans
+            snapshots_p = sim.resources["example.com/p"].snapshots
+            usb.devices["example.com/u"] = make_devices("u", 3)
+            for _ in range(50):  # a burst: one coalesced rescan
+                source.inject("usb")
+            source.inject("block")  # nobody watches it
+            await sim.wait_for(lambda s: s.resources["example.com/u"].capacity == 3,
+                               timeout=2)
+            await asyncio.sleep(0.05)
+            assert usb.scans - usb_scans <= 2
+            assert pci.scans == pci_scans
+            # Only the resource whose snapshot changed sent a new message.
+            assert sim.resources["example.com/p"].snapshots == snapshots_p
 
     run(scenario())
 

@@ -20,8 +20,8 @@ from host.testing.drivers import (
     SlowAllocateDriver,
     make_devices,
 )
+from host.testing.harness import kubelet_and_host, running_host
 from host.testing.harness import make_config as _make_config
-from host.testing.harness import running_host
 from host.testing.kubelet import KubeletSimulator
 from host.testing.tree import FakeTree
 
@@ -95,16 +95,11 @@ def test_unknown_numa_sends_no_topology(short_dir, run):
     driver = MemoryDriver("m", {"example.com/x": make_devices("x", 2, ())})
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            config = make_config(short_dir, _resources(("example.com/x", "m")))
-            async with running_host(config, {"m": driver}):
-                await sim.wait_for(_registered(sim, ["example.com/x"]))
-                for device in sim.resources["example.com/x"].devices.values():
-                    assert not device.HasField("topology")
-        finally:
-            await sim.stop()
+        config = make_config(short_dir, _resources(("example.com/x", "m")))
+        async with kubelet_and_host(config, {"m": driver}) as (sim, _app):
+            await sim.wait_for(_registered(sim, ["example.com/x"]))
+            for device in sim.resources["example.com/x"].devices.values():
+                assert not device.HasField("topology")
 
     run(scenario())
 
@@ -113,31 +108,26 @@ def test_list_and_watch_sends_full_snapshots_on_change(short_dir, run):
     driver = MemoryDriver("m", {"example.com/x": make_devices("x", 3)})
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            config = make_config(short_dir, _resources(("example.com/x", "m")))
-            async with running_host(config, {"m": driver}) as app:
-                await sim.wait_for(_registered(sim, ["example.com/x"], {"example.com/x": 3}))
-                first = sim.resources["example.com/x"].snapshots
-                # A rescan with nothing changed sends nothing.
-                assert await app.rescan() == set()
-                # One device turns unhealthy: a full snapshot with it Unhealthy.
-                devices = make_devices("x", 3)
-                devices[1] = devices[1].with_health(Health.UNHEALTHY, "test")
-                driver.devices["example.com/x"] = devices
-                await app.rescan()
-                await sim.wait_for(lambda s: s.resources["example.com/x"].allocatable == 2,
-                                   what="x1 unhealthy")
-                state = sim.resources["example.com/x"]
-                assert state.capacity == 3 and state.snapshots == first + 1
-                # A device added: the next snapshot lists all four.
-                driver.devices["example.com/x"] = make_devices("x", 4)
-                await app.rescan()
-                await sim.wait_for(lambda s: s.resources["example.com/x"].allocatable == 4)
-                assert state.connected
-        finally:
-            await sim.stop()
+        config = make_config(short_dir, _resources(("example.com/x", "m")))
+        async with kubelet_and_host(config, {"m": driver}) as (sim, app):
+            await sim.wait_for(_registered(sim, ["example.com/x"], {"example.com/x": 3}))
+            first = sim.resources["example.com/x"].snapshots
+            # A rescan with nothing changed sends nothing.
+            assert await app.rescan() == set()
+            # One device turns unhealthy: a full snapshot with it Unhealthy.
+            devices = make_devices("x", 3)
+            devices[1] = devices[1].with_health(Health.UNHEALTHY, "test")
+            driver.devices["example.com/x"] = devices
+            await app.rescan()
+            await sim.wait_for(lambda s: s.resources["example.com/x"].allocatable == 2,
+                               what="x1 unhealthy")
+            state = sim.resources["example.com/x"]
+            assert state.capacity == 3 and state.snapshots == first + 1
+            # A device added: the next snapshot lists all four.
+            driver.devices["example.com/x"] = make_devices("x", 4)
+            await app.rescan()
+            await sim.wait_for(lambda s: s.resources["example.com/x"].allocatable == 4)
+            assert state.connected
 
     run(scenario())
 
@@ -148,41 +138,36 @@ def test_allocate_good_unknown_and_unhealthy_ids(short_dir, run):
     driver = MemoryDriver("m", {"example.com/x": devices})
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            config = make_config(short_dir, _resources(("example.com/x", "m")))
-            async with running_host(config, {"m": driver}):
-                await sim.wait_for(_registered(sim, ["example.com/x"]))
-                response = await sim.call_allocate("example.com/x", [["x0", "x2"]])
-                container = response.container_responses[0]
-                assert [d.host_path for d in container.devices] == ["/dev/x0", "/dev/x2"]
-                assert all(d.permissions == "rw" for d in container.devices)
-                assert container.envs["VISIBLE"] == "x0,x2"  # joined in request order
+        config = make_config(short_dir, _resources(("example.com/x", "m")))
+        async with kubelet_and_host(config, {"m": driver}) as (sim, _app):
+            await sim.wait_for(_registered(sim, ["example.com/x"]))
+            response = await sim.call_allocate("example.com/x", [["x0", "x2"]])
+            container = response.container_responses[0]
+            assert [d.host_path for d in container.devices] == ["/dev/x0", "/dev/x2"]
+            assert all(d.permissions == "rw" for d in container.devices)
+            assert container.envs["VISIBLE"] == "x0,x2"  # joined in request order
 
-                with pytest.raises(grpc.aio.AioRpcError) as unknown:
-                    await sim.call_allocate("example.com/x", [["x0", "nope"]])
-                assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert "unknown device id 'nope'" in unknown.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                await sim.call_allocate("example.com/x", [["x0", "nope"]])
+            assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "unknown device id 'nope'" in unknown.value.details()
 
-                with pytest.raises(grpc.aio.AioRpcError) as unhealthy:
-                    await sim.call_allocate("example.com/x", [["x3"]])
-                assert unhealthy.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-                assert "Unhealthy: ECC errors" in unhealthy.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as unhealthy:
+                await sim.call_allocate("example.com/x", [["x3"]])
+            assert unhealthy.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "Unhealthy: ECC errors" in unhealthy.value.details()
 
-                with pytest.raises(grpc.aio.AioRpcError) as empty:
-                    await sim.call_allocate("example.com/x", [])
-                assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.aio.AioRpcError) as empty:
+                await sim.call_allocate("example.com/x", [])
+            assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
-                with pytest.raises(grpc.aio.AioRpcError) as twice:
-                    await sim.call_allocate("example.com/x", [["x1", "x1"]])
-                assert "listed twice" in twice.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as twice:
+                await sim.call_allocate("example.com/x", [["x1", "x1"]])
+            assert "listed twice" in twice.value.details()
 
-                # The server keeps serving after refusals.
-                result = await sim.allocate("example.com/x", 2)
-                assert len(result.device_ids) == 2 and "x3" not in result.device_ids
-        finally:
-            await sim.stop()
+            # The server keeps serving after refusals.
+            result = await sim.allocate("example.com/x", 2)
+            assert len(result.device_ids) == 2 and "x3" not in result.device_ids
 
     run(scenario())
 
@@ -191,28 +176,23 @@ def test_preferred_allocation_packs_one_numa_node(short_dir, run):
     driver = MemoryDriver("m", {"example.com/gpu": make_devices("gpu", 8, (0, 1))})
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            config = make_config(short_dir, _resources(("example.com/gpu", "m")))
-            async with running_host(config, {"m": driver}):
-                await sim.wait_for(_registered(sim, ["example.com/gpu"]))
-                everything = [f"gpu{i}" for i in range(8)]
-                reply = await sim.call_preferred("example.com/gpu", everything, [], 4)
-                assert sorted(reply.container_responses[0].deviceIDs) == \
-                    ["gpu0", "gpu1", "gpu2", "gpu3"]
-                reply = await sim.call_preferred("example.com/gpu", everything, ["gpu5"], 3)
-                picked = list(reply.container_responses[0].deviceIDs)
-                assert "gpu5" in picked and len(picked) == 3
-                assert all(int(p[3:]) >= 4 for p in picked)  # all on NUMA node 1
-                with pytest.raises(grpc.aio.AioRpcError) as bad:
-                    await sim.call_preferred("example.com/gpu", everything, [], 0)
-                assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                # A pod asking for 4 through the kubelet's path gets 4 on one node.
-                result = await sim.allocate("example.com/gpu", 4, pod="a")
-                assert len(result.numa_nodes) == 1
-        finally:
-            await sim.stop()
+        config = make_config(short_dir, _resources(("example.com/gpu", "m")))
+        async with kubelet_and_host(config, {"m": driver}) as (sim, _app):
+            await sim.wait_for(_registered(sim, ["example.com/gpu"]))
+            everything = [f"gpu{i}" for i in range(8)]
+            reply = await sim.call_preferred("example.com/gpu", everything, [], 4)
+            assert sorted(reply.container_responses[0].deviceIDs) == \
+                ["gpu0", "gpu1", "gpu2", "gpu3"]
+            reply = await sim.call_preferred("example.com/gpu", everything, ["gpu5"], 3)
+            picked = list(reply.container_responses[0].deviceIDs)
+            assert "gpu5" in picked and len(picked) == 3
+            assert all(int(p[3:]) >= 4 for p in picked)  # all on NUMA node 1
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await sim.call_preferred("example.com/gpu", everything, [], 0)
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            # A pod asking for 4 through the kubelet's path gets 4 on one node.
+            result = await sim.allocate("example.com/gpu", 4, pod="a")
+            assert len(result.numa_nodes) == 1
 
     run(scenario())
 
@@ -221,17 +201,12 @@ def test_driver_preferred_policy_overrides_numa_compact(short_dir, run):
     driver = ReversePreferenceDriver("r", {"example.com/x": make_devices("x", 4)})
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            config = make_config(short_dir, _resources(("example.com/x", "r")))
-            async with running_host(config, {"r": driver}):
-                await sim.wait_for(_registered(sim, ["example.com/x"]))
-                reply = await sim.call_preferred("example.com/x", ["x0", "x1", "x2", "x3"],
-                                                 [], 2)
-                assert list(reply.container_responses[0].deviceIDs) == ["x3", "x2"]
-        finally:
-            await sim.stop()
+        config = make_config(short_dir, _resources(("example.com/x", "r")))
+        async with kubelet_and_host(config, {"r": driver}) as (sim, _app):
+            await sim.wait_for(_registered(sim, ["example.com/x"]))
+            reply = await sim.call_preferred("example.com/x", ["x0", "x1", "x2", "x3"],
+                                             [], 2)
+            assert list(reply.container_responses[0].deviceIDs) == ["x3", "x2"]
 
     run(scenario())
 
@@ -240,22 +215,17 @@ def test_allocate_never_blocks_past_the_timeout(short_dir, run):
     driver = SlowAllocateDriver("slow", {"example.com/x": make_devices("x", 2)}, delay=2.0)
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            config = make_config(short_dir, _resources(("example.com/x", "slow")),
-                                 allocate_timeout_s=0.2)
-            async with running_host(config, {"slow": driver}):
-                await sim.wait_for(_registered(sim, ["example.com/x"]))
-                loop = asyncio.get_running_loop()
-                started = loop.time()
-                with pytest.raises(grpc.aio.AioRpcError) as slow:
-                    await sim.call_allocate("example.com/x", [["x0"]])
-                assert loop.time() - started < 1.5
-                assert slow.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                assert "no answer within 0.2 s" in slow.value.details()
-        finally:
-            await sim.stop()
+        config = make_config(short_dir, _resources(("example.com/x", "slow")),
+                             allocate_timeout_s=0.2)
+        async with kubelet_and_host(config, {"slow": driver}) as (sim, _app):
+            await sim.wait_for(_registered(sim, ["example.com/x"]))
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            with pytest.raises(grpc.aio.AioRpcError) as slow:
+                await sim.call_allocate("example.com/x", [["x0"]])
+            assert loop.time() - started < 1.5
+            assert slow.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "no answer within 0.2 s" in slow.value.details()
 
     run(scenario())
 
@@ -267,22 +237,18 @@ def test_pre_start_runs_only_where_the_driver_asks(short_dir, run):
                  ResourceConfig("example.com/q", "m")]
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            async with running_host(make_config(short_dir, resources), {"m": driver}):
-                await sim.wait_for(_registered(sim, ["example.com/p", "example.com/q"]))
-                assert sim.resources["example.com/p"].options.pre_start_required
-                assert not sim.resources["example.com/q"].options.pre_start_required
-                await sim.allocate("example.com/p", 1)
-                assert driver.pre_starts == [["p0"]]
-                driver.fail = RuntimeError("bitstream load failed")
-                with pytest.raises(grpc.aio.AioRpcError) as failed:
-                    await sim.call_pre_start("example.com/p", ["p1"])
-                assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-                assert "bitstream load failed" in failed.value.details()
-        finally:
-            await sim.stop()
+        config = make_config(short_dir, resources)
+        async with kubelet_and_host(config, {"m": driver}) as (sim, _app):
+            await sim.wait_for(_registered(sim, ["example.com/p", "example.com/q"]))
+            assert sim.resources["example.com/p"].options.pre_start_required
+            assert not sim.resources["example.com/q"].options.pre_start_required
+            await sim.allocate("example.com/p", 1)
+            assert driver.pre_starts == [["p0"]]
+            driver.fail = RuntimeError("bitstream load failed")
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await sim.call_pre_start("example.com/p", ["p1"])
+            assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "bitstream load failed" in failed.value.details()
 
     run(scenario())
 
@@ -314,29 +280,24 @@ def test_kubelet_restart_loop_reregisters_everything_without_leaks(short_dir, ru
     process = psutil.Process()
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            config = make_config(short_dir, _resources(*[(n, "m") for n in names]))
-            async with running_host(config, {"m": driver}):
-                await sim.wait_for(_registered(sim, names))
-                for restart in range(50):
-                    before = {n: sim.resources[n].registrations for n in names}
-                    await sim.restart()
-                    await sim.wait_for(
-                        lambda s, before=before: all(
-                            s.resources[n].registrations > before[n] and s.resources[n].connected
-                            and s.resources[n].snapshots > 0 for n in names),
-                        timeout=5, what=f"re-registration after restart {restart}")
-                    if restart == 9:
-                        baseline = (process.num_fds(), threading.active_count())
-                after = (process.num_fds(), threading.active_count())
-                assert after[0] <= baseline[0] + 4, (baseline, after)
-                assert after[1] <= baseline[1] + 1, (baseline, after)
-                sockets = [n for n in os.listdir(short_dir) if n.startswith("dph-")]
-                assert len(sockets) == len(names)  # old generations cleaned up
-        finally:
-            await sim.stop()
+        config = make_config(short_dir, _resources(*[(n, "m") for n in names]))
+        async with kubelet_and_host(config, {"m": driver}) as (sim, _app):
+            await sim.wait_for(_registered(sim, names))
+            for restart in range(50):
+                before = {n: sim.resources[n].registrations for n in names}
+                await sim.restart()
+                await sim.wait_for(
+                    lambda s, before=before: all(
+                        s.resources[n].registrations > before[n] and s.resources[n].connected
+                        and s.resources[n].snapshots > 0 for n in names),
+                    timeout=5, what=f"re-registration after restart {restart}")
+                if restart == 9:
+                    baseline = (process.num_fds(), threading.active_count())
+            after = (process.num_fds(), threading.active_count())
+            assert after[0] <= baseline[0] + 4, (baseline, after)
+            assert after[1] <= baseline[1] + 1, (baseline, after)
+            sockets = [n for n in os.listdir(short_dir) if n.startswith("dph-")]
+            assert len(sockets) == len(names)  # old generations cleaned up
 
     run(scenario(), timeout=120)
 
@@ -350,35 +311,30 @@ def test_failing_and_hanging_drivers_degrade_only_their_resources(short_dir, run
     names = [r.name for r in resources]
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            config = make_config(short_dir, resources, discover_timeout_s=0.3)
-            drivers = {"good": good, "bad": bad, "stuck": stuck}
-            async with running_host(config, drivers) as app:
-                await sim.wait_for(_registered(sim, names))
-                bad.fail = RuntimeError("sysfs exploded")
-                stuck.hang.set()
-                await app.rescan()
-                await sim.wait_for(lambda s: s.resources["example.com/bad"].allocatable == 0
-                                   and s.resources["example.com/stuck"].allocatable == 0,
-                                   what="bad and stuck degraded")
-                assert sim.resources["example.com/bad"].capacity == 2  # kept, Unhealthy
-                assert "sysfs exploded" in app.inventory.status["bad"].last_error
-                assert "no answer within" in app.inventory.status["stuck"].last_error
-                # The good resource still allocates.
-                result = await sim.allocate("example.com/good", 1)
-                assert result.device_ids == ["g0"] or result.device_ids == ["g1"]
-                # Recovery: the fault clears, the next scan restores health.
-                bad.fail = None
-                stuck.hang.clear()
-                stuck.release.set()
-                await app.rescan(["bad"])
-                await sim.wait_for(lambda s: s.resources["example.com/bad"].allocatable == 2
-                                   and s.resources["example.com/stuck"].allocatable == 2,
-                                   timeout=5, what="recovered")
-        finally:
-            await sim.stop()
+        config = make_config(short_dir, resources, discover_timeout_s=0.3)
+        drivers = {"good": good, "bad": bad, "stuck": stuck}
+        async with kubelet_and_host(config, drivers) as (sim, app):
+            await sim.wait_for(_registered(sim, names))
+            bad.fail = RuntimeError("sysfs exploded")
+            stuck.hang.set()
+            await app.rescan()
+            await sim.wait_for(lambda s: s.resources["example.com/bad"].allocatable == 0
+                               and s.resources["example.com/stuck"].allocatable == 0,
+                               what="bad and stuck degraded")
+            assert sim.resources["example.com/bad"].capacity == 2  # kept, Unhealthy
+            assert "sysfs exploded" in app.inventory.status["bad"].last_error
+            assert "no answer within" in app.inventory.status["stuck"].last_error
+            # The good resource still allocates.
+            result = await sim.allocate("example.com/good", 1)
+            assert result.device_ids == ["g0"] or result.device_ids == ["g1"]
+            # Recovery: the fault clears, the next scan restores health.
+            bad.fail = None
+            stuck.hang.clear()
+            stuck.release.set()
+            await app.rescan(["bad"])
+            await sim.wait_for(lambda s: s.resources["example.com/bad"].allocatable == 2
+                               and s.resources["example.com/stuck"].allocatable == 2,
+                               timeout=5, what="recovered")
 
     run(scenario())
 
@@ -387,22 +343,17 @@ def test_vanished_device_reported_unhealthy_then_dropped(short_dir, run):
     driver = MemoryDriver("m", {"example.com/x": make_devices("x", 2)})
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            config = make_config(short_dir, _resources(("example.com/x", "m")),
-                                 vanished_grace_s=0.5)
-            async with running_host(config, {"m": driver}) as app:
-                await sim.wait_for(_registered(sim, ["example.com/x"], {"example.com/x": 2}))
-                driver.devices["example.com/x"] = make_devices("x", 1)
-                await app.rescan()
-                await sim.wait_for(lambda s: s.resources["example.com/x"].allocatable == 1)
-                assert sim.resources["example.com/x"].capacity == 2
-                assert sim.resources["example.com/x"].devices["x1"].health == "Unhealthy"
-                await sim.wait_for(lambda s: s.resources["example.com/x"].capacity == 1,
-                                   timeout=3, what="x1 dropped after its grace")
-        finally:
-            await sim.stop()
+        config = make_config(short_dir, _resources(("example.com/x", "m")),
+                             vanished_grace_s=0.5)
+        async with kubelet_and_host(config, {"m": driver}) as (sim, app):
+            await sim.wait_for(_registered(sim, ["example.com/x"], {"example.com/x": 2}))
+            driver.devices["example.com/x"] = make_devices("x", 1)
+            await app.rescan()
+            await sim.wait_for(lambda s: s.resources["example.com/x"].allocatable == 1)
+            assert sim.resources["example.com/x"].capacity == 2
+            assert sim.resources["example.com/x"].devices["x1"].health == "Unhealthy"
+            await sim.wait_for(lambda s: s.resources["example.com/x"].capacity == 1,
+                               timeout=3, what="x1 dropped after its grace")
 
     run(scenario())
 
@@ -438,17 +389,12 @@ def test_options_reply_is_instant_and_derived(short_dir, run):
     driver = MemoryDriver("m", {"example.com/x": make_devices("x", 1)})
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            config = make_config(short_dir, _resources(("example.com/x", "m")))
-            async with running_host(config, {"m": driver}):
-                await sim.wait_for(_registered(sim, ["example.com/x"]))
-                options = await sim.call_options("example.com/x")
-                assert options == api.DevicePluginOptions(
-                    pre_start_required=False, get_preferred_allocation_available=True)
-        finally:
-            await sim.stop()
+        config = make_config(short_dir, _resources(("example.com/x", "m")))
+        async with kubelet_and_host(config, {"m": driver}) as (sim, _app):
+            await sim.wait_for(_registered(sim, ["example.com/x"]))
+            options = await sim.call_options("example.com/x")
+            assert options == api.DevicePluginOptions(
+                pre_start_required=False, get_preferred_allocation_available=True)
 
     run(scenario())
 
@@ -459,16 +405,11 @@ def test_garbage_from_a_driver_never_reaches_the_kubelet(short_dir, run):
     driver = MemoryDriver("m", {"example.com/x": garbage})
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            config = make_config(short_dir, _resources(("example.com/x", "m")))
-            async with running_host(config, {"m": driver}):
-                await sim.wait_for(_registered(sim, ["example.com/x"]))
-                devices = sim.resources["example.com/x"].devices
-                assert sorted(devices) == ["ghost", "ok0"]
-        finally:
-            await sim.stop()
+        config = make_config(short_dir, _resources(("example.com/x", "m")))
+        async with kubelet_and_host(config, {"m": driver}) as (sim, _app):
+            await sim.wait_for(_registered(sim, ["example.com/x"]))
+            devices = sim.resources["example.com/x"].devices
+            assert sorted(devices) == ["ghost", "ok0"]
 
     run(scenario())
 
@@ -485,17 +426,12 @@ def test_serving_many_resources_at_once_leaves_the_process_umask_alone(short_dir
     before = _current_umask()
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            config = make_config(short_dir, _resources(*[(n, "m") for n in names]))
-            async with running_host(config, {"m": driver}):
-                await sim.wait_for(_registered(sim, names))
-                await sim.restart()
-                await sim.wait_for(lambda s: all(s.resources[n].registrations >= 2
-                                                 and s.resources[n].connected for n in names))
-        finally:
-            await sim.stop()
+        config = make_config(short_dir, _resources(*[(n, "m") for n in names]))
+        async with kubelet_and_host(config, {"m": driver}) as (sim, _app):
+            await sim.wait_for(_registered(sim, names))
+            await sim.restart()
+            await sim.wait_for(lambda s: all(s.resources[n].registrations >= 2
+                                             and s.resources[n].connected for n in names))
 
     run(scenario())
     assert _current_umask() == before

@@ -15,7 +15,7 @@ import pytest
 from host.drain import read_drains, update_drains
 from host.model import Device, DeviceNode, ResourceConfig
 from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import make_config, running_host
+from host.testing.harness import kubelet_and_host, make_config, running_host
 from host.testing.kubelet import KubeletSimulator
 from host.testing.tree import FakeTree
 
@@ -48,25 +48,20 @@ def test_aer_errors_rising_flip_health_and_it_recovers(tmp_path, short_dir, run)
     config = make_config(short_dir, [resource], host_root=str(tmp_path / "root"))
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            async with running_host(config, {"acc": driver}):
-                await sim.wait_for(lambda s: "example.com/acc" in s.resources
-                                   and s.resources["example.com/acc"].allocatable == 2)
-                await asyncio.sleep(0.3)  # a few checks: old errors alone are not a problem
-                assert sim.resources["example.com/acc"].allocatable == 2
-                tree.attr("/sys/bus/pci/devices/0000:19:00.0/aer_dev_nonfatal",
-                          AER_NONFATAL.format(n=3))
-                await sim.wait_for(lambda s: s.resources["example.com/acc"].allocatable == 1,
-                                   timeout=3, what="AER rise seen")
-                assert sim.resources["example.com/acc"].devices["0000:19:00.0"].health == \
-                    "Unhealthy"
-                # No new errors at the next check: healthy again.
-                await sim.wait_for(lambda s: s.resources["example.com/acc"].allocatable == 2,
-                                   timeout=3, what="recovered after the errors stopped")
-        finally:
-            await sim.stop()
+        async with kubelet_and_host(config, {"acc": driver}) as (sim, _app):
+            await sim.wait_for(lambda s: "example.com/acc" in s.resources
+                               and s.resources["example.com/acc"].allocatable == 2)
+            await asyncio.sleep(0.3)  # a few checks: old errors alone are not a problem
+            assert sim.resources["example.com/acc"].allocatable == 2
+            tree.attr("/sys/bus/pci/devices/0000:19:00.0/aer_dev_nonfatal",
+                      AER_NONFATAL.format(n=3))
+            await sim.wait_for(lambda s: s.resources["example.com/acc"].allocatable == 1,
+                               timeout=3, what="AER rise seen")
+            assert sim.resources["example.com/acc"].devices["0000:19:00.0"].health == \
+                "Unhealthy"
+            # No new errors at the next check: healthy again.
+            await sim.wait_for(lambda s: s.resources["example.com/acc"].allocatable == 2,
+                               timeout=3, what="recovered after the errors stopped")
 
     run(scenario())
 
@@ -77,21 +72,16 @@ def test_operator_drain_file_marks_a_device_unhealthy_at_once(short_dir, run):
     drain_file = config.host.drain_file
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            async with running_host(config, {"m": driver}):
-                await sim.wait_for(lambda s: "example.com/x" in s.resources
-                                   and s.resources["example.com/x"].allocatable == 3)
-                update_drains(drain_file, ("example.com/x", "x1"), "replacing the fan")
-                await sim.wait_for(lambda s: s.resources["example.com/x"].allocatable == 2,
-                                   timeout=2, what="drain applied")
-                assert sim.resources["example.com/x"].devices["x1"].health == "Unhealthy"
-                update_drains(drain_file, ("example.com/x", "x1"), None)
-                await sim.wait_for(lambda s: s.resources["example.com/x"].allocatable == 3,
-                                   timeout=2, what="undrained")
-        finally:
-            await sim.stop()
+        async with kubelet_and_host(config, {"m": driver}) as (sim, _app):
+            await sim.wait_for(lambda s: "example.com/x" in s.resources
+                               and s.resources["example.com/x"].allocatable == 3)
+            update_drains(drain_file, ("example.com/x", "x1"), "replacing the fan")
+            await sim.wait_for(lambda s: s.resources["example.com/x"].allocatable == 2,
+                               timeout=2, what="drain applied")
+            assert sim.resources["example.com/x"].devices["x1"].health == "Unhealthy"
+            update_drains(drain_file, ("example.com/x", "x1"), None)
+            await sim.wait_for(lambda s: s.resources["example.com/x"].allocatable == 3,
+                               timeout=2, what="undrained")
             if os.path.exists(drain_file):
                 os.unlink(drain_file)
 
@@ -163,30 +153,25 @@ def test_reload_keeps_unchanged_streams_adds_and_removes(short_dir, run, tmp_pat
     ))
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            async with running_host(first, {"m": driver}) as app:
-                await sim.wait_for(lambda s: len(s.resources) == 3
-                                   and all(r.connected and r.snapshots
-                                           for r in s.resources.values()))
-                keep = sim.resources["example.com/keep"]
-                keep_state = (keep.registrations, keep.endpoint, keep.snapshots)
-                grow_registrations = sim.resources["example.com/grow"].registrations
-                await app.reload(second)
-                await sim.wait_for(lambda s: "example.com/new" in s.resources
-                                   and s.resources["example.com/new"].allocatable == 3
-                                   and s.resources["example.com/grow"].capacity == 2
-                                   and not s.resources["example.com/gone"].connected,
-                                   timeout=3, what="reload applied")
-                # Unchanged: same socket, same registration, same stream, no new message.
-                assert (keep.registrations, keep.endpoint, keep.snapshots) == keep_state
-                assert keep.connected
-                # Changed replicas: same stream, a new snapshot, no re-registration.
-                assert sim.resources["example.com/grow"].registrations == grow_registrations
-                assert "example.com/gone" not in app.served()
-        finally:
-            await sim.stop()
+        async with kubelet_and_host(first, {"m": driver}) as (sim, app):
+            await sim.wait_for(lambda s: len(s.resources) == 3
+                               and all(r.connected and r.snapshots
+                                       for r in s.resources.values()))
+            keep = sim.resources["example.com/keep"]
+            keep_state = (keep.registrations, keep.endpoint, keep.snapshots)
+            grow_registrations = sim.resources["example.com/grow"].registrations
+            await app.reload(second)
+            await sim.wait_for(lambda s: "example.com/new" in s.resources
+                               and s.resources["example.com/new"].allocatable == 3
+                               and s.resources["example.com/grow"].capacity == 2
+                               and not s.resources["example.com/gone"].connected,
+                               timeout=3, what="reload applied")
+            # Unchanged: same socket, same registration, same stream, no new message.
+            assert (keep.registrations, keep.endpoint, keep.snapshots) == keep_state
+            assert keep.connected
+            # Changed replicas: same stream, a new snapshot, no re-registration.
+            assert sim.resources["example.com/grow"].registrations == grow_registrations
+            assert "example.com/gone" not in app.served()
 
     run(scenario())
 

@@ -26,7 +26,7 @@ from host.model import Device, ResourceConfig
 from host.pci import list_functions
 from host.protocol import api
 from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import make_config, running_host
+from host.testing.harness import kubelet_and_host, make_config, running_host
 from host.testing.kubelet import KubeletSimulator
 from host.testing.kubelet.state import AllocationError
 from host.testing.tree import FakeTree
@@ -141,14 +141,9 @@ def test_a_stale_socket_or_file_of_a_crashed_run_is_not_in_the_way(short_dir, ru
     Path(short_dir, "junk").write_text("x")
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            config = make_config(short_dir, [ResourceConfig(RESOURCE, "m")])
-            async with running_host(config, {"m": driver}):
-                await sim.wait_for(_serving(sim, [RESOURCE]))
-        finally:
-            await sim.stop()
+        config = make_config(short_dir, [ResourceConfig(RESOURCE, "m")])
+        async with kubelet_and_host(config, {"m": driver}) as (sim, _app):
+            await sim.wait_for(_serving(sim, [RESOURCE]))
 
     run(scenario())
 
@@ -231,20 +226,15 @@ def test_sockets_and_written_files_get_restrictive_modes(short_dir, run, tmp_pat
     driver = MemoryDriver("m", {RESOURCE: make_devices("x", 1)})
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            config = make_config(short_dir, [ResourceConfig(RESOURCE, "m", cdi=True)],
-                                 cdi_dir=str(tmp_path / "cdi"))
-            async with running_host(config, {"m": driver}):
-                await sim.wait_for(_serving(sim, [RESOURCE]))
-                sock = os.path.join(short_dir, sim.resources[RESOURCE].endpoint)
-                assert os.stat(sock).st_mode & 0o777 == 0o600
-                for name in os.listdir(tmp_path / "cdi"):
-                    # Runtimes and `cdi list` must read it; nobody else may write it.
-                    assert os.stat(tmp_path / "cdi" / name).st_mode & 0o022 == 0
-        finally:
-            await sim.stop()
+        config = make_config(short_dir, [ResourceConfig(RESOURCE, "m", cdi=True)],
+                             cdi_dir=str(tmp_path / "cdi"))
+        async with kubelet_and_host(config, {"m": driver}) as (sim, _app):
+            await sim.wait_for(_serving(sim, [RESOURCE]))
+            sock = os.path.join(short_dir, sim.resources[RESOURCE].endpoint)
+            assert os.stat(sock).st_mode & 0o777 == 0o600
+            for name in os.listdir(tmp_path / "cdi"):
+                # Runtimes and `cdi list` must read it; nobody else may write it.
+                assert os.stat(tmp_path / "cdi" / name).st_mode & 0o022 == 0
 
     run(scenario())
 
@@ -424,24 +414,19 @@ def test_a_hanging_driver_cannot_pile_up_threads(short_dir, run):
                          discover_timeout_s=0.1)
 
     async def scenario():
-        sim = KubeletSimulator(short_dir)
-        await sim.start()
-        try:
-            async with running_host(config, {"stuck": stuck, "good": good}) as app:
-                await sim.wait_for(_serving(sim, [RESOURCE, "example.com/good"]))
-                stuck.hang.set()
-                for _ in range(50):
-                    await app.rescan()
-                threads = [t for t in threading.enumerate() if t.name.startswith("driver-stuck")]
-                assert len(threads) <= WORKERS_PER_DRIVER
-                assert stuck.scans <= 3  # one hung call; the rest were skipped, not queued
-                good.devices["example.com/good"] = make_devices("g", 2)
-                await app.rescan(["good"])
-                await sim.wait_for(lambda s: s.resources["example.com/good"].capacity == 2)
-                stuck.hang.clear()
-                stuck.release.set()
-        finally:
-            await sim.stop()
+        async with kubelet_and_host(config, {"stuck": stuck, "good": good}) as (sim, app):
+            await sim.wait_for(_serving(sim, [RESOURCE, "example.com/good"]))
+            stuck.hang.set()
+            for _ in range(50):
+                await app.rescan()
+            threads = [t for t in threading.enumerate() if t.name.startswith("driver-stuck")]
+            assert len(threads) <= WORKERS_PER_DRIVER
+            assert stuck.scans <= 3  # one hung call; the rest were skipped, not queued
+            good.devices["example.com/good"] = make_devices("g", 2)
+            await app.rescan(["good"])
+            await sim.wait_for(lambda s: s.resources["example.com/good"].capacity == 2)
+            stuck.hang.clear()
+            stuck.release.set()
 
     run(scenario())
 

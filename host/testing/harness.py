@@ -6,12 +6,13 @@ import contextlib
 import hashlib
 import os
 import tempfile
-from typing import AsyncIterator, Dict, Sequence, Union
+from typing import Any, AsyncIterator, Dict, Sequence, Tuple, Union
 
 from host.app import HostApp
 from host.config import Config, HostSettings
 from host.driver import Driver
 from host.model import ResourceConfig
+from host.testing.kubelet import KubeletSimulator
 from host.watch import EventSource
 
 
@@ -23,6 +24,30 @@ def make_config(plugin_dir: str, resources: Sequence[ResourceConfig], **host: ob
                                                "drained"))
     settings = HostSettings(plugin_dir=plugin_dir, **host)  # type: ignore[arg-type]
     return Config(path=None, host=settings, resources=tuple(resources), is_default=False)
+
+
+@contextlib.asynccontextmanager
+async def kubelet_and_host(
+    config: Config,
+    drivers: Dict[str, Driver],
+    events: Union[str, EventSource, None] = None,
+    **simulator: Any,
+) -> AsyncIterator[Tuple[KubeletSimulator, HostApp]]:
+    """A kubelet simulator on the config's plugin dir and the real host against it, with every
+    served resource registered and its first snapshot received before the body runs."""
+    sim = KubeletSimulator(config.host.plugin_dir, **simulator)
+    await sim.start()
+    try:
+        async with running_host(config, drivers, events=events) as app:
+            served = app.served()
+            await sim.wait_for(
+                lambda k: all(n in k.resources and k.resources[n].connected
+                              and k.resources[n].snapshots for n in served),
+                what=f"{len(served)} resources registered",
+            )
+            yield sim, app
+    finally:
+        await sim.stop()
 
 
 @contextlib.asynccontextmanager
