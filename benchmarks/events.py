@@ -21,10 +21,10 @@ import os
 import tempfile
 from typing import Dict, List
 
-from benchmarks.core import Context, Figure, child_process, median, now, percentile, short_dir
+from benchmarks.core import Context, Figure, median, now, percentile, short_dir
 from benchmarks.floors import PushFloor
 from benchmarks.hostproc import DRIVER, bench_config, resource_name
-from benchmarks.resources import CpuMeter
+from benchmarks.resources import idle_side_by_side
 from host.model import Health, ResourceConfig
 from host.protocol.convert import framed_device, snapshot_payload
 from host.testing.drivers import MemoryDriver, make_devices
@@ -91,22 +91,10 @@ async def _idle_watching(ctx: Context) -> Figure:
                          "--events", "udev"]
             bare_args = ["-m", "benchmarks.floors", "servers", "--count", str(resources),
                          "--dir", bare_dir]
-            async with child_process(host_args, timeout=120) as host, \
-                    child_process(bare_args, timeout=120) as bare:
-                await sim.wait_for(lambda k: all(k.resources[n].live for n in names),
-                                   timeout=120, what=f"{resources} resources registered")
-                await asyncio.sleep(ctx.pick(2, 1, 0))
-                meters = {"host": CpuMeter(host.pid), "bare": CpuMeter(bare.pid)}
-                for meter in meters.values():
-                    meter.start()
-                started = now()
-                ctx.progress(f"idle with every watch armed for {idle_s} s")
-                await asyncio.sleep(idle_s)
-                cpu = {name: meter.stop() for name, meter in meters.items()}
-                wall = now() - started
+            _rss, cpu, pct, wall, _method = await idle_side_by_side(
+                ctx, sim, host_args, bare_args, names, None, idle_s)
         finally:
             await sim.stop()
-    pct = {name: 100 * seconds / wall for name, seconds in cpu.items()}
     return Figure("idle_cpu_pct_watching", pct["host"], "%", pct["bare"],
                   [f"{resources} resources, udev netlink monitor + inotify armed, "
                    f"{wall:.1f} s idle; host {cpu['host'] * 1000:.1f} ms, floor "

@@ -67,6 +67,35 @@ class CpuMeter:
         return (times.user - self._times[0]) + (times.system - self._times[1])
 
 
+async def idle_side_by_side(
+    ctx: Context, sim: KubeletSimulator, host_args: List[str], bare_args: List[str],
+    names: List[str], devices: Optional[int], idle_s: float,
+) -> Tuple[Dict[str, float], Dict[str, float], Dict[str, float], float, str]:
+    """Start the host and the bare floor process, wait until the simulator has every resource
+    (and ``devices`` devices in all, when given), settle, then read RSS (MB) and the CPU
+    seconds each used over ``idle_s``. Returns (rss, cpu seconds, cpu %, wall, method)."""
+    async with child_process(host_args, timeout=120) as host, \
+            child_process(bare_args, timeout=120) as bare:
+        await sim.wait_for(
+            lambda k: all(k.resources[n].live for n in names)
+            and (devices is None
+                 or sum(len(k.resources[n].devices) for n in names) == devices),
+            timeout=120, what=f"{len(names)} resources registered")
+        await asyncio.sleep(ctx.pick(2, 1, 0))  # let start-up garbage settle
+        rss = {name: psutil.Process(p.pid).memory_info().rss / 1e6
+               for name, p in (("host", host), ("bare", bare))}
+        meters = {"host": CpuMeter(host.pid), "bare": CpuMeter(bare.pid)}
+        for meter in meters.values():
+            meter.start()
+        started = now()
+        ctx.progress(f"idle for {idle_s} s")
+        await asyncio.sleep(idle_s)
+        cpu = {name: meter.stop() for name, meter in meters.items()}
+        wall = now() - started
+    pct = {name: 100 * seconds / wall for name, seconds in cpu.items()}
+    return rss, cpu, pct, wall, meters["host"].method
+
+
 async def _measure(ctx: Context) -> List[Figure]:
     idle_s = ctx.pick(30, 5, 1)
     resources = RESOURCES if not ctx.tiny else 4
@@ -81,33 +110,17 @@ async def _measure(ctx: Context) -> List[Figure]:
                          "--devices", str(devices), "--plugin-dir", host_dir]
             bare_args = ["-m", "benchmarks.floors", "servers", "--count", str(resources),
                          "--dir", bare_dir]
-            async with child_process(host_args, timeout=120) as host, \
-                    child_process(bare_args, timeout=120) as bare:
-                await sim.wait_for(
-                    lambda k: all(k.resources[n].live for n in names)
-                    and sum(len(k.resources[n].devices) for n in names) == devices,
-                    timeout=120, what=f"{resources} resources with {devices} devices")
-                await asyncio.sleep(ctx.pick(2, 1, 0))  # let start-up garbage settle
-                rss = {name: psutil.Process(p.pid).memory_info().rss / 1e6
-                       for name, p in (("host", host), ("bare", bare))}
-                meters = {"host": CpuMeter(host.pid), "bare": CpuMeter(bare.pid)}
-                for meter in meters.values():
-                    meter.start()
-                started = now()
-                ctx.progress(f"idle for {idle_s} s")
-                await asyncio.sleep(idle_s)
-                cpu = {name: meter.stop() for name, meter in meters.items()}
-                wall = now() - started
+            rss, cpu, pct, wall, method = await idle_side_by_side(
+                ctx, sim, host_args, bare_args, names, devices, idle_s)
         finally:
             await sim.stop()
-    pct = {name: 100 * seconds / wall for name, seconds in cpu.items()}
     size = f"{resources} resources, {devices} devices"
     return [
         Figure("rss_mb_64r_10k", rss["host"], "MB", rss["bare"],
                [f"{size}; floor: 64 bare grpc.aio servers"]),
         # A floor of 0.000 is possible: the ratio is then null and the figure stands alone.
         Figure("idle_cpu_pct_64r", pct["host"], "%", pct["bare"],
-               [f"{wall:.1f} s idle, {meters['host'].method}; host {cpu['host'] * 1000:.1f} ms,"
+               [f"{wall:.1f} s idle, {method}; host {cpu['host'] * 1000:.1f} ms,"
                 f" floor {cpu['bare'] * 1000:.1f} ms of CPU"]),
     ]
 
