@@ -14,10 +14,12 @@ Rules, chosen so that every GPU the kubelet sees is either fully usable or visib
   three vendors. The NVIDIA UUID is carried as an attribute and in NVIDIA_VISIBLE_DEVICES.
 * NVIDIA: /dev/nvidiaN with N the "Device Minor" of /proc/driver/nvidia/gpus/<addr>/information,
   plus /dev/nvidiactl (required) and /dev/nvidia-uvm, -uvm-tools, -modeset where present. No
-  information file means no minor: the GPU is Unhealthy with the reason, except in the one
-  unambiguous case (exactly one NVIDIA GPU bound to nvidia, no information file for any GPU, and
-  exactly one /dev/nvidiaN), which is used and logged. Two GPUs claiming one minor are both
-  Unhealthy. "GPU Excluded: Yes" is Unhealthy.
+  information file means no minor: the GPU is Unhealthy with the reason, except where it cannot
+  be ambiguous and procfs lists no GPU at all (a tree captured or mounted without it): one GPU
+  with exactly one /dev/nvidiaN, or N GPUs all bound to nvidia with exactly /dev/nvidia0..N-1,
+  numbered in PCI address order (the driver's probe order); both are logged and carried in
+  ``device_minor_source``. Two GPUs claiming one minor are both Unhealthy. "GPU Excluded: Yes"
+  is Unhealthy.
 * AMD: /dev/kfd (required for ROCm) plus the function's own card and render nodes.
   Intel: the function's card and render nodes, and its /dev/dri/by-path links as mounts (the
   Intel user-mode driver finds its GPU through them).
@@ -292,7 +294,32 @@ def _nvidia_minors(
             minor,
         )
         out[address] = (minor, "sole-node")
+        return out
+    for address, minor in _pci_order_minors(host, gpus, infos).items():
+        out[address] = (minor, "pci-order")
     return out
+
+
+def _pci_order_minors(
+    host: HostFS, gpus: Sequence[PciFunction], infos: Mapping[str, Optional[NvidiaInfo]]
+) -> Dict[str, int]:
+    """Minors without procfs (a tree captured or mounted without /proc/driver/nvidia): the
+    driver numbers GPUs in the order it probes them, which is PCI address order. Used only
+    when it cannot be ambiguous: procfs lists no GPU at all, every NVIDIA GPU is bound to
+    nvidia, and /dev holds exactly the nodes 0..N-1 for the N GPUs."""
+    if len(gpus) < 2 or any(infos.get(fn.address) for fn in gpus) or proc_addresses(host):
+        return {}
+    if any(fn.kernel_driver != "nvidia" for fn in gpus):
+        return {}
+    minors = sorted(int(m.group(1)) for m in map(_NVIDIA_NODE.match, host.listdir("/dev")) if m)
+    if minors != list(range(len(gpus))):
+        return {}
+    ordered = sorted(gpus, key=lambda fn: fn.address)
+    logger.warning(
+        "no /proc/driver/nvidia information for %d NVIDIA GPUs; assigning /dev/nvidia0..%d in "
+        "PCI address order (the driver's probe order)", len(gpus), len(gpus) - 1,
+    )
+    return {fn.address: index for index, fn in enumerate(ordered)}
 
 
 def _sole_node_minor(
@@ -326,6 +353,8 @@ def _nvidia_device(
         attributes["device_minor"] = str(minor)
         if note == "sole-node":
             attributes["device_minor_source"] = "sole /dev/nvidiaN node"
+        elif note == "pci-order":
+            attributes["device_minor_source"] = "PCI address order (no procfs)"
         paths.append(f"/dev/nvidia{minor}")
         if shared_with:
             problems.append(f"device minor {minor} also claimed by {', '.join(shared_with)}")

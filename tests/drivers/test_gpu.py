@@ -124,15 +124,16 @@ def test_nvidia_missing_gpu_node_is_unhealthy_then_healthy_when_it_returns(tree,
 
 def test_nvidia_without_information_file_is_unhealthy_when_ambiguous(tree):
     add_nvidia_control_nodes(tree)
+    # Nodes 0 and 2 for two GPUs: not 0..N-1, so PCI order cannot be trusted either.
     add_nvidia_gpu(tree, "0000:18:00.0", minor=0, information=None)
-    add_nvidia_gpu(tree, "0000:9a:00.0", minor=1, information=None)
+    add_nvidia_gpu(tree, "0000:9a:00.0", minor=2, information=None)
     found = devices_of(tree, NVIDIA_GPU)
     for address, device in found.items():
         assert device.health is Health.UNHEALTHY
         assert "device minor unknown" in device.health_reason
         assert f"/proc/driver/nvidia/gpus/{address}/information" in device.health_reason
         # No guessed node, but the env still names the GPU the runtime hook should expose.
-        assert not any(p.startswith("/dev/nvidia0") or p == "/dev/nvidia1"
+        assert not any(p.startswith("/dev/nvidia0") or p == "/dev/nvidia2"
                        for p in node_paths(device))
         assert device.env == {"NVIDIA_VISIBLE_DEVICES": address}
 
@@ -662,3 +663,24 @@ def test_hgx_tree_has_the_pieces_other_drivers_read(hgx):
             if host.read(f"/sys/bus/pci/devices/{a}/vendor") == "0x15b3"]
     assert len(nics) == 8
     assert os.path.isfile(hgx.real("/dev/nvidia-uvm"))
+
+
+def test_without_procfs_minors_follow_pci_order_only_when_unambiguous(tmp_path):
+    """A server captured (or mounted) without /proc/driver/nvidia: 8 GPUs, /dev/nvidia0..7."""
+    from host.testing.tree import load_machine
+
+    tree = load_machine("gpu-server-8x", tmp_path / "root")
+    tree.remove("/proc/driver/nvidia")
+    host = HostFS(str(tmp_path / "root"))
+    resource = ResourceConfig("nvidia.com/gpu", "gpu", {"vendor": "0x10de"})
+    devices = GpuDriver().discover(host, [resource])["nvidia.com/gpu"]
+    assert len(devices) == 8 and all(d.healthy for d in devices)
+    by_address = sorted(devices, key=lambda d: d.id)
+    assert [d.attributes["device_minor"] for d in by_address] == [str(i) for i in range(8)]
+    assert all(d.attributes["device_minor_source"].startswith("PCI address order")
+               for d in devices)
+    # One node missing: the mapping is no longer certain, so nothing is guessed.
+    tree.remove("/dev/nvidia7")
+    devices = GpuDriver().discover(host, [resource])["nvidia.com/gpu"]
+    assert not any(d.healthy for d in devices)
+    assert all("device minor unknown" in d.health_reason for d in devices)
