@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import FieldDescriptor as F
 
@@ -12,6 +14,8 @@ from host.protocol.generate import HERE, generate
 
 
 def test_committed_modules_match_a_fresh_generation():
+    pytest.importorskip("grpc_tools", reason="grpcio-tools (the generator) is a Python 3.10+ "
+                        "test extra; the committed modules are checked where it installs")
     for name, text in generate().items():
         committed = (HERE / name).read_text(encoding="utf-8")
         assert committed == text, f"{name} is stale: run python -m host.protocol.generate"
