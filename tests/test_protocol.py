@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import FieldDescriptor as F
 
