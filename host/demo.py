@@ -8,6 +8,7 @@ default configuration against both, and shows what the kubelet would see and get
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -17,7 +18,7 @@ from host.config import default_config
 from host.plugins import load_drivers
 from host.testing.harness import running_host
 from host.testing.kubelet import KubeletSimulator
-from host.testing.samples import build_demo_tree
+from host.testing.samples import build_demo_tree, demo_resources
 
 
 def run_demo(keep: bool = False) -> int:
@@ -38,6 +39,10 @@ async def _demo(workdir: str) -> int:
     registry = load_drivers()
     config = default_config(registry.drivers).with_overrides(plugin_dir=plugin_dir,
                                                              host_root=root)
+    wanted = [r for r in demo_resources() if r.driver in registry.drivers]
+    config = dataclasses.replace(config, resources=tuple(wanted), is_default=False)
+    config = dataclasses.replace(config, host=dataclasses.replace(
+        config.host, drain_file=os.path.join(workdir, "state", "drained"), metrics_address=""))
     print(f"sample host tree: {root}")
     print(f"drivers loaded:   {', '.join(sorted(registry.drivers))}")
     for failure in registry.failures:
@@ -57,10 +62,10 @@ async def _demo(workdir: str) -> int:
             elapsed = (time.monotonic() - started) * 1000
             print(f"\nregistered {len(served)} resources with the kubelet simulator "
                   f"in {elapsed:.0f} ms:")
-            print(f"  {'RESOURCE':<22} {'SOCKET':<48} {'CAPACITY':>8} {'ALLOCATABLE':>11}")
+            print(f"  {'RESOURCE':<27} {'SOCKET':<58} {'CAPACITY':>8} {'ALLOCATABLE':>11}")
             for name in sorted(served):
                 state = kubelet.resources[name]
-                print(f"  {name:<22} {state.endpoint:<48} {state.capacity:>8} "
+                print(f"  {name:<27} {state.endpoint:<58} {state.capacity:>8} "
                       f"{state.allocatable:>11}")
 
             resource = "nvidia.com/gpu"
@@ -83,6 +88,15 @@ async def _demo(workdir: str) -> int:
                 print(f"  env    {key}={value}")
             for mount in response.mounts:
                 print(f"  mount  {mount.host_path} -> {mount.container_path}")
+            for resource, count in (("intel.com/sriov_netdevice", 2), ("example.com/zigbee", 1)):
+                if resource not in kubelet.resources:
+                    continue
+                other = await kubelet.allocate(resource, count, pod="demo-pod", container="app")
+                print(f"Allocate {resource} x{count}: {other.device_ids}")
+                for key, value in sorted(other.response.envs.items()):
+                    print(f"  env    {key}={value}")
+                for spec in other.response.devices:
+                    print(f"  device {spec.host_path} ({spec.permissions})")
     finally:
         await kubelet.stop()
     print("\ndemo finished: host stopped, sockets removed")
