@@ -435,3 +435,18 @@ def test_serving_many_resources_at_once_leaves_the_process_umask_alone(short_dir
 
     run(scenario())
     assert _current_umask() == before
+
+
+def test_a_configured_resource_with_no_devices_registers_with_an_empty_snapshot(short_dir, run):
+    driver = MemoryDriver("m", {"example.com/empty": []})
+
+    async def scenario():
+        config = make_config(short_dir, _resources(("example.com/empty", "m")))
+        async with kubelet_and_host(config, {"m": driver}) as (sim, app):
+            state = sim.resources["example.com/empty"]
+            assert state.connected and state.snapshots == 1 and state.capacity == 0
+            driver.devices["example.com/empty"] = make_devices("late", 1)
+            await app.rescan()
+            await sim.wait_for(lambda s: s.resources["example.com/empty"].allocatable == 1)
+
+    run(scenario())
