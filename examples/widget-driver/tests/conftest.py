@@ -1,34 +1,5 @@
-"""Fixtures for the widget driver's tests: short socket directories and an asyncio runner."""
+"""The widget driver's tests use the host's test kit fixtures: short socket dirs, a runner."""
 
-from __future__ import annotations
+from host.testing.fixtures import run, short_dir
 
-import asyncio
-import shutil
-import tempfile
-from typing import Iterator
-
-import pytest
-
-
-@pytest.fixture
-def short_dir() -> Iterator[str]:
-    """A short /tmp directory for plugin sockets: unix socket paths stop at 107 bytes, which
-    pytest's tmp_path can exceed."""
-    path = tempfile.mkdtemp(prefix="dphw", dir="/tmp")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def run():
-    """Run a coroutine on a fresh event loop, bounded so a hang fails instead of blocking."""
-
-    def runner(coro, timeout: float = 60.0):
-        async def bounded():
-            return await asyncio.wait_for(coro, timeout)
-
-        return asyncio.run(bounded())
-
-    return runner
+__all__ = ["run", "short_dir"]
