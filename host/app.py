@@ -59,7 +59,7 @@ class HostApp:
         self.ready = asyncio.Event()
         self.started_at = time.monotonic()
         self.on_ready: List[Callable[[], None]] = []
-        self._timers: List[asyncio.TimerHandle] = []
+        self._safety: Optional[asyncio.TimerHandle] = None
         self._rescan_task: Optional[asyncio.Task] = None
         self._expiry: Optional[asyncio.TimerHandle] = None
         self._stopped = False
@@ -98,8 +98,8 @@ class HostApp:
             timer.cancel()
         if self.events is not None:
             self.events.close()
-        for timer in self._timers:
-            timer.cancel()
+        if self._safety is not None:
+            self._safety.cancel()
         if self._expiry is not None:
             self._expiry.cancel()
         if self._rescan_task is not None:
@@ -310,11 +310,9 @@ class HostApp:
 
         def fire() -> None:
             self.request_rescan()
-            self._timers.remove(handle)
             self._arm_safety_rescan()
 
-        handle = loop.call_later(interval, fire)
-        self._timers.append(handle)
+        self._safety = loop.call_later(interval, fire)
 
     def _arm_expiry(self) -> None:
         delay = self.inventory.next_expiry()

@@ -153,20 +153,6 @@ class HostFS:
         host = "/" + "/".join(resolved)
         return host if self.exists(host) else None
 
-    def confine(self, host_path: str) -> str:
-        """A configured path made safe: normalised, absolute and inside the root.
-
-        Raises ValueError for a relative path or one that climbs above the root with ``..``.
-        """
-        if not host_path.startswith("/"):
-            raise ValueError(f"{host_path!r} is not an absolute path")
-        normal = posixpath.normpath(host_path)
-        if normal.startswith("//"):
-            normal = "/" + normal.lstrip("/")
-        if ".." in host_path.split("/"):
-            raise ValueError(f"{host_path!r} climbs out with '..'")
-        return normal
-
     # -- shared topology helpers -------------------------------------------------------
     def machine_numa_nodes(self) -> Optional[Tuple[int, ...]]:
         """The NUMA node ids the machine has, or None when sysfs does not say."""

@@ -73,7 +73,7 @@ class Inventory:
         self.set_resources(resources)
 
     def set_resources(self, resources: Sequence[ResourceConfig]) -> None:
-        old = self.resources if hasattr(self, "resources") else {}
+        old = self.resources
         self.resources = {r.name: r for r in resources}
         self.by_driver = {}
         for resource in resources:

@@ -10,7 +10,7 @@ import enum
 import sys
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, Optional, Sequence, Tuple
+from typing import Mapping, Sequence, Tuple
 
 # A node may carry 10,000 devices: __slots__ saves about a third of their memory (3.10+).
 _SLOTS = {"slots": True} if sys.version_info >= (3, 10) else {}
@@ -126,14 +126,3 @@ class ResourceConfig:
     # without CDI support.
     cdi: bool = False
     cdi_fallback: bool = True
-
-
-def optional_int(text: Optional[str]) -> Optional[int]:
-    """Parse a sysfs integer (decimal or 0x-hex); None when absent or not a number."""
-    if text is None:
-        return None
-    text = text.strip()
-    try:
-        return int(text, 0) if text.lower().startswith("0x") else int(text)
-    except ValueError:
-        return None

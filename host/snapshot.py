@@ -9,7 +9,7 @@ device with its encoding: an update over 10,000 devices builds nothing else.
 from __future__ import annotations
 
 import asyncio
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from host.model import Device, Health
 from host.protocol.convert import framed_device, snapshot_payload
@@ -88,6 +88,3 @@ class Snapshot:
                 self._changed = asyncio.get_running_loop().create_future()
             await asyncio.shield(self._changed)
         return self.version, self.payload
-
-    def get(self, ids: Iterable[str]) -> List[Optional[Device]]:
-        return [self.device(device_id) for device_id in ids]

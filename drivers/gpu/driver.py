@@ -428,8 +428,7 @@ def _driver_problems(host: HostFS, fn: PciFunction) -> List[str]:
         problems.append(f"no kernel driver bound (expected {' or '.join(expected)})")
     elif fn.kernel_driver not in expected:
         problems.append(f"bound to {fn.kernel_driver}, not {' or '.join(expected)}")
-    # The enable file counts enables; PciFunction.enabled reads only "1" as enabled.
-    if host.read_int(f"{fn.path}/enable", 10) == 0:
+    if fn.enabled is False:  # read once by host.pci (the enable file counts enables)
         problems.append("PCI function disabled (enable = 0)")
     return problems
 
