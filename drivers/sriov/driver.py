@@ -18,27 +18,32 @@ can make, and a catch-all pool would hand out VFs another pool or the host itsel
 
 from __future__ import annotations
 
+import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from drivers.rdma.sysfs import CharIndex, scan_char_devices
+from drivers.sriov.qat import QatPf, parse_services, read_qat
 from drivers.sriov.selectors import index_ranges, parse_pf
 from drivers.sriov.sysfs import LINK_TYPES, VirtualFunction, list_virtual_functions
+from host import devinfo
 from host.driver import Driver, SelectorError, selector_values
 from host.health import link_problem
 from host.hostfs import HostFS
-from host.model import Device, DeviceNode, Health, ResourceConfig
+from host.model import ContainerAllocation, Device, DeviceNode, Health, ResourceConfig
 from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors, matches_pci
 
 log = logging.getLogger(__name__)
 
 VFIO_CONTAINER = "/dev/vfio/vfio"
+IOMMUFD = "/dev/iommu"  # the iommufd misc device (drivers/iommu/iommufd/main.c)
 
 VFIO = "vfio"
 UIO = "uio"
 NETDEVICE = "netdevice"
+KERNEL = "kernel"  # bound to its own kernel driver but no network function: 4xxxvf, nvme
 UNBOUND = "unbound"
 
 
@@ -62,6 +67,12 @@ class VfRecord:
     nodes: Tuple[DeviceNode, ...]
     problem: str  # why it is unusable now; empty when it is
     has_verbs: bool  # an RDMA device with a usable verbs node
+    qat: Optional[QatPf] = None  # the PF's QAT facts, for QAT VFs
+    # iommufd: the VF's /dev/vfio/devices/vfioN (+ /dev/iommu) and why they are unusable;
+    # read only when a resource asks for iommufd.
+    cdev_nodes: Tuple[DeviceNode, ...] = ()
+    cdev_problem: str = ""
+    group_problems: Tuple[str, ...] = ()  # the part of ``problem`` about group nodes
 
     def attributes(self) -> Dict[str, str]:
         vf = self.vf
@@ -81,6 +92,14 @@ class VfRecord:
             out["link_type"] = vf.link_type
         if vf.rdma_devices:
             out["rdma_device"] = ",".join(vf.rdma_devices)
+        if vf.pf.function.kernel_driver:
+            out["pf_kernel_driver"] = vf.pf.function.kernel_driver
+        if self.qat is not None:
+            if self.qat.services:
+                out["qat_services"] = self.qat.services
+            if self.qat.state:
+                out["qat_state"] = self.qat.state
+            out["qat_heartbeat"] = self.qat.heartbeat
         return out
 
 
@@ -175,6 +194,13 @@ class SriovDriver(Driver):
         "vf_index": (int, str),
         "link_type": (str,),
         "rdma": (bool,),
+        "pf_kernel_driver": (str,),
+        "qat_services": (str,),
+    }
+    setting_types = {
+        "iommufd": (bool,),
+        "device_info": (bool,),
+        "device_info_dir": (str,),
     }
 
     # -- configuration -----------------------------------------------------------------
@@ -198,21 +224,71 @@ class SriovDriver(Driver):
                 raise SelectorError(
                     "link_type", f"{value!r} is not a link type ({' or '.join(known)})"
                 )
+        for value in selector_values(selectors, "qat_services") or []:
+            try:
+                parse_services(str(value))
+            except ValueError as error:
+                raise SelectorError("qat_services", str(error)) from None
+
+    def check_settings(self, settings: Mapping[str, object]) -> None:
+        super().check_settings(settings)
+        directory = settings.get("device_info_dir")
+        if directory is not None and not str(directory).startswith("/"):
+            raise SelectorError("device_info_dir", f"must be an absolute path, got {directory!r}")
 
     # -- discovery ---------------------------------------------------------------------
+    def discover(
+        self, host: HostFS, resources: Sequence[ResourceConfig]
+    ) -> Mapping[str, Sequence[Device]]:
+        inventory = self._scan(host, iommufd=any(_iommufd(r) for r in resources))
+        return {resource.name: list(self.select(inventory, resource)) for resource in resources}
+
     def scan(self, host: HostFS) -> SriovInventory:
+        return self._scan(host, iommufd=False)
+
+    def _scan(self, host: HostFS, iommufd: bool) -> SriovInventory:
         vfs = list_virtual_functions(host, host.machine_numa_nodes())
         chars = scan_char_devices(host) if any(vf.rdma_devices for vf in vfs) else None
-        return SriovInventory(vfs=tuple(build_record(host, vf, chars) for vf in vfs))
+        qat: Dict[str, Optional[QatPf]] = {}  # per PF address: read once, not once per VF
+        records = []
+        for vf in vfs:
+            record = build_record(host, vf, chars)
+            pf_address = vf.pf.function.address
+            if pf_address not in qat:
+                qat[pf_address] = read_qat(host, vf.pf.function)
+            changes: Dict[str, object] = {}
+            if record.mode == NETDEVICE and not _is_network(vf):
+                changes["mode"] = KERNEL
+            pf_qat = qat[pf_address]
+            if pf_qat is not None:
+                changes["qat"] = pf_qat
+                down = pf_qat.problem(pf_address)
+                if down:
+                    changes["problem"] = "; ".join(p for p in (record.problem, down) if p)
+            if iommufd and record.mode == VFIO:
+                nodes, problems = _cdev(host, vf)
+                changes["cdev_nodes"] = tuple(nodes)
+                changes["cdev_problem"] = "; ".join(problems)
+                changes["group_problems"] = tuple(_vfio(host, vf)[1])
+            records.append(replace(record, **changes) if changes else record)  # type: ignore[arg-type]
+        return SriovInventory(vfs=tuple(records))
 
     def select(self, inventory: SriovInventory, resource: ResourceConfig) -> Sequence[Device]:
         key = env_name(resource.name)
         want_rdma = resource.selectors.get("rdma")
+        iommufd = _iommufd(resource)
         out = []
         for record in inventory.vfs:
             if not _matches(record, resource.selectors):
                 continue
             problem = record.problem
+            nodes = record.nodes
+            if iommufd and record.mode == VFIO:
+                # The device's cdev replaces the legacy container and group nodes.
+                nodes = record.cdev_nodes
+                kept = [p for p in problem.split("; ") if p and p not in record.group_problems]
+                problem = "; ".join([*kept, *([record.cdev_problem] if record.cdev_problem
+                                              else [])])
             if want_rdma is True and record.mode == NETDEVICE and not record.has_verbs:
                 problem = problem or (
                     f"VF {record.vf.function.address} has RDMA device "
@@ -227,12 +303,107 @@ class SriovDriver(Driver):
                     health=Health.UNHEALTHY if problem else Health.HEALTHY,
                     health_reason=problem,
                     numa_nodes=record.vf.function.numa_nodes,
-                    device_nodes=record.nodes,
+                    device_nodes=nodes,
                     env={key: record.vf.function.address},
                     attributes=record.attributes(),
                 )
             )
         return out
+
+
+    # -- allocation ------------------------------------------------------------------------
+    def allocate(
+        self, resource: ResourceConfig, devices: Sequence[Device], merged: ContainerAllocation
+    ) -> ContainerAllocation:
+        """Add the SR-IOV device plugin's ``PCIDEVICE_<RESOURCE>_INFO`` (one JSON object over
+        all allocated VFs, which the host's ","-join of per-device env cannot build) and, with
+        ``device_info = true``, write the NPWG device-info file of each VF before the kubelet
+        can start the pod's CNI. A file that cannot be written fails the Allocate with the
+        path named: a pod whose network attachment would miss it must not start."""
+        envs = dict(merged.envs)
+        envs[env_name(resource.name) + "_INFO"] = json.dumps(
+            {d.id: extra_info(d) for d in devices}, separators=(",", ":"), sort_keys=True)
+        if devinfo.enabled(resource):
+            directory = devinfo.directory_of(resource)
+            for device in devices:
+                attributes = device.attributes
+                rdma = attributes.get("rdma_device", "")
+                info = devinfo.pci_info(
+                    attributes.get("pci_address", device.id),
+                    attributes.get("pf_pci_address"),
+                    rdma if rdma and "," not in rdma else None,
+                )
+                try:
+                    devinfo.write(directory, resource.name, device.id, info)
+                except OSError as error:
+                    raise RuntimeError(
+                        f"cannot write the device-info file of {device.id} in {directory}: "
+                        f"{error.strerror or error}") from None
+        return replace(merged, envs=envs)
+
+
+def extra_info(device: Device) -> Dict[str, Dict[str, str]]:
+    """The per-VF map of ``PCIDEVICE_<RESOURCE>_INFO``, keyed like sriov-network-device-plugin's
+    info providers: "generic" (deviceID), "vfio" (mount = the container node, dev-mount = the
+    group node) and "rdma" (its char devices and rdma_dev). For an iommufd resource "vfio"
+    names the device cdev as dev-mount and /dev/iommu as "iommufd" (no container node exists
+    there)."""
+    out: Dict[str, Dict[str, str]] = {"generic": {"deviceID": device.id}}
+    mode = device.attributes.get("vf_mode")
+    paths = [node.container_path for node in device.device_nodes]
+    if mode == VFIO:
+        vfio: Dict[str, str] = {}
+        for path in paths:
+            if path == VFIO_CONTAINER:
+                vfio["mount"] = path
+            elif path == IOMMUFD:
+                vfio["iommufd"] = path
+            elif path.startswith("/dev/vfio/"):
+                vfio["dev-mount"] = path
+        out["vfio"] = vfio
+    rdma: Dict[str, str] = {}
+    for path in paths:
+        name = path.rsplit("/", 1)[-1]
+        for kind in ("uverbs", "umad", "issm", "rdma_cm"):
+            if name.startswith(kind):
+                rdma[kind] = path
+    if rdma:
+        if device.attributes.get("rdma_device"):
+            rdma["rdma_dev"] = device.attributes["rdma_device"]
+        out["rdma"] = rdma
+    return out
+
+
+def _iommufd(resource: ResourceConfig) -> bool:
+    return resource.settings.get("iommufd") is True
+
+
+def _is_network(vf: VirtualFunction) -> bool:
+    """A network function (PCI base class 0x02) or one with an interface: the SR-IOV world's
+    "netdevice" VF. Checked by class too, since a VF's netdev leaves the host's sysfs while it
+    sits in a pod's network namespace."""
+    return vf.netdev is not None or vf.function.base_class == 0x02
+
+
+def _cdev(host: HostFS, vf: VirtualFunction) -> Tuple[List[DeviceNode], List[str]]:
+    """iommufd: the VF's vfio device cdev, found as ``<function>/vfio-dev/vfioN`` (the
+    "vfio-dev" class of drivers/vfio/vfio_main.c, parent = the PCI function; the node is
+    /dev/vfio/devices/vfioN, drivers/vfio/device_cdev.c), plus /dev/iommu. A kernel built
+    without CONFIG_VFIO_DEVICE_CDEV has no vfio-dev directory: the VF is Unhealthy with that
+    reason rather than handed out with a group node the container was not asked to use."""
+    address = vf.function.address
+    names = [n for n in host.listdir(f"{vf.function.path}/vfio-dev")
+             if n.startswith("vfio") and n[4:].isdigit()]
+    if not names:
+        return [], [f"VF {address} has no vfio-dev/vfioN (kernel without "
+                    "CONFIG_VFIO_DEVICE_CDEV?); iommufd needs the device cdev"]
+    nodes, problems = [], []
+    for path in (IOMMUFD, f"/dev/vfio/devices/{names[0]}"):
+        if host.exists(path):
+            nodes.append(DeviceNode(path))
+        else:
+            problems.append(f"VF {address}: device node {path} is missing")
+    return nodes, problems
 
 
 def _short(address: str) -> str:
@@ -245,7 +416,7 @@ def _matches(record: VfRecord, selectors: Mapping[str, object]) -> bool:
         return False
     pf_names = selector_values(selectors, "pf_name")
     if pf_names is not None:
-        names = (vf.pf.netdev.name,) if vf.pf.netdev else ()
+        names: Tuple[str, ...] = (vf.pf.netdev.name,) if vf.pf.netdev else ()
         if not any(parse_pf(str(value)).matches(names, vf.index) for value in pf_names):
             return False
     pf_addresses = selector_values(selectors, "pf_pci_address")
@@ -261,4 +432,14 @@ def _matches(record: VfRecord, selectors: Mapping[str, object]) -> bool:
     if link_types is not None and vf.link_type not in {str(v).lower() for v in link_types}:
         return False
     rdma = selectors.get("rdma")
-    return rdma is None or bool(vf.rdma_devices) == rdma
+    if rdma is not None and bool(vf.rdma_devices) != rdma:
+        return False
+    pf_drivers = selector_values(selectors, "pf_kernel_driver")
+    if pf_drivers is not None and vf.pf.function.kernel_driver not in pf_drivers:
+        return False
+    services = selector_values(selectors, "qat_services")
+    if services is not None:
+        have = record.qat.service_set if record.qat is not None else None
+        if have is None or not any(parse_services(str(v)) == have for v in services):
+            return False
+    return True
