@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from drivers.rdma.sysfs import CharIndex, scan_char_devices
@@ -29,11 +29,11 @@ from drivers.sriov.qat import QatPf, parse_services, read_qat
 from drivers.sriov.selectors import index_ranges, parse_pf
 from drivers.sriov.sysfs import LINK_TYPES, VirtualFunction, list_virtual_functions
 from host import devinfo
-from host.driver import Driver, SelectorError, selector_values
+from host.driver import Driver, SelectorError, normalise_hex_ids, selector_values
 from host.health import link_problem
 from host.hostfs import HostFS
 from host.model import ContainerAllocation, Device, DeviceNode, Health, ResourceConfig
-from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors, matches_pci
+from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +67,29 @@ class VfRecord:
     nodes: Tuple[DeviceNode, ...]
     problem: str  # why it is unusable now; empty when it is
     has_verbs: bool  # an RDMA device with a usable verbs node
-    qat: Optional[QatPf] = None  # the PF's QAT facts, for QAT VFs
     # iommufd: the VF's /dev/vfio/devices/vfioN (+ /dev/iommu) and why they are unusable;
     # read only when a resource asks for iommufd.
     cdev_nodes: Tuple[DeviceNode, ...] = ()
     cdev_problem: str = ""
     group_problems: Tuple[str, ...] = ()  # the part of ``problem`` about group nodes
 
-    def attributes(self) -> Dict[str, str]:
+    @property
+    def kind(self) -> str:
+        """The mode as the SR-IOV world names it: a VF on its own kernel driver is a
+        "netdevice" only when it is a network function (class 0x02) or has an interface;
+        a QAT VF on 4xxxvf or an NVMe VF on nvme is "kernel". By class too, since a VF's
+        netdev leaves the host's sysfs while it sits in a pod's network namespace."""
+        if self.mode == NETDEVICE and self.vf.netdev is None and \
+                self.vf.function.base_class != 0x02:
+            return KERNEL
+        return self.mode
+
+    def attributes(self, qat: Optional[QatPf] = None) -> Dict[str, str]:
         vf = self.vf
         out = vf.function.attributes()
         out["pf_pci_address"] = vf.pf.function.address
         out["vf_index"] = str(vf.index)
-        out["vf_mode"] = self.mode
+        out["vf_mode"] = self.kind
         if vf.pf.netdev:
             out["pf_name"] = vf.pf.netdev.name
             if vf.pf.netdev.operstate:
@@ -94,18 +104,19 @@ class VfRecord:
             out["rdma_device"] = ",".join(vf.rdma_devices)
         if vf.pf.function.kernel_driver:
             out["pf_kernel_driver"] = vf.pf.function.kernel_driver
-        if self.qat is not None:
-            if self.qat.services:
-                out["qat_services"] = self.qat.services
-            if self.qat.state:
-                out["qat_state"] = self.qat.state
-            out["qat_heartbeat"] = self.qat.heartbeat
+        if qat is not None:
+            if qat.services:
+                out["qat_services"] = qat.services
+            if qat.state:
+                out["qat_state"] = qat.state
+            out["qat_heartbeat"] = qat.heartbeat
         return out
 
 
 @dataclass(frozen=True)
 class SriovInventory:
     vfs: Tuple[VfRecord, ...] = ()
+    qat: Mapping[str, QatPf] = field(default_factory=dict)  # per QAT PF address
 
 
 def _vfio(host: HostFS, vf: VirtualFunction) -> Tuple[List[DeviceNode], List[str]]:
@@ -249,39 +260,39 @@ class SriovDriver(Driver):
     def _scan(self, host: HostFS, iommufd: bool) -> SriovInventory:
         vfs = list_virtual_functions(host, host.machine_numa_nodes())
         chars = scan_char_devices(host) if any(vf.rdma_devices for vf in vfs) else None
-        qat: Dict[str, Optional[QatPf]] = {}  # per PF address: read once, not once per VF
+        seen: Dict[str, Optional[QatPf]] = {}  # per PF: read once, not once per VF
         records = []
         for vf in vfs:
             record = build_record(host, vf, chars)
             pf_address = vf.pf.function.address
-            if pf_address not in qat:
-                qat[pf_address] = read_qat(host, vf.pf.function)
-            changes: Dict[str, object] = {}
-            if record.mode == NETDEVICE and not _is_network(vf):
-                changes["mode"] = KERNEL
-            pf_qat = qat[pf_address]
-            if pf_qat is not None:
-                changes["qat"] = pf_qat
-                down = pf_qat.problem(pf_address)
-                if down:
-                    changes["problem"] = "; ".join(p for p in (record.problem, down) if p)
+            if pf_address not in seen:
+                seen[pf_address] = read_qat(host, vf.pf.function)
             if iommufd and record.mode == VFIO:
                 nodes, problems = _cdev(host, vf)
-                changes["cdev_nodes"] = tuple(nodes)
-                changes["cdev_problem"] = "; ".join(problems)
-                changes["group_problems"] = tuple(_vfio(host, vf)[1])
-            records.append(replace(record, **changes) if changes else record)  # type: ignore[arg-type]
-        return SriovInventory(vfs=tuple(records))
+                record = replace(record, cdev_nodes=tuple(nodes),
+                                 cdev_problem="; ".join(problems),
+                                 group_problems=tuple(_vfio(host, vf)[1]))
+            records.append(record)
+        qat = {address: facts for address, facts in seen.items() if facts is not None}
+        return SriovInventory(vfs=tuple(records), qat=qat)
 
     def select(self, inventory: SriovInventory, resource: ResourceConfig) -> Sequence[Device]:
         key = env_name(resource.name)
         want_rdma = resource.selectors.get("rdma")
         iommufd = _iommufd(resource)
+        matches = _Matcher(resource.selectors)
+        qat_problems = {address: facts.problem(address) for address, facts in
+                        inventory.qat.items()}
         out = []
         for record in inventory.vfs:
-            if not _matches(record, resource.selectors):
+            pf_address = record.vf.pf.function.address
+            qat = inventory.qat.get(pf_address)
+            if not matches(record, qat):
                 continue
             problem = record.problem
+            pf_down = qat_problems.get(pf_address)
+            if pf_down:
+                problem = f"{problem}; {pf_down}" if problem else pf_down
             nodes = record.nodes
             if iommufd and record.mode == VFIO:
                 # The device's cdev replaces the legacy container and group nodes.
@@ -305,7 +316,7 @@ class SriovDriver(Driver):
                     numa_nodes=record.vf.function.numa_nodes,
                     device_nodes=nodes,
                     env={key: record.vf.function.address},
-                    attributes=record.attributes(),
+                    attributes=record.attributes(qat),
                 )
             )
         return out
@@ -378,13 +389,6 @@ def _iommufd(resource: ResourceConfig) -> bool:
     return resource.settings.get("iommufd") is True
 
 
-def _is_network(vf: VirtualFunction) -> bool:
-    """A network function (PCI base class 0x02) or one with an interface: the SR-IOV world's
-    "netdevice" VF. Checked by class too, since a VF's netdev leaves the host's sysfs while it
-    sits in a pod's network namespace."""
-    return vf.netdev is not None or vf.function.base_class == 0x02
-
-
 def _cdev(host: HostFS, vf: VirtualFunction) -> Tuple[List[DeviceNode], List[str]]:
     """iommufd: the VF's vfio device cdev, found as ``<function>/vfio-dev/vfioN`` (the
     "vfio-dev" class of drivers/vfio/vfio_main.c, parent = the PCI function; the node is
@@ -410,36 +414,63 @@ def _short(address: str) -> str:
     return address[5:] if address.startswith("0000:") else address
 
 
-def _matches(record: VfRecord, selectors: Mapping[str, object]) -> bool:
-    vf = record.vf
-    if not matches_pci(vf.function, selectors):
-        return False
-    pf_names = selector_values(selectors, "pf_name")
-    if pf_names is not None:
-        names: Tuple[str, ...] = (vf.pf.netdev.name,) if vf.pf.netdev else ()
-        if not any(parse_pf(str(value)).matches(names, vf.index) for value in pf_names):
+class _Matcher:
+    """A resource's selectors parsed once per select, not once per VF (a QAT node has 256
+    VFs and three pools: parsing per VF was a fifth of discovery)."""
+
+    def __init__(self, selectors: Mapping[str, object]) -> None:
+        self.vendors = normalise_hex_ids(selector_values(selectors, "vendor"))
+        self.devices = normalise_hex_ids(selector_values(selectors, "device"))
+        self.drivers = selector_values(selectors, "kernel_driver")
+        addresses = selector_values(selectors, "pci_address")
+        self.addresses = None if addresses is None else {str(a) for a in addresses}
+        pf_names = selector_values(selectors, "pf_name")
+        self.pf_names = None if pf_names is None else [parse_pf(str(v)) for v in pf_names]
+        pf_addresses = selector_values(selectors, "pf_pci_address")
+        self.pf_addresses = (None if pf_addresses is None
+                             else [parse_pf(str(v)) for v in pf_addresses])
+        indexes = selector_values(selectors, "vf_index")
+        self.indexes = None if indexes is None else [index_ranges(v) for v in indexes]
+        link_types = selector_values(selectors, "link_type")
+        self.link_types = None if link_types is None else {str(v).lower() for v in link_types}
+        rdma = selectors.get("rdma")
+        self.rdma = None if rdma is None else bool(rdma)
+        self.pf_drivers = selector_values(selectors, "pf_kernel_driver")
+        services = selector_values(selectors, "qat_services")
+        self.services = None if services is None else [parse_services(str(v)) for v in services]
+
+    def __call__(self, record: VfRecord, qat: Optional[QatPf]) -> bool:
+        vf = record.vf
+        function = vf.function
+        if self.vendors is not None and function.vendor not in self.vendors:
             return False
-    pf_addresses = selector_values(selectors, "pf_pci_address")
-    if pf_addresses is not None:
-        address = vf.pf.function.address
-        names = (address, _short(address))
-        if not any(parse_pf(str(value)).matches(names, vf.index) for value in pf_addresses):
+        if self.devices is not None and function.device not in self.devices:
             return False
-    indexes = selector_values(selectors, "vf_index")
-    if indexes is not None and not any(vf.index in index_ranges(value) for value in indexes):
-        return False
-    link_types = selector_values(selectors, "link_type")
-    if link_types is not None and vf.link_type not in {str(v).lower() for v in link_types}:
-        return False
-    rdma = selectors.get("rdma")
-    if rdma is not None and bool(vf.rdma_devices) != rdma:
-        return False
-    pf_drivers = selector_values(selectors, "pf_kernel_driver")
-    if pf_drivers is not None and vf.pf.function.kernel_driver not in pf_drivers:
-        return False
-    services = selector_values(selectors, "qat_services")
-    if services is not None:
-        have = record.qat.service_set if record.qat is not None else None
-        if have is None or not any(parse_services(str(v)) == have for v in services):
+        if self.drivers is not None and function.kernel_driver not in self.drivers:
             return False
-    return True
+        if self.addresses is not None and not (
+                function.address in self.addresses
+                or _short(function.address) in self.addresses):
+            return False
+        if self.pf_names is not None:
+            names: Tuple[str, ...] = (vf.pf.netdev.name,) if vf.pf.netdev else ()
+            if not any(pf.matches(names, vf.index) for pf in self.pf_names):
+                return False
+        if self.pf_addresses is not None:
+            address = vf.pf.function.address
+            names = (address, _short(address))
+            if not any(pf.matches(names, vf.index) for pf in self.pf_addresses):
+                return False
+        if self.indexes is not None and not any(vf.index in r for r in self.indexes):
+            return False
+        if self.link_types is not None and vf.link_type not in self.link_types:
+            return False
+        if self.rdma is not None and bool(vf.rdma_devices) != self.rdma:
+            return False
+        if self.pf_drivers is not None and vf.pf.function.kernel_driver not in self.pf_drivers:
+            return False
+        if self.services is not None:
+            have = qat.service_set if qat is not None else None
+            if have is None or have not in self.services:
+                return False
+        return True

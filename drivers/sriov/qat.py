@@ -39,10 +39,7 @@ class QatPf:
     services: Optional[str]  # cfg_services as the kernel prints it; None when unreadable
     heartbeat: str  # ok / failed / unknown
     heartbeat_path: str
-
-    @property
-    def service_set(self) -> Optional[FrozenSet[str]]:
-        return None if self.services is None else parse_services(self.services)
+    service_set: Optional[FrozenSet[str]] = None  # ``services`` parsed
 
     def problem(self, pf_address: str) -> str:
         """Why the PF's VFs cannot be used now; empty when they can (or nothing is known)."""
@@ -83,9 +80,10 @@ def read_qat(host: HostFS, pf: PciFunction) -> Optional[QatPf]:
         return None
     state = host.read(f"{pf.path}/qat/state") or None
     services = host.read(f"{pf.path}/qat/cfg_services") or None
+    service_set = None
     if services is not None:
         try:
-            parse_services(services)
+            service_set = parse_services(services)
         except ValueError:
             services = None  # a value this code does not know selects nothing
     path = heartbeat_path(pf)
@@ -97,4 +95,5 @@ def read_qat(host: HostFS, pf: PciFunction) -> Optional[QatPf]:
             heartbeat = HEARTBEAT_OK
         elif first == "-1":
             heartbeat = HEARTBEAT_FAILED
-    return QatPf(state=state, services=services, heartbeat=heartbeat, heartbeat_path=path)
+    return QatPf(state=state, services=services, heartbeat=heartbeat, heartbeat_path=path,
+                 service_set=service_set)
