@@ -12,6 +12,14 @@ an IOMMU group, and a VF bound to no driver (mid-rebind, unusable) are Unhealthy
 reason named. The PF's link state is carried (``pf_operstate``/``pf_carrier`` and on the
 inventory) but not yet used for health.
 
+Beyond NICs. Any PF's VFs are served: a VF on its own non-network driver (QAT's 4xxxvf, nvme)
+is mode "kernel" and brings its address only. A QAT PF's service (``qat/cfg_services``) is a
+selector, and a PF that is down or whose firmware heartbeat failed makes its VFs Unhealthy
+(drivers/sriov/qat.py). ``iommufd = true`` hands vfio VFs out as /dev/iommu plus their
+/dev/vfio/devices/vfioN instead of the container and group nodes. Allocate adds the SR-IOV
+device plugin's ``PCIDEVICE_<RESOURCE>_INFO`` and, with ``device_info = true``, writes the
+NPWG device-info files (host/devinfo.py, which also removes them).
+
 Defaults. None: an SR-IOV pool is a choice of PF, VF range and driver that only the operator
 can make, and a catch-all pool would hand out VFs another pool or the host itself uses.
 """
