@@ -16,7 +16,10 @@ devices are held. A file goes when its device is no longer served, or when no co
 its device and it is older than ``grace_s`` (Allocate answers before the kubelet records the
 allocation, so a fresh file is never judged by a List that may predate it). When the
 PodResources API cannot be reached nothing is removed for being unheld: a file too many is
-harmless, a file missing breaks a pod's network attachment. On stop every file goes.
+harmless, a file missing breaks a pod's network attachment. On stop every file goes; a host
+that starts again while pods hold devices writes their files back at its first pass (a pod
+sandbox re-created later finds its file again), so a file exists whenever a container holds
+its device.
 
 Files are written atomically (temporary file in the same directory, then rename): Multus never
 reads half a file.
@@ -76,6 +79,15 @@ def pci_info(address: str, pf_address: Optional[str] = None,
     if rdma_device:
         pci["rdma-device"] = rdma_device
     return {"type": "pci", "version": SPEC_VERSION, "pci": pci}
+
+
+def info_from_device(device: Device) -> Dict[str, object]:
+    """The "pci" map of a served device, from the attributes PCI drivers set (``pci_address``,
+    ``pf_pci_address``, a single ``rdma_device``); the id when there is no address."""
+    attributes = device.attributes
+    rdma = attributes.get("rdma_device", "")
+    return pci_info(attributes.get("pci_address", device.id), attributes.get("pf_pci_address"),
+                    rdma if rdma and "," not in rdma else None)
 
 
 def write(directory: str, resource: str, device_id: str, info: Mapping[str, object]) -> str:
@@ -170,6 +182,7 @@ class DeviceInfoReconciler:
         self._held = held
         self.interval_s = interval_s
         self.grace_s = grace_s
+        self.first_pass_s = 2.0  # soon after start: restore the files of held devices
         self._task: Optional[asyncio.Task] = None
         self._kubelet_unknown_logged = False
 
@@ -185,8 +198,10 @@ class DeviceInfoReconciler:
         self.start()
 
     async def _run(self) -> None:
+        delay = min(self.first_pass_s, self.interval_s)
         while True:
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(delay)
+            delay = self.interval_s
             try:
                 await self.reconcile()
             except asyncio.CancelledError:
@@ -200,8 +215,6 @@ class DeviceInfoReconciler:
         if not wanted:
             return []
         listing = {r.name: owned(directory_of(r), r.name) for r in wanted}
-        if not any(listing.values()):
-            return []  # nothing written: no PodResources call at all
         held = await self._held()
         if held is None and not self._kubelet_unknown_logged:
             log.warning("device-info files: the kubelet's PodResources API is unavailable; "
@@ -212,8 +225,23 @@ class DeviceInfoReconciler:
         removed = []
         now = time.time()
         for resource in wanted:
-            served = {d.id for d in self._devices(resource.name)}
+            devices = {d.id: d for d in self._devices(resource.name)}
+            served = set(devices)
             directory = directory_of(resource)
+            for device_id in sorted(held or ()):
+                if device_id[0] != resource.name or device_id[1] in listing[resource.name]:
+                    continue
+                device = devices.get(device_id[1])
+                if device is None:
+                    continue
+                try:
+                    write(directory, resource.name, device.id, info_from_device(device))
+                except OSError as error:
+                    log.warning("resource %s: cannot restore the device-info file of %s: %s",
+                                resource.name, device.id, error)
+                    continue
+                log.info("resource %s: device-info file of %s restored (a container holds it)",
+                         resource.name, device.id)
             for device_id in stale(listing[resource.name], served, held, resource.name, now,
                                    self.grace_s):
                 if remove(directory, resource.name, device_id):

@@ -3,15 +3,17 @@ kubelet simulator (real gRPC, real PodResources) with the real host and the srio
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 
 from drivers.sriov.driver import SriovDriver
 from host import devinfo, nfd
+from host.app import HostApp
 from host.model import Device, ResourceConfig
 from host.testing.fake_qat import heartbeat_status, qat_pf
-from host.testing.harness import make_config, running_host
+from host.testing.harness import make_config
 from host.testing.kubelet import KubeletSimulator
 from host.testing.tree import FakeTree
 
@@ -117,6 +119,18 @@ def _node(root: str) -> FakeTree:
     return tree
 
 
+@contextlib.asynccontextmanager
+async def quiet_host(config):
+    """The real host, its device-info reconciler left to the test's explicit passes."""
+    app = HostApp(config, {"sriov": SriovDriver()}, events=None)
+    app.devinfo.first_pass_s = app.devinfo.interval_s = 3600.0
+    await app.start()
+    try:
+        yield app
+    finally:
+        await app.stop()
+
+
 def test_qat_vf_allocation_device_info_file_and_node_labels(short_dir, tmp_path, run) -> None:
     _node(str(tmp_path / "root"))
     info_dir = tmp_path / "devinfo" / "dp"
@@ -133,7 +147,7 @@ def test_qat_vf_allocation_device_info_file_and_node_labels(short_dir, tmp_path,
         sim = KubeletSimulator(short_dir, pod_resources_socket=pod_socket)
         await sim.start()
         try:
-            async with running_host(config, {"sriov": SriovDriver()}) as app:
+            async with quiet_host(config) as app:
                 await sim.wait_for(lambda k: CY in k.resources
                                    and k.resources[CY].allocatable == 3, what="3 QAT VFs")
                 labels = features.read_text()
@@ -175,10 +189,22 @@ def test_qat_vf_allocation_device_info_file_and_node_labels(short_dir, tmp_path,
                 await sim.wait_for(lambda k: k.resources[CY].allocatable == 0,
                                    what="VFs unhealthy")
                 assert f"{CY}.count=3\n" in features.read_text()
+                heartbeat_status(FakeTree(str(tmp_path / "root")), "0000:6b:00.0", "0")
+                await app.rescan()
+                await sim.wait_for(lambda k: k.resources[CY].allocatable == 3,
+                                   what="VFs healthy again")
+                held = await sim.allocate(CY, 1, pod="long-running")
             # Stopped: every file of ours is gone.
             assert not kept.exists()
             assert not features.exists()
             assert list(info_dir.iterdir()) == []
+            # A new host while the pod still holds its VF: its first pass writes the file back.
+            async with quiet_host(config) as app:
+                assert await app.devinfo.reconcile() == []
+                restored = info_dir / devinfo.file_name(CY, held.device_ids[0])
+                assert json.loads(restored.read_text())["pci"]["pci-address"] == \
+                    held.device_ids[0]
+                assert features.exists()
         finally:
             await sim.stop()
 
@@ -197,7 +223,7 @@ def test_reload_that_drops_device_info_removes_the_files(short_dir, tmp_path, ru
         sim = KubeletSimulator(short_dir)
         await sim.start()
         try:
-            async with running_host(config, {"sriov": SriovDriver()}) as app:
+            async with quiet_host(config) as app:
                 await sim.wait_for(lambda k: CY in k.resources
                                    and k.resources[CY].allocatable == 3, what="3 VFs")
                 await sim.allocate(CY, 2, pod="p")

@@ -345,13 +345,7 @@ class SriovDriver(Driver):
         if devinfo.enabled(resource):
             directory = devinfo.directory_of(resource)
             for device in devices:
-                attributes = device.attributes
-                rdma = attributes.get("rdma_device", "")
-                info = devinfo.pci_info(
-                    attributes.get("pci_address", device.id),
-                    attributes.get("pf_pci_address"),
-                    rdma if rdma and "," not in rdma else None,
-                )
+                info = devinfo.info_from_device(device)
                 try:
                     devinfo.write(directory, resource.name, device.id, info)
                 except OSError as error:
