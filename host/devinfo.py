@@ -228,10 +228,10 @@ class DeviceInfoReconciler:
             devices = {d.id: d for d in self._devices(resource.name)}
             served = set(devices)
             directory = directory_of(resource)
-            for device_id in sorted(held or ()):
-                if device_id[0] != resource.name or device_id[1] in listing[resource.name]:
+            for holder, held_id in sorted(held or ()):
+                if holder != resource.name or held_id in listing[resource.name]:
                     continue
-                device = devices.get(device_id[1])
+                device = devices.get(held_id)
                 if device is None:
                     continue
                 try:
