@@ -3,7 +3,9 @@
 Trees are generated once per run into a temporary directory (untimed): 2048 PCI GPU functions
 for the ``gpu`` driver (254 NVIDIA, the rest AMD and Intel, over 8 NUMA nodes and two PCI
 domains, every one healthy), and 16 SR-IOV PFs with 64 VFs each (1024 VFs, half on vfio-pci,
-half on iavf with netdevs) for the ``sriov`` driver.
+half on iavf with netdevs) for the ``sriov`` driver, and a QAT node for it too: 4 4xxx PFs
+with 64 VFs each (half on vfio-pci with device cdevs, half on 4xxxvf), served as three pools
+by service and VF driver (``discovery_ms_qat_256``).
 
 Figure: ``driver.discover(HostFS(root), resources)``, median of several warm runs (the page
 and dentry caches hot, as on a node rescanning). Floor: the file-system calls that discovery
