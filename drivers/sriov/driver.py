@@ -358,9 +358,9 @@ class SriovDriver(Driver):
 def extra_info(device: Device) -> Dict[str, Dict[str, str]]:
     """The per-VF map of ``PCIDEVICE_<RESOURCE>_INFO``, keyed like sriov-network-device-plugin's
     info providers: "generic" (deviceID), "vfio" (mount = the container node, dev-mount = the
-    group node) and "rdma" (its char devices and rdma_dev). For an iommufd resource "vfio"
-    names the device cdev as dev-mount and /dev/iommu as "iommufd" (no container node exists
-    there)."""
+    group node), "uio" (mount = its /dev/uioN) and "rdma" (its char devices and rdma_dev).
+    For an iommufd resource "vfio" names the device cdev as dev-mount and /dev/iommu as
+    "iommufd" (no container node exists there)."""
     out: Dict[str, Dict[str, str]] = {"generic": {"deviceID": device.id}}
     mode = device.attributes.get("vf_mode")
     paths = [node.container_path for node in device.device_nodes]
@@ -374,6 +374,9 @@ def extra_info(device: Device) -> Dict[str, Dict[str, str]]:
             elif path.startswith("/dev/vfio/"):
                 vfio["dev-mount"] = path
         out["vfio"] = vfio
+    elif mode == UIO:
+        uio = [p for p in paths if p.rsplit("/", 1)[-1].startswith("uio")]
+        out["uio"] = {"mount": uio[0]} if uio else {}
     rdma: Dict[str, str] = {}
     for path in paths:
         name = path.rsplit("/", 1)[-1]

@@ -294,3 +294,22 @@ def test_qat_node_discover_json_matches_the_golden_output(tmp_path) -> None:
         assert row["health"] == "Healthy"
     assert counts == {"qat.intel.com/cy": 64, "qat.intel.com/dc": 64,
                       "qat.intel.com/cy_kernel": 64}
+
+
+def test_uio_and_rdma_vfs_info_like_the_sriov_device_plugin(tree: FakeTree) -> None:
+    from host.testing.fake_net import rdma_cm, rdma_device
+
+    pf = sriov_pf(tree, "0000:98:00.0", vendor=0x15B3, device=0x101D, vf_device=0x101E,
+                  driver="mlx5_core", vf_driver="mlx5_core", numvfs=2, ifname="ens2f0np0",
+                  vf_ifname="ens2f0v{index}", vf_offset=2, vf_iommu_group=200)
+    rdma_device(tree, pf.vf_paths[0], "mlx5_2", link_layers=("Ethernet",), uverbs=2, umad=2)
+    rdma_cm(tree)
+    tree.bind_driver(pf.vf_paths[1], "igb_uio")
+    tree.attr(f"{pf.vf_paths[1]}/uio/uio3/name", "igb_uio")
+    tree.chardev("/dev/uio3", 240, 3)
+    out = _allocate(tree, pf.vf_addresses)
+    info = json.loads(out.envs["PCIDEVICE_QAT_INTEL_COM_CY_INFO"])
+    assert info[pf.vf_addresses[0]]["rdma"] == {
+        "uverbs": "/dev/infiniband/uverbs2", "umad": "/dev/infiniband/umad2",
+        "rdma_cm": "/dev/infiniband/rdma_cm", "rdma_dev": "mlx5_2"}
+    assert info[pf.vf_addresses[1]]["uio"] == {"mount": "/dev/uio3"}
