@@ -279,6 +279,12 @@ def test_unwritable_device_info_dir_fails_the_allocation(tree: FakeTree, tmp_pat
 
 # -- the captured QAT node -------------------------------------------------------------------------
 def test_qat_node_discover_json_matches_the_golden_output(tmp_path) -> None:
+    """The golden is ``discover --json`` of host/testing/machines/qat-node.tree (built by
+    tests/resources/gen_qat_node.py) with config/examples/qat-node.toml. After an intended
+    change of what discover prints, regenerate it: load the tree with
+    ``host.testing.tree.load_machine("qat-node", ROOT)``, then ``device-plugin-host discover
+    --host-root ROOT --config config/examples/qat-node.toml --json >
+    tests/golden/qat-node.discover.json``, and review the diff."""
     load_machine("qat-node", tmp_path / "root")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     result = subprocess.run(
