@@ -319,3 +319,17 @@ def test_uio_and_rdma_vfs_info_like_the_sriov_device_plugin(tree: FakeTree) -> N
         "uverbs": "/dev/infiniband/uverbs2", "umad": "/dev/infiniband/umad2",
         "rdma_cm": "/dev/infiniband/rdma_cm", "rdma_dev": "mlx5_2"}
     assert info[pf.vf_addresses[1]]["uio"] == {"mount": "/dev/uio3"}
+
+
+def test_gpu_vfs_for_vms_are_served_on_vfio(tree: FakeTree) -> None:
+    """An Intel Data Center GPU Flex 170 (8086:56c0, xe) with SR-IOV on: its VFs (same id)
+    bound to vfio-pci for VMs are vfio devices like any other."""
+    pf = sriov_pf(tree, "0000:4d:00.0", vendor=0x8086, device=0x56C0, vf_device=0x56C0,
+                  pci_class=0x038000, numvfs=4, driver="xe", vf_driver="xe", vfio=(0, 1),
+                  ifname=None, vf_ifname=None, vf_offset=1, vf_iommu_group=300)
+    devices = by_id(discover(tree, {"pf_kernel_driver": "xe", "kernel_driver": "vfio-pci"},
+                             name="gpu.intel.com/flex_vf"))
+    assert list(devices) == pf.vf_addresses[:2]
+    assert devices[pf.vf_addresses[0]].device_nodes[1] == DeviceNode("/dev/vfio/300")
+    kernel = by_id(discover(tree))[pf.vf_addresses[2]]
+    assert kernel.attributes["vf_mode"] == "kernel"  # on xe: the gpu driver's business
