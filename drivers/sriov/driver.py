@@ -329,7 +329,6 @@ class SriovDriver(Driver):
             )
         return out
 
-
     # -- allocation ------------------------------------------------------------------------
     def allocate(
         self, resource: ResourceConfig, devices: Sequence[Device], merged: ContainerAllocation
