@@ -165,6 +165,13 @@ def stale(files: Mapping[str, float], served: Set[str], held: Held, resource: st
     return out
 
 
+def _rewritten(directory: str, resource: str, device_id: str, mtime: float) -> bool:
+    try:
+        return os.stat(os.path.join(directory, file_name(resource, device_id))).st_mtime != mtime
+    except OSError:
+        return False
+
+
 class DeviceInfoReconciler:
     """Owns the removal side: one background task, started and stopped by the host."""
 
@@ -214,8 +221,10 @@ class DeviceInfoReconciler:
         wanted = self._wanted()
         if not wanted:
             return []
-        listing = {r.name: owned(directory_of(r), r.name) for r in wanted}
         held = await self._held()
+        # Listed after the kubelet answered: a file Allocate wrote since is younger than the
+        # grace, so the answer that predates it cannot condemn it.
+        listing = {r.name: owned(directory_of(r), r.name) for r in wanted}
         if held is None and not self._kubelet_unknown_logged:
             log.warning("device-info files: the kubelet's PodResources API is unavailable; "
                         "files of released devices stay until it answers")
@@ -244,6 +253,9 @@ class DeviceInfoReconciler:
                          resource.name, device.id)
             for device_id in stale(listing[resource.name], served, held, resource.name, now,
                                    self.grace_s):
+                if _rewritten(directory, resource.name, device_id,
+                              listing[resource.name][device_id]):
+                    continue  # an Allocate wrote it again meanwhile (off the loop)
                 if remove(directory, resource.name, device_id):
                     log.info("resource %s: device-info file of %s removed (%s)", resource.name,
                              device_id, "no longer served" if device_id not in served

@@ -265,3 +265,24 @@ def test_nfd_features_file_setting_is_validated() -> None:
         with pytest.raises(ConfigError) as error:
             parse_config(f"[host]\nnfd_features_file = {bad}\n", "f", drivers)
         assert error.value.key == "host.nfd_features_file"
+
+
+def test_a_file_allocate_rewrites_during_a_pass_is_kept(tmp_path, run) -> None:
+    """Allocate runs off the loop while a pass awaits the kubelet: the file it writes then
+    must not be judged by an answer that predates it (fails if the files are listed before
+    the kubelet answers)."""
+    directory = str(tmp_path)
+    path = devinfo.write(directory, CY, "0000:6b:00.1", devinfo.pci_info("0000:6b:00.1"))
+    os.utime(path, (1, 1))  # a file of a pod long gone
+    resource = ResourceConfig(CY, "sriov", settings={"device_info": True,
+                                                     "device_info_dir": directory})
+
+    async def held_while_allocate_writes() -> devinfo.Held:
+        devinfo.write(directory, CY, "0000:6b:00.1", devinfo.pci_info("0000:6b:00.1"))
+        return set()  # the kubelet's answer does not know the new pod yet
+
+    reconciler = devinfo.DeviceInfoReconciler(
+        lambda: [resource], lambda name: [Device(id="0000:6b:00.1")],
+        held_while_allocate_writes)
+    assert run(reconciler.reconcile()) == []
+    assert os.path.exists(path)
