@@ -187,7 +187,8 @@ class HostApp:
             resource = self.inventory.resources.get(name)
             if resource is not None:
                 self._sync(resource)
-        self.nfd.flush()
+        if changed:
+            self.nfd.schedule()
         self._arm_expiry()
         return changed
 
@@ -253,7 +254,7 @@ class HostApp:
         await self.rescan(rescan)
         for resource in config.resources:
             self._sync(resource)
-        self.nfd.flush()
+        self.nfd.schedule()
         self.devinfo.start()
         self._arm_health_checks()
 

@@ -24,6 +24,7 @@ that does not exist (a node without NFD gets no stray /etc/kubernetes tree).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -83,19 +84,28 @@ def resource_labels(resource: str, devices: Sequence[Device]) -> Dict[str, str]:
     return {f"{resource}.{field}": value for field, value in out.items() if value}
 
 
-def render(resources: Mapping[str, Sequence[Device]]) -> str:
+def resource_block(name: str, devices: Sequence[Device]) -> str:
+    """The lines of one resource; label names NFD would refuse are left out, logged."""
+    slash = "/" in name
+    block = []
+    for key, value in sorted(resource_labels(name, devices).items()):
+        label_name = key.partition("/")[2] if slash else key
+        if len(label_name) > 63 or not _NAME.match(label_name):
+            log.warning("NFD feature file: %s is not a valid label name; left out", key)
+            continue
+        block.append(f"{key}={value}\n")
+    return "".join(block)
+
+
+def render(resources: Mapping[str, Sequence[Device]],
+           blocks: Optional[Mapping[str, str]] = None) -> str:
+    """The whole file; ``blocks`` holds already rendered resources (only changed ones are
+    rendered again)."""
     lines = [HEADER]
     size = len(HEADER)
     for name in sorted(resources):
-        slash = "/" in name
-        block = []
-        for key, value in sorted(resource_labels(name, resources[name]).items()):
-            label_name = key.partition("/")[2] if slash else key
-            if len(label_name) > 63 or not _NAME.match(label_name):
-                log.warning("NFD feature file: %s is not a valid label name; left out", key)
-                continue
-            block.append(f"{key}={value}\n")
-        text = "".join(block)
+        text = blocks[name] if blocks is not None and name in blocks else \
+            resource_block(name, resources[name])
         if size + len(text) > MAX_BYTES:
             log.error("NFD feature file: the labels of %s and after would pass NFD's 64 kB "
                       "limit (it would ignore the whole file); left out", name)
@@ -108,24 +118,38 @@ def render(resources: Mapping[str, Sequence[Device]]) -> str:
 class FeatureFile:
     """The host's one feature file: ``update`` per resource, ``flush`` once per change."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, delay_s: float = 1.0) -> None:
         self.path = path
+        self.delay_s = delay_s
         self._devices: Dict[str, Sequence[Device]] = {}
+        self._blocks: Dict[str, str] = {}  # rendered resources; dropped when they change
         self._written: Optional[str] = None
         self._complained = False
+        self._timer: Optional[asyncio.TimerHandle] = None
 
     def update(self, resource: str, devices: Iterable[Device]) -> None:
+        """Cheap on purpose (it runs where the host pushes snapshots): labels are computed
+        at the next flush, and only for resources that changed."""
         self._devices[resource] = list(devices)
+        self._blocks.pop(resource, None)
 
     def forget(self, resource: str) -> None:
         self._devices.pop(resource, None)
+        self._blocks.pop(resource, None)
+
+    def schedule(self) -> None:
+        """Flush ``delay_s`` from now, coalescing the changes of a burst of rescans: labels
+        have no hurry (nfd-worker rereads the file once a minute), ListAndWatch pushes do."""
+        if self._timer is None and self.path:
+            self._timer = asyncio.get_running_loop().call_later(self.delay_s, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        self.flush()
 
     def flush(self) -> bool:
         """Write the file if its text changed; True when it was written."""
         if not self.path:
-            return False
-        text = render(self._devices)
-        if text == self._written:
             return False
         directory = os.path.dirname(self.path)
         if not os.path.isdir(directory):
@@ -133,6 +157,12 @@ class FeatureFile:
                 log.info("NFD feature file: %s does not exist (NFD not installed?); no node "
                          "labels are written", directory)
                 self._complained = True
+            return False
+        for name, devices in self._devices.items():
+            if name not in self._blocks:
+                self._blocks[name] = resource_block(name, devices)
+        text = render(self._devices, self._blocks)
+        if text == self._written:
             return False
         temporary = os.path.join(directory, f".{os.path.basename(self.path)}.{os.getpid()}.tmp")
         try:
@@ -156,6 +186,9 @@ class FeatureFile:
 
     def remove(self) -> None:
         """On stop: the labels go with the host (NFD drops them at its next pass)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._written is None:
             return
         try:

@@ -286,3 +286,38 @@ def test_a_file_allocate_rewrites_during_a_pass_is_kept(tmp_path, run) -> None:
         held_while_allocate_writes)
     assert run(reconciler.reconcile()) == []
     assert os.path.exists(path)
+
+
+def test_rescans_coalesce_into_one_deferred_write(tmp_path, run) -> None:
+    import asyncio
+
+    path = tmp_path / "features.d" / "device-plugin-host"
+    path.parent.mkdir()
+
+    class Watched(nfd.FeatureFile):
+        def __init__(self) -> None:
+            super().__init__(str(path), delay_s=0.01)
+            self.writes = 0
+            self.flushed = asyncio.Event()
+
+        def flush(self) -> bool:
+            wrote = super().flush()
+            self.writes += wrote
+            self.flushed.set()
+            return wrote
+
+    async def scenario() -> None:
+        feature = Watched()
+        for count in range(1, 6):  # a burst of five rescans
+            feature.update("example.com/x", [Device(id=str(i)) for i in range(count)])
+            feature.schedule()
+        assert not path.exists()  # nothing on the push path itself
+        await asyncio.wait_for(feature.flushed.wait(), 5)
+        assert feature.writes == 1
+        assert "example.com/x.count=5\n" in path.read_text()
+        feature.update("example.com/x", [Device(id="0")])
+        feature.schedule()
+        feature.remove()  # stop: the pending write is cancelled and the file goes
+        assert not path.exists()
+
+    run(scenario())
