@@ -3,7 +3,9 @@
 Trees are generated once per run into a temporary directory (untimed): 2048 PCI GPU functions
 for the ``gpu`` driver (254 NVIDIA, the rest AMD and Intel, over 8 NUMA nodes and two PCI
 domains, every one healthy), and 16 SR-IOV PFs with 64 VFs each (1024 VFs, half on vfio-pci,
-half on iavf with netdevs) for the ``sriov`` driver.
+half on iavf with netdevs) for the ``sriov`` driver, and a QAT node for it too: 4 4xxx PFs
+with 64 VFs each (half on vfio-pci with device cdevs, half on 4xxxvf), served as three pools
+by service and VF driver (``discovery_ms_qat_256``).
 
 Figure: ``driver.discover(HostFS(root), resources)``, median of several warm runs (the page
 and dentry caches hot, as on a node rescanning). Floor: the file-system calls that discovery
@@ -26,10 +28,10 @@ from drivers.sriov.driver import SriovDriver
 from host.driver import Driver
 from host.hostfs import HostFS
 from host.model import ResourceConfig
-from host.testing import fake_gpu, fake_net
+from host.testing import fake_gpu, fake_net, fake_qat
 from host.testing.tree import FakeTree
 
-KEYS = ("discovery_ms_2048", "discovery_ms_sriov_1024")
+KEYS = ("discovery_ms_2048", "discovery_ms_sriov_1024", "discovery_ms_qat_256")
 NUMA_NODES = 8
 NVIDIA_GPUS = 254  # every minor the NVIDIA driver can hand a GPU (0..253)
 SRIOV_PFS = 16
@@ -124,6 +126,21 @@ def build_sriov_tree(root: str, pfs: int = SRIOV_PFS, vfs: int = VFS_PER_PF) -> 
         )
 
 
+def build_qat_tree(root: str, pfs: int = 4, vfs: int = 64) -> None:
+    """A QAT node: ``pfs`` 4xxx endpoints (alternately sym;asym and dc, two per NUMA node),
+    each with ``vfs`` VFs, the first half on vfio-pci (with vfio device cdevs), the rest on
+    4xxxvf, debugfs heartbeats readable."""
+    tree = FakeTree(root)
+    tree.numa_nodes(2)
+    for k in range(pfs):
+        fake_qat.qat_pf(
+            tree, f"0000:{0x6b + 5 * k:02x}:00.0", numvfs=vfs, totalvfs=vfs,
+            services="sym;asym" if k % 2 == 0 else "dc", vfio=range(vfs // 2),
+            numa_node=k * 2 // pfs, iommu_group=k, vf_iommu_group=1000 + k * vfs,
+            cdev_base=k * (vfs // 2),
+        )
+
+
 # -- measurement -----------------------------------------------------------------------------
 def _measure_driver(ctx: Context, key: str, driver: Driver, resources: List[ResourceConfig],
                     root: str, expected: int) -> Figure:
@@ -182,6 +199,21 @@ def run(ctx: Context) -> List[Figure]:
             build_sriov_tree(root, pfs, vfs)
             figure = _measure_driver(ctx, "discovery_ms_sriov_1024", SriovDriver(), [
                 ResourceConfig("example.com/sriov_vf", "sriov", {"vendor": "0x8086"}),
+            ], root, pfs * vfs)
+            if ctx.tiny:
+                figure.notes.append(f"tiny run: {pfs * vfs} VFs")
+            figures.append(figure)
+        if ctx.wants("discovery_ms_qat_256"):
+            pfs, vfs = (4, 64) if not ctx.tiny else (2, 4)
+            root = os.path.join(work, "qat")
+            ctx.progress(f"generating a QAT node with {pfs * vfs} VFs")
+            build_qat_tree(root, pfs, vfs)
+            vfio = {"device": "0x4941", "kernel_driver": "vfio-pci"}
+            figure = _measure_driver(ctx, "discovery_ms_qat_256", SriovDriver(), [
+                ResourceConfig("qat.intel.com/cy", "sriov", {**vfio, "qat_services": "sym;asym"}),
+                ResourceConfig("qat.intel.com/dc", "sriov", {**vfio, "qat_services": "dc"}),
+                ResourceConfig("qat.intel.com/cy_kernel", "sriov",
+                               {"device": "0x4941", "kernel_driver": "4xxxvf"}),
             ], root, pfs * vfs)
             if ctx.tiny:
                 figure.notes.append(f"tiny run: {pfs * vfs} VFs")

@@ -14,6 +14,7 @@ import os
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Set, Union
 
+from host import devinfo
 from host.cdi import CdiWriter
 from host.config import Config
 from host.drain import read_drains
@@ -24,6 +25,8 @@ from host.inventory import Inventory
 from host.isolation import DriverCalls
 from host.metrics import HostMetrics
 from host.model import Device, ResourceConfig
+from host.nfd import FeatureFile
+from host.podresources import PodResourcesClient, PodResourcesError, assignments
 from host.registration import Endpoint, Registrar
 from host.service import DevicePluginService
 from host.snapshot import Snapshot
@@ -69,6 +72,12 @@ class HostApp:
         self.events: Optional[EventSource] = None
         self.scheduler = RescanScheduler(self._drivers_for_subsystem, self.request_rescan)
         self.metrics = HostMetrics(pod_resources_socket=config.host.pod_resources_socket)
+        # SR-IOV CNI device-info files: written at Allocate by the driver, removed here.
+        self.devinfo = devinfo.DeviceInfoReconciler(
+            lambda: self.config.resources, lambda name: self.inventory.devices.get(name, []),
+            self._held_devices)
+        self._pod_client: Optional[PodResourcesClient] = None
+        self.nfd = FeatureFile(config.host.nfd_features_file)
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -79,6 +88,8 @@ class HostApp:
         self.metrics.sync_drivers(self.inventory.status)
         for resource in self.config.resources:
             self._sync(resource)
+        self.nfd.flush()
+        self.devinfo.start()
         self._arm_safety_rescan()
         self._arm_health_checks()
         self._arm_expiry()
@@ -106,6 +117,10 @@ class HostApp:
             self._rescan_task.cancel()
         await self.registrar.close()
         self.cdi.remove_all()
+        await self.devinfo.stop()
+        if self._pod_client is not None:
+            await self._pod_client.close()
+        self.nfd.remove()
         self.calls.shutdown()
 
     # -- serving ---------------------------------------------------------------------------
@@ -136,6 +151,7 @@ class HostApp:
             self.services[resource.name] = service
             self.registrar.add(service)
             self.metrics.set_devices(resource.name, devices)
+            self.nfd.update(resource.name, devices)
             self.ready.clear()
             return
         self._write_cdi(resource, devices)  # before the kubelet can ask for a new device
@@ -143,6 +159,21 @@ class HostApp:
             log.info("resource %s: %d devices (%d healthy)", resource.name, len(devices),
                      sum(1 for d in devices if d.healthy))
         self.metrics.set_devices(resource.name, devices)
+        self.nfd.update(resource.name, devices)
+
+    async def _held_devices(self) -> devinfo.Held:
+        """(resource, device id) pairs some container holds, from the kubelet; None when the
+        PodResources API does not answer."""
+        if not self.config.host.pod_resources_socket:
+            return None
+        if self._pod_client is None:
+            self._pod_client = PodResourcesClient(self.config.host.pod_resources_socket)
+        try:
+            pods = await self._pod_client.list()
+        except PodResourcesError as error:
+            log.debug("device-info reconcile: %s", error)
+            return None
+        return {(a.resource, d) for a in assignments(pods) for d in a.devices}
 
     def _write_cdi(self, resource: ResourceConfig, devices: List[Device]) -> None:
         if resource.cdi:
@@ -156,6 +187,8 @@ class HostApp:
             resource = self.inventory.resources.get(name)
             if resource is not None:
                 self._sync(resource)
+        if changed:
+            self.nfd.schedule()
         self._arm_expiry()
         return changed
 
@@ -176,7 +209,7 @@ class HostApp:
         old = {r.name: r for r in self.config.resources}
         new = {r.name: r for r in config.resources}
         for field in ("plugin_dir", "host_root", "pod_resources_socket", "drain_file",
-                      "cdi_dir", "metrics_address"):
+                      "cdi_dir", "metrics_address", "nfd_features_file"):
             if getattr(config.host, field) != getattr(self.config.host, field):
                 log.warning("reload: [host] %s changed; it takes effect at the next restart",
                             field)
@@ -186,6 +219,9 @@ class HostApp:
             log.info("reload: resource %s removed; it stops serving", name)
             self.cdi.remove(name)
             self.metrics.remove_resource(name)
+            self.nfd.forget(name)
+            if devinfo.enabled(old[name]):
+                self.devinfo.remove_resource(old[name])
             await self.registrar.remove(name)
             self.snapshots.pop(name, None)
             self.services.pop(name, None)
@@ -213,9 +249,13 @@ class HostApp:
                 service.resource = resource
             if before.cdi and not resource.cdi:
                 self.cdi.remove(name)
+            if devinfo.enabled(before) and not devinfo.enabled(resource):
+                self.devinfo.remove_resource(before)
         await self.rescan(rescan)
         for resource in config.resources:
             self._sync(resource)
+        self.nfd.schedule()
+        self.devinfo.start()
         self._arm_health_checks()
 
     # -- periodic health and operator drains ---------------------------------------------------

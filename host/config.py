@@ -78,6 +78,8 @@ class HostSettings:
     drain_file: str = "/var/lib/device-plugin-host/drained"  # operator's Unhealthy marks
     cdi_dir: str = "/var/run/cdi"  # where CDI specs go for resources with cdi = true
     metrics_address: str = "127.0.0.1:9400"  # Prometheus endpoint; "" disables it
+    # Node labels through NFD's local source (host/nfd.py); "" disables the feature file.
+    nfd_features_file: str = "/etc/kubernetes/node-feature-discovery/features.d/device-plugin-host"
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,13 @@ def _check_host_value(file: str, key: str, field_name: str, value: object) -> ob
         return _check_path(file, key, field_name, value)
     if field_name in _HOST_ENUMS:
         return _check_enum(file, key, _HOST_ENUMS[field_name], value)
+    if field_name == "nfd_features_file" and value == "":
+        return value  # off
+    if field_name == "nfd_features_file":
+        path = _check_path(file, key, field_name, value)
+        if str(value).endswith("/"):
+            raise ConfigError(file, key, f"must name a file, got {_show(value)}")
+        return path
     if field_name == "metrics_address":
         if not isinstance(value, str):
             raise ConfigError(file, key, f"must be a string like \"127.0.0.1:9400\", got "

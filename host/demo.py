@@ -42,7 +42,8 @@ async def _demo(workdir: str) -> int:
     wanted = [r for r in demo_resources() if r.driver in registry.drivers]
     config = dataclasses.replace(config, resources=tuple(wanted), is_default=False)
     config = dataclasses.replace(config, host=dataclasses.replace(
-        config.host, drain_file=os.path.join(workdir, "state", "drained"), metrics_address=""))
+        config.host, drain_file=os.path.join(workdir, "state", "drained"), metrics_address="",
+        nfd_features_file=""))  # the demo's sample devices must never label a real node
     print(f"sample host tree: {root}")
     print(f"drivers loaded:   {', '.join(sorted(registry.drivers))}")
     for failure in registry.failures:

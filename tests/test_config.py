@@ -684,7 +684,11 @@ DOCUMENTED: Dict[str, Driver] = {
     d.name: d
     for d in (
         Documented("gpu", _PCI, {}),
-        Documented("sriov", (*_PCI, "pf_name", "vf_index", "link_type"), {}),
+        Documented(
+            "sriov",
+            (*_PCI, "pf_name", "vf_index", "link_type", "pf_kernel_driver", "qat_services"),
+            {"iommufd": (bool,), "device_info": (bool,), "device_info_dir": (str,)},
+        ),
         Documented(
             "usb",
             ("vendor", "product", "serial", "interface_class"),

@@ -12,33 +12,46 @@ an IOMMU group, and a VF bound to no driver (mid-rebind, unusable) are Unhealthy
 reason named. The PF's link state is carried (``pf_operstate``/``pf_carrier`` and on the
 inventory) but not yet used for health.
 
+Beyond NICs. Any PF's VFs are served: a VF on its own non-network driver (QAT's 4xxxvf, nvme)
+is mode "kernel" and brings its address only. A QAT PF's service (``qat/cfg_services``) is a
+selector, and a PF that is down or whose firmware heartbeat failed makes its VFs Unhealthy
+(drivers/sriov/qat.py). ``iommufd = true`` hands vfio VFs out as /dev/iommu plus their
+/dev/vfio/devices/vfioN instead of the container and group nodes. Allocate adds the SR-IOV
+device plugin's ``PCIDEVICE_<RESOURCE>_INFO`` and, with ``device_info = true``, writes the
+NPWG device-info files (host/devinfo.py, which also removes them).
+
 Defaults. None: an SR-IOV pool is a choice of PF, VF range and driver that only the operator
 can make, and a catch-all pool would hand out VFs another pool or the host itself uses.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from drivers.rdma.sysfs import CharIndex, scan_char_devices
+from drivers.sriov.qat import QatPf, parse_services, read_qat
 from drivers.sriov.selectors import index_ranges, parse_pf
 from drivers.sriov.sysfs import LINK_TYPES, VirtualFunction, list_virtual_functions
-from host.driver import Driver, SelectorError, selector_values
+from host import devinfo
+from host.driver import Driver, SelectorError, normalise_hex_ids, selector_values
 from host.health import link_problem
 from host.hostfs import HostFS
-from host.model import Device, DeviceNode, Health, ResourceConfig
-from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors, matches_pci
+from host.model import ContainerAllocation, Device, DeviceNode, Health, ResourceConfig
+from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors
 
 log = logging.getLogger(__name__)
 
 VFIO_CONTAINER = "/dev/vfio/vfio"
+IOMMUFD = "/dev/iommu"  # the iommufd misc device (drivers/iommu/iommufd/main.c)
 
 VFIO = "vfio"
 UIO = "uio"
 NETDEVICE = "netdevice"
+KERNEL = "kernel"  # bound to its own kernel driver but no network function: 4xxxvf, nvme
 UNBOUND = "unbound"
 
 
@@ -62,13 +75,29 @@ class VfRecord:
     nodes: Tuple[DeviceNode, ...]
     problem: str  # why it is unusable now; empty when it is
     has_verbs: bool  # an RDMA device with a usable verbs node
+    # iommufd: the VF's /dev/vfio/devices/vfioN (+ /dev/iommu) and why they are unusable;
+    # read only when a resource asks for iommufd.
+    cdev_nodes: Tuple[DeviceNode, ...] = ()
+    cdev_problem: str = ""
+    group_problems: Tuple[str, ...] = ()  # the part of ``problem`` about group nodes
 
-    def attributes(self) -> Dict[str, str]:
+    @property
+    def kind(self) -> str:
+        """The mode as the SR-IOV world names it: a VF on its own kernel driver is a
+        "netdevice" only when it is a network function (class 0x02) or has an interface;
+        a QAT VF on 4xxxvf or an NVMe VF on nvme is "kernel". By class too, since a VF's
+        netdev leaves the host's sysfs while it sits in a pod's network namespace."""
+        if self.mode == NETDEVICE and self.vf.netdev is None and \
+                self.vf.function.base_class != 0x02:
+            return KERNEL
+        return self.mode
+
+    def attributes(self, qat: Optional[QatPf] = None) -> Dict[str, str]:
         vf = self.vf
         out = vf.function.attributes()
         out["pf_pci_address"] = vf.pf.function.address
         out["vf_index"] = str(vf.index)
-        out["vf_mode"] = self.mode
+        out["vf_mode"] = self.kind
         if vf.pf.netdev:
             out["pf_name"] = vf.pf.netdev.name
             if vf.pf.netdev.operstate:
@@ -81,12 +110,21 @@ class VfRecord:
             out["link_type"] = vf.link_type
         if vf.rdma_devices:
             out["rdma_device"] = ",".join(vf.rdma_devices)
+        if vf.pf.function.kernel_driver:
+            out["pf_kernel_driver"] = vf.pf.function.kernel_driver
+        if qat is not None:
+            if qat.services:
+                out["qat_services"] = qat.services
+            if qat.state:
+                out["qat_state"] = qat.state
+            out["qat_heartbeat"] = qat.heartbeat
         return out
 
 
 @dataclass(frozen=True)
 class SriovInventory:
     vfs: Tuple[VfRecord, ...] = ()
+    qat: Mapping[str, QatPf] = field(default_factory=dict)  # per QAT PF address
 
 
 def _vfio(host: HostFS, vf: VirtualFunction) -> Tuple[List[DeviceNode], List[str]]:
@@ -175,6 +213,13 @@ class SriovDriver(Driver):
         "vf_index": (int, str),
         "link_type": (str,),
         "rdma": (bool,),
+        "pf_kernel_driver": (str,),
+        "qat_services": (str,),
+    }
+    setting_types = {
+        "iommufd": (bool,),
+        "device_info": (bool,),
+        "device_info_dir": (str,),
     }
 
     # -- configuration -----------------------------------------------------------------
@@ -198,21 +243,71 @@ class SriovDriver(Driver):
                 raise SelectorError(
                     "link_type", f"{value!r} is not a link type ({' or '.join(known)})"
                 )
+        for value in selector_values(selectors, "qat_services") or []:
+            try:
+                parse_services(str(value))
+            except ValueError as error:
+                raise SelectorError("qat_services", str(error)) from None
+
+    def check_settings(self, settings: Mapping[str, object]) -> None:
+        super().check_settings(settings)
+        directory = settings.get("device_info_dir")
+        if directory is not None and not str(directory).startswith("/"):
+            raise SelectorError("device_info_dir", f"must be an absolute path, got {directory!r}")
 
     # -- discovery ---------------------------------------------------------------------
+    def discover(
+        self, host: HostFS, resources: Sequence[ResourceConfig]
+    ) -> Mapping[str, Sequence[Device]]:
+        inventory = self._scan(host, iommufd=any(_iommufd(r) for r in resources))
+        return {resource.name: list(self.select(inventory, resource)) for resource in resources}
+
     def scan(self, host: HostFS) -> SriovInventory:
+        return self._scan(host, iommufd=False)
+
+    def _scan(self, host: HostFS, iommufd: bool) -> SriovInventory:
         vfs = list_virtual_functions(host, host.machine_numa_nodes())
         chars = scan_char_devices(host) if any(vf.rdma_devices for vf in vfs) else None
-        return SriovInventory(vfs=tuple(build_record(host, vf, chars) for vf in vfs))
+        seen: Dict[str, Optional[QatPf]] = {}  # per PF: read once, not once per VF
+        records = []
+        for vf in vfs:
+            record = build_record(host, vf, chars)
+            pf_address = vf.pf.function.address
+            if pf_address not in seen:
+                seen[pf_address] = read_qat(host, vf.pf.function)
+            if iommufd and record.mode == VFIO:
+                nodes, problems = _cdev(host, vf)
+                record = replace(record, cdev_nodes=tuple(nodes),
+                                 cdev_problem="; ".join(problems),
+                                 group_problems=tuple(_vfio(host, vf)[1]))
+            records.append(record)
+        qat = {address: facts for address, facts in seen.items() if facts is not None}
+        return SriovInventory(vfs=tuple(records), qat=qat)
 
     def select(self, inventory: SriovInventory, resource: ResourceConfig) -> Sequence[Device]:
         key = env_name(resource.name)
         want_rdma = resource.selectors.get("rdma")
+        iommufd = _iommufd(resource)
+        matches = _Matcher(resource.selectors)
+        qat_problems = {address: facts.problem(address) for address, facts in
+                        inventory.qat.items()}
         out = []
         for record in inventory.vfs:
-            if not _matches(record, resource.selectors):
+            pf_address = record.vf.pf.function.address
+            qat = inventory.qat.get(pf_address)
+            if not matches(record, qat):
                 continue
             problem = record.problem
+            pf_down = qat_problems.get(pf_address)
+            if pf_down:
+                problem = f"{problem}; {pf_down}" if problem else pf_down
+            nodes = record.nodes
+            if iommufd and record.mode == VFIO:
+                # The device's cdev replaces the legacy container and group nodes.
+                nodes = record.cdev_nodes
+                kept = [p for p in problem.split("; ") if p and p not in record.group_problems]
+                problem = "; ".join([*kept, *([record.cdev_problem] if record.cdev_problem
+                                              else [])])
             if want_rdma is True and record.mode == NETDEVICE and not record.has_verbs:
                 problem = problem or (
                     f"VF {record.vf.function.address} has RDMA device "
@@ -227,38 +322,159 @@ class SriovDriver(Driver):
                     health=Health.UNHEALTHY if problem else Health.HEALTHY,
                     health_reason=problem,
                     numa_nodes=record.vf.function.numa_nodes,
-                    device_nodes=record.nodes,
+                    device_nodes=nodes,
                     env={key: record.vf.function.address},
-                    attributes=record.attributes(),
+                    attributes=record.attributes(qat),
                 )
             )
         return out
+
+    # -- allocation ------------------------------------------------------------------------
+    def allocate(
+        self, resource: ResourceConfig, devices: Sequence[Device], merged: ContainerAllocation
+    ) -> ContainerAllocation:
+        """Add the SR-IOV device plugin's ``PCIDEVICE_<RESOURCE>_INFO`` (one JSON object over
+        all allocated VFs, which the host's ","-join of per-device env cannot build) and, with
+        ``device_info = true``, write the NPWG device-info file of each VF before the kubelet
+        can start the pod's CNI. A file that cannot be written fails the Allocate with the
+        path named: a pod whose network attachment would miss it must not start."""
+        envs = dict(merged.envs)
+        envs[env_name(resource.name) + "_INFO"] = json.dumps(
+            {d.id: extra_info(d) for d in devices}, separators=(",", ":"), sort_keys=True)
+        if devinfo.enabled(resource):
+            directory = devinfo.directory_of(resource)
+            for device in devices:
+                info = devinfo.info_from_device(device)
+                try:
+                    devinfo.write(directory, resource.name, device.id, info)
+                except OSError as error:
+                    raise RuntimeError(
+                        f"cannot write the device-info file of {device.id} in {directory}: "
+                        f"{error.strerror or error}") from None
+        return replace(merged, envs=envs)
+
+
+def extra_info(device: Device) -> Dict[str, Dict[str, str]]:
+    """The per-VF map of ``PCIDEVICE_<RESOURCE>_INFO``, keyed like sriov-network-device-plugin's
+    info providers: "generic" (deviceID), "vfio" (mount = the container node, dev-mount = the
+    group node), "uio" (mount = its /dev/uioN) and "rdma" (its char devices and rdma_dev).
+    For an iommufd resource "vfio" names the device cdev as dev-mount and /dev/iommu as
+    "iommufd" (no container node exists there)."""
+    out: Dict[str, Dict[str, str]] = {"generic": {"deviceID": device.id}}
+    mode = device.attributes.get("vf_mode")
+    paths = [node.container_path for node in device.device_nodes]
+    if mode == VFIO:
+        vfio: Dict[str, str] = {}
+        for path in paths:
+            if path == VFIO_CONTAINER:
+                vfio["mount"] = path
+            elif path == IOMMUFD:
+                vfio["iommufd"] = path
+            elif path.startswith("/dev/vfio/"):
+                vfio["dev-mount"] = path
+        out["vfio"] = vfio
+    elif mode == UIO:
+        uio = [p for p in paths if p.rsplit("/", 1)[-1].startswith("uio")]
+        out["uio"] = {"mount": uio[0]} if uio else {}
+    rdma: Dict[str, str] = {}
+    for path in paths:
+        name = path.rsplit("/", 1)[-1]
+        for kind in ("uverbs", "umad", "issm", "rdma_cm"):
+            if name.startswith(kind):
+                rdma[kind] = path
+    if rdma:
+        if device.attributes.get("rdma_device"):
+            rdma["rdma_dev"] = device.attributes["rdma_device"]
+        out["rdma"] = rdma
+    return out
+
+
+def _iommufd(resource: ResourceConfig) -> bool:
+    return resource.settings.get("iommufd") is True
+
+
+def _cdev(host: HostFS, vf: VirtualFunction) -> Tuple[List[DeviceNode], List[str]]:
+    """iommufd: the VF's vfio device cdev, found as ``<function>/vfio-dev/vfioN`` (the
+    "vfio-dev" class of drivers/vfio/vfio_main.c, parent = the PCI function; the node is
+    /dev/vfio/devices/vfioN, drivers/vfio/device_cdev.c), plus /dev/iommu. A kernel built
+    without CONFIG_VFIO_DEVICE_CDEV has no vfio-dev directory: the VF is Unhealthy with that
+    reason rather than handed out with a group node the container was not asked to use."""
+    address = vf.function.address
+    names = [n for n in host.listdir(f"{vf.function.path}/vfio-dev")
+             if n.startswith("vfio") and n[4:].isdigit()]
+    if not names:
+        return [], [f"VF {address} has no vfio-dev/vfioN (kernel without "
+                    "CONFIG_VFIO_DEVICE_CDEV?); iommufd needs the device cdev"]
+    nodes, problems = [], []
+    for path in (IOMMUFD, f"/dev/vfio/devices/{names[0]}"):
+        if host.exists(path):
+            nodes.append(DeviceNode(path))
+        else:
+            problems.append(f"VF {address}: device node {path} is missing")
+    return nodes, problems
 
 
 def _short(address: str) -> str:
     return address[5:] if address.startswith("0000:") else address
 
 
-def _matches(record: VfRecord, selectors: Mapping[str, object]) -> bool:
-    vf = record.vf
-    if not matches_pci(vf.function, selectors):
-        return False
-    pf_names = selector_values(selectors, "pf_name")
-    if pf_names is not None:
-        names = (vf.pf.netdev.name,) if vf.pf.netdev else ()
-        if not any(parse_pf(str(value)).matches(names, vf.index) for value in pf_names):
+class _Matcher:
+    """A resource's selectors parsed once per select, not once per VF (a QAT node has 256
+    VFs and three pools: parsing per VF was a fifth of discovery)."""
+
+    def __init__(self, selectors: Mapping[str, object]) -> None:
+        self.vendors = normalise_hex_ids(selector_values(selectors, "vendor"))
+        self.devices = normalise_hex_ids(selector_values(selectors, "device"))
+        self.drivers = selector_values(selectors, "kernel_driver")
+        addresses = selector_values(selectors, "pci_address")
+        self.addresses = None if addresses is None else {str(a) for a in addresses}
+        pf_names = selector_values(selectors, "pf_name")
+        self.pf_names = None if pf_names is None else [parse_pf(str(v)) for v in pf_names]
+        pf_addresses = selector_values(selectors, "pf_pci_address")
+        self.pf_addresses = (None if pf_addresses is None
+                             else [parse_pf(str(v)) for v in pf_addresses])
+        indexes = selector_values(selectors, "vf_index")
+        self.indexes = None if indexes is None else [index_ranges(v) for v in indexes]
+        link_types = selector_values(selectors, "link_type")
+        self.link_types = None if link_types is None else {str(v).lower() for v in link_types}
+        rdma = selectors.get("rdma")
+        self.rdma = None if rdma is None else bool(rdma)
+        self.pf_drivers = selector_values(selectors, "pf_kernel_driver")
+        services = selector_values(selectors, "qat_services")
+        self.services = None if services is None else [parse_services(str(v)) for v in services]
+
+    def __call__(self, record: VfRecord, qat: Optional[QatPf]) -> bool:
+        vf = record.vf
+        function = vf.function
+        if self.vendors is not None and function.vendor not in self.vendors:
             return False
-    pf_addresses = selector_values(selectors, "pf_pci_address")
-    if pf_addresses is not None:
-        address = vf.pf.function.address
-        names = (address, _short(address))
-        if not any(parse_pf(str(value)).matches(names, vf.index) for value in pf_addresses):
+        if self.devices is not None and function.device not in self.devices:
             return False
-    indexes = selector_values(selectors, "vf_index")
-    if indexes is not None and not any(vf.index in index_ranges(value) for value in indexes):
-        return False
-    link_types = selector_values(selectors, "link_type")
-    if link_types is not None and vf.link_type not in {str(v).lower() for v in link_types}:
-        return False
-    rdma = selectors.get("rdma")
-    return rdma is None or bool(vf.rdma_devices) == rdma
+        if self.drivers is not None and function.kernel_driver not in self.drivers:
+            return False
+        if self.addresses is not None and not (
+                function.address in self.addresses
+                or _short(function.address) in self.addresses):
+            return False
+        if self.pf_names is not None:
+            names: Tuple[str, ...] = (vf.pf.netdev.name,) if vf.pf.netdev else ()
+            if not any(pf.matches(names, vf.index) for pf in self.pf_names):
+                return False
+        if self.pf_addresses is not None:
+            address = vf.pf.function.address
+            names = (address, _short(address))
+            if not any(pf.matches(names, vf.index) for pf in self.pf_addresses):
+                return False
+        if self.indexes is not None and not any(vf.index in r for r in self.indexes):
+            return False
+        if self.link_types is not None and vf.link_type not in self.link_types:
+            return False
+        if self.rdma is not None and bool(vf.rdma_devices) != self.rdma:
+            return False
+        if self.pf_drivers is not None and vf.pf.function.kernel_driver not in self.pf_drivers:
+            return False
+        if self.services is not None:
+            have = qat.service_set if qat is not None else None
+            if have is None or have not in self.services:
+                return False
+        return True

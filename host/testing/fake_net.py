@@ -24,6 +24,7 @@ ARPHRD_INFINIBAND = 32
 UVERBS_MAJOR = 231
 VFIO_MAJOR = 243
 MISC_MAJOR = 10
+VFIO_CDEV_MAJOR = 511  # dynamic (alloc_chrdev_region "vfio-dev"); any free major
 
 
 def vf_address(pf_address: str, offset: int, stride: int, index: int) -> str:
@@ -80,6 +81,28 @@ class SriovPf:
 
     def vf_link(self, index: int) -> str:
         return f"{self.path}/virtfn{index}"
+
+
+def vfio_cdev(tree: FakeTree, function_path: str, index: int, *, dev_node: bool = True,
+              iommu_node: bool = True) -> str:
+    """The vfio device cdev of a vfio-bound function (CONFIG_VFIO_DEVICE_CDEV, 6.6+): class
+    "vfio-dev" device ``vfioN`` under the function (drivers/vfio/vfio_main.c: parent = the
+    function, /sys/class/vfio-dev/vfioN), its node /dev/vfio/devices/vfioN
+    (drivers/vfio/device_cdev.c devnode), and the iommufd misc node /dev/iommu. N is vfio's own
+    device index (an IDA over every vfio device, in bind order), not the IOMMU group. Returns
+    the /dev path of the cdev."""
+    base = f"{function_path}/vfio-dev/vfio{index}"
+    tree.attr(f"{base}/dev", f"{VFIO_CDEV_MAJOR}:{index}")
+    tree.attr(f"{base}/uevent",
+              f"MAJOR={VFIO_CDEV_MAJOR}\nMINOR={index}\nDEVNAME=vfio/devices/vfio{index}")
+    tree.link(f"{base}/device", function_path)
+    tree.link(f"/sys/class/vfio-dev/vfio{index}", base)
+    if iommu_node:
+        tree.chardev("/dev/iommu", MISC_MAJOR, 123)
+    node = f"/dev/vfio/devices/vfio{index}"
+    if dev_node:
+        tree.chardev(node, VFIO_CDEV_MAJOR, index)
+    return node
 
 
 def vfio_nodes(tree: FakeTree, group: int, minor: int = 0) -> str:

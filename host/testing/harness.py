@@ -22,6 +22,7 @@ def make_config(plugin_dir: str, resources: Sequence[ResourceConfig], **host: ob
     digest = hashlib.sha1(plugin_dir.encode()).hexdigest()[:12]
     host.setdefault("drain_file", os.path.join(tempfile.gettempdir(), f"dph-drain-{digest}",
                                                "drained"))
+    host.setdefault("nfd_features_file", "")  # never the node's real NFD directory
     settings = HostSettings(plugin_dir=plugin_dir, **host)  # type: ignore[arg-type]
     return Config(path=None, host=settings, resources=tuple(resources), is_default=False)
 
