@@ -12,7 +12,7 @@ import gc
 import logging
 import os
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Set, Union
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Set, Union
 
 from host import devinfo
 from host.cdi import CdiWriter
@@ -26,11 +26,13 @@ from host.isolation import DriverCalls
 from host.metrics import HostMetrics
 from host.model import Device, ResourceConfig
 from host.nfd import FeatureFile
-from host.podresources import PodResourcesClient, PodResourcesError, assignments
 from host.registration import Endpoint, Registrar
 from host.service import DevicePluginService
 from host.snapshot import Snapshot
 from host.watch import EventSource, RescanScheduler, UdevSource
+
+if TYPE_CHECKING:
+    from host.podresources import PodResourcesClient
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +168,8 @@ class HostApp:
         PodResources API does not answer."""
         if not self.config.host.pod_resources_socket:
             return None
+        from host.podresources import PodResourcesClient, PodResourcesError, assignments
+
         if self._pod_client is None:
             self._pod_client = PodResourcesClient(self.config.host.pod_resources_socket)
         try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import tempfile
 from typing import Dict, Optional, Tuple
 
 DrainKey = Tuple[str, str]  # (resource, device id)
@@ -47,6 +46,8 @@ def update_drains(path: str, key: DrainKey, reason: Optional[str]) -> Dict[Drain
             marks.pop(key, None)
         else:
             marks[key] = " ".join(reason.split()) or "drained by an operator"
+        import tempfile  # random, shutil and compressors: only when writing
+
         fd, temp = tempfile.mkstemp(dir=directory, prefix=".drain.", suffix=".tmp")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as out:
