@@ -25,6 +25,8 @@ if TYPE_CHECKING:  # prometheus_client (and its http/email/wsgiref imports) load
     from prometheus_client import Gauge
     from prometheus_client.core import Metric
 
+    from host.podresources import PodResourcesClient
+
 log = logging.getLogger(__name__)
 
 PREFIX = "device_plugin_host_"
@@ -114,8 +116,6 @@ class HostMetrics:
 
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-        from host.podresources import PodResourcesClient
-
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.devices = Gauge(PREFIX + "devices", "Devices advertised per resource and health",
@@ -151,8 +151,9 @@ class HostMetrics:
 
         self.resources: Set[str] = set()
         self.pod_rows: List[PodRow] = []
-        self._pods = (PodResourcesClient(pod_resources_socket, timeout_s=pod_list_timeout_s)
-                      if pod_resources_socket else None)
+        self._pods: Optional[PodResourcesClient] = None  # made at the first scrape
+        self._pods_socket = pod_resources_socket
+        self._pods_timeout_s = pod_list_timeout_s
         self._pods_at: Optional[float] = None
         self._pods_min_interval_s = pod_list_min_interval_s
         self._pods_lock: Optional[asyncio.Lock] = None
@@ -265,8 +266,12 @@ class HostMetrics:
     # -- pods ---------------------------------------------------------------------------------
     async def refresh_pods(self) -> None:
         """At most one PodResources List, shared by scrapes that arrive together."""
-        if self._pods is None:
+        if not self._pods_socket:
             return
+        if self._pods is None:
+            from host.podresources import PodResourcesClient
+
+            self._pods = PodResourcesClient(self._pods_socket, timeout_s=self._pods_timeout_s)
         if self._pods_lock is None:
             self._pods_lock = asyncio.Lock()
         async with self._pods_lock:
