@@ -160,6 +160,11 @@ class HostApp:
         if snapshot.update(devices):
             log.info("resource %s: %d devices (%d healthy)", resource.name, len(devices),
                      sum(1 for d in devices if d.healthy))
+        service = self.services.get(resource.name)
+        if service is not None and service.refresh_options():
+            self._register_again(service, "GetPreferredAllocation is "
+                                 + ("useful now" if service.options.
+                                    get_preferred_allocation_available else "no longer useful"))
         self.metrics.set_devices(resource.name, devices)
         self.nfd.update(resource.name, devices)
 
@@ -368,8 +373,23 @@ class HostApp:
                 delay + 0.01, self.request_rescan, []
             )
 
+    def _register_again(self, service: DevicePluginService, why: str) -> None:
+        """New options reach the kubelet only through a new registration (it reads them in
+        GetDevicePluginOptions inside Register): the endpoint serves a fresh server and
+        registers again, as after a dropped stream."""
+        endpoint = self.registrar.endpoints.get(service.resource.name)
+        if endpoint is None:
+            return
+        log.info("resource %s: %s; registering again with the new options",
+                 service.resource.name, why)
+        service.served_options = None
+        endpoint.registered_with = None
+        endpoint.poke()
+
     # -- readiness -----------------------------------------------------------------------
     def _endpoint_registered(self, endpoint: Endpoint) -> None:
+        if endpoint.service.options_stale():
+            self._register_again(endpoint.service, "the options changed during Register")
         self.metrics.registered(endpoint.name)
         self.metrics.kubelet_restarts_seen(self.registrar.link.restarts_seen)
         self._check_ready()
