@@ -64,7 +64,7 @@ def parse_address(address: str) -> Optional[Tuple[Optional[str], int]]:
             raise ValueError(f"{address!r}: expected host:port, [ipv6]:port or :port")
         if ":" in host:
             raise ValueError(f"{address!r}: put an IPv6 address in brackets: [addr]:port")
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ValueError(f"{address!r}: port must be a number from 0 to 65535")
     return (host or None), int(port)
 

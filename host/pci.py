@@ -75,7 +75,9 @@ def read_function(
         local_cpulist=host.read(f"{path}/local_cpulist") or None,
         iommu_group=host.link_name(f"{path}/iommu_group"),
         # ``enable`` is a reference count (it can read 2), not a flag.
-        enabled=None if enable is None or not enable.isdigit() else int(enable) > 0,
+        # isdigit() alone accepts digits int() refuses, such as a superscript one.
+        enabled=None if enable is None or not (enable.isascii() and enable.isdigit())
+        else int(enable) > 0,
     )
 
 
