@@ -70,6 +70,21 @@ def dev_node_path(host: HostFS, sysfs_path: str, name: str, default_dir: str = "
     return default
 
 
+def parent_device(host: HostFS, device_path: str) -> Optional[str]:
+    """The canonical path of a class device's parent (its ``device`` link), None when it has
+    none (a virtual device). The kernel's link is relative and points into /sys/devices, so
+    one readlink and one stat answer it; anything else falls back to a full resolve."""
+    link = f"{device_path}/device"
+    target = host.readlink(link)
+    if target is None:
+        return None
+    if not target.startswith("/"):
+        candidate = posixpath.normpath(posixpath.join(device_path, target))
+        if candidate.startswith("/sys/devices/") and host.is_dir(candidate):
+            return candidate
+    return host.resolve(link)
+
+
 class CharIndex:
     """Every char device of the host, by owning PCI function; built once per scan."""
 

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from host.chardev import dev_node_path
+from host.chardev import dev_node_path, parent_device
 from host.hostfs import HostFS, is_pci_address
 from host.pci import PciFunction, read_function
 
@@ -76,7 +76,7 @@ def _read_minor(
     if path is None:
         log.warning("accel: /sys/class/accel/%s is dangling; skipped", name)
         return None
-    parent = host.resolve(f"{path}/device")
+    parent = parent_device(host, path)
     if parent is None:
         log.warning("accel: %s has no parent device (%s/device); skipped", name, path)
         return None

@@ -45,8 +45,7 @@ UNITS = ("device", "core")
 @dataclass(frozen=True)
 class NeuronEntry:
     neuron: NeuronDevice
-    device: Device  # the whole device
-    cores: Tuple[Device, ...]
+    device: Device  # the whole device; its cores are derived only for unit = "core"
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ class NeuronDriver(Driver):
             if neuron.pci is not None:
                 numa, source = neuron.pci.numa_nodes, f"PCI function {neuron.pci.address}"
             device = _device(host, neuron, numa, source)
-            entries.append(NeuronEntry(neuron, device, _cores(neuron, device)))
+            entries.append(NeuronEntry(neuron, device))
         return NeuronInventory(tuple(entries))
 
     def select(self, inventory: NeuronInventory, resource: ResourceConfig) -> List[Device]:
@@ -95,7 +94,7 @@ class NeuronDriver(Driver):
         out: List[Device] = []
         for entry in inventory.entries:
             if _matches(entry.neuron, resource.selectors):
-                out.extend(entry.cores if cores else (entry.device,))
+                out.extend(_cores(entry.neuron, entry.device) if cores else (entry.device,))
         return out
 
 

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from host.chardev import dev_node_path
+from host.chardev import dev_node_path, parent_device
 from host.hostfs import HostFS, is_pci_address
 from host.pci import PciFunction, list_functions, read_function
 
@@ -79,7 +79,7 @@ def _read_device(
         log.warning("neuron: %s/%s is dangling; skipped", NEURON_CLASS, name)
         return None
     pci = None
-    parent = host.resolve(f"{path}/device")  # absent in every driver version we know
+    parent = parent_device(host, path)  # absent in every driver version we know
     if parent is not None and is_pci_address(posixpath.basename(parent)):
         pci = read_function(host, posixpath.basename(parent), valid_numa)
     info = f"{path}/info/architecture"
