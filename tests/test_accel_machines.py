@@ -58,3 +58,31 @@ def test_the_goldens_show_what_each_machine_is_about():
     assert [n["host_path"] for n in hailo["device_nodes"]] == ["/dev/hailo0"]
     (npu,) = [r for r in rows["npu-laptop"] if r["driver"] == "accel"]
     assert npu["resource"] == "npu.intel.com/accel" and npu["numa_nodes"] == []
+
+
+@pytest.mark.parametrize("name", sorted(gen.BUILDERS))
+def test_each_machine_survives_a_capture(name, tmp_path):
+    """``device-plugin-host capture`` keeps what the accel, neuron and pci drivers read
+    (the accel and neuron_device classes, /sys/dev/char, their attributes and /dev nodes):
+    discover on the recaptured tree gives the golden devices back."""
+    from host.testing.tree import FakeTree, capture_tree
+
+    _, example = gen.BUILDERS[name]
+    original = load_machine(name, tmp_path / "original")
+    lines = list(capture_tree(original.root, [
+        "/dev/accel/*", "/dev/neuron*", "/dev/hailo*", "/dev/dri/*", "/dev/dri/by-path/*"]))
+    FakeTree(tmp_path / "recaptured").load("\n".join(lines))
+    result = subprocess.run(
+        [sys.executable, "-m", "host", "discover", "--host-root", str(tmp_path / "recaptured"),
+         "--config", str(REPO / "config" / "examples" / f"{example}.toml"), "--json"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert result.returncode == 0, result.stderr
+    golden = json.loads((MACHINES / f"{name}.json").read_text(encoding="utf-8"))
+
+    def essentials(rows):
+        return [(r["resource"], r["id"], r["health"], r["numa_nodes"],
+                 [n["host_path"] for n in r["device_nodes"]], r["env"]) for r in rows]
+
+    assert essentials(json.loads(result.stdout)) == essentials(golden)
