@@ -10,12 +10,14 @@
   ``status`` (habanalabs_drv.c's strings: "operational", "in reset", "disabled",
   "needs reset", ...), ``device_type`` ("GAUDI2"), ``serial_number``, ``module_id``. PCI ids
   from habanalabs' pci_ids: vendor 0x1da3, Gaudi 0x1000, Gaudi2 0x1020; class 0x1200.
-* Intel NPU (drivers/accel/ivpu/ivpu_drv.c ids): 8086:7d1d Meteor Lake, 8086:643e Lunar
-  Lake, a root-complex function at 00:0b.0 of class 0x1200 bound to intel_vpu.
+* Intel NPU (drivers/accel/ivpu/ivpu_drv.h ids): 8086:7d1d Meteor Lake (also 7d20 Arrow
+  Lake, 7750 Lunar Lake, 7d2a Panther Lake), a root-complex function at 00:0b.0 bound to
+  intel_vpu; class 0x1200 as lspci shows it (the driver matches by id only).
 * AMD XDNA (drivers/accel/amdxdna/amdxdna_pci_drv.c ids): 1022:1502 Phoenix, 1022:17f0
-  Strix; lspci calls it a "Signal processing controller", class 0x1180.
-* Qualcomm Cloud AI 100 (drivers/accel/qaic/qaic_drv.c): 17cb:a100, class 0x1200, one
-  accel minor per PCI function (an Ultra card is four functions behind a PCIe switch).
+  Strix; class 0x1180, PCI_CLASS_SP_OTHER ("Signal processing"), which amdxdna's
+  out-of-tree predecessor matched on.
+* Qualcomm Cloud AI 100 (drivers/accel/qaic/qaic_drv.c): 17cb:a100 (PCI_DEV_AIC100), one
+  accel minor per PCI function; the class is a stand-in (qaic matches by id only).
 """
 
 from __future__ import annotations
