@@ -59,7 +59,7 @@ def test_gaudi_allocation_carries_accel_and_control_nodes_and_a_bad_status_turns
 
 
 def test_neuron_allocation_carries_its_dev_neuron_nodes(tmp_path, short_dir, run):
-    load_machine("trainium-node", tmp_path / "root")
+    tree = load_machine("trainium-node", tmp_path / "root")
     registry = load_drivers()
     config = default_config(registry.drivers).with_overrides(
         plugin_dir=short_dir, host_root=str(tmp_path / "root"))
@@ -78,6 +78,25 @@ def test_neuron_allocation_carries_its_dev_neuron_nodes(tmp_path, short_dir, run
                 visible = result.response.envs["AWS_NEURON_VISIBLE_DEVICES"].split(",")
                 assert sorted(int(v) for v in visible) == sorted(indexes)
                 assert not result.numa_nodes  # the tree proves none
+
+                # GetPreferredAllocation keeps a 4-device pod on devices wired to each other.
+                links = {}
+                for i in range(16):
+                    with open(tree.real(f"/sys/class/neuron_device/neuron{i}/connected_devices"),
+                              encoding="utf-8") as handle:
+                        peers = handle.read().split(",")
+                    links[f"neuron{i}"] = {f"neuron{p.strip()}" for p in peers}
+                second = await sim.allocate(NEURON, 4, pod="train-b")
+                assert second.preferred is not None and set(second.preferred) == set(
+                    second.device_ids)
+                picked = list(second.device_ids)
+                seen, stack = {picked[0]}, [picked[0]]
+                while stack:
+                    for other in links[stack.pop()] & set(picked):
+                        if other not in seen:
+                            seen.add(other)
+                            stack.append(other)
+                assert seen == set(picked), (picked, "not connected over device links")
         finally:
             await sim.stop()
 

@@ -18,6 +18,8 @@ topology is claimed that the tree does not prove:
   nothing.
 * A container gets /dev/neuronN and AWS_NEURON_VISIBLE_DEVICES=<N> (what AWS's device plugin
   sets and the Neuron OCI hook reads); several devices are joined with ",".
+* GetPreferredAllocation prefers devices wired to each other (``connected_devices``, the
+  firmware's torus/ring) so collectives stay on device links (drivers/neuron/topology.py).
 * ``settings.unit = "core"`` advertises each NeuronCore instead (``neuron<N>-core<K>``), with
   NEURON_RT_VISIBLE_CORES=<N * core_count + K>, the runtime's global core numbering, and the
   device's node (shared by the containers holding its cores, as AWS's neuroncore resource does).
@@ -27,12 +29,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from drivers.neuron.sysfs import NeuronDevice, NeuronScan, scan
+from drivers.neuron.topology import connected_preferred, cores_preferred
 from host.driver import Driver, SelectorError, selector_values
 from host.hostfs import HostFS
-from host.model import Device, DeviceNode, Health, ResourceConfig
+from host.model import Device, DeviceNode, Health, PreferredRequest, ResourceConfig
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +99,22 @@ class NeuronDriver(Driver):
             if _matches(entry.neuron, resource.selectors):
                 out.extend(_cores(entry.neuron, entry.device) if cores else (entry.device,))
         return out
+
+
+    def preferred(
+        self, resource: ResourceConfig, request: PreferredRequest
+    ) -> Optional[Sequence[str]]:
+        """Linked devices (connected_devices) for whole devices, cores packed onto few devices
+        for unit = "core"; None (the host's NUMA-compact policy) with replicas, whose ids are
+        the host's, or when no connected set of the size is available."""
+        if resource.replicas > 1:
+            return None
+        healthy = [d for d in request.available if d.healthy]
+        if resource.settings.get("unit") == "core":
+            return cores_preferred(healthy, request.must_include, request.size)
+        must = list(request.must_include)
+        pool = healthy + [d for d in must if not d.healthy]
+        return connected_preferred(pool, must, request.size)
 
 
 def _matches(neuron: NeuronDevice, selectors: Mapping[str, object]) -> bool:

@@ -142,3 +142,66 @@ def test_bad_selectors_are_rejected(selectors, key):
 def test_bad_settings_are_rejected(settings):
     with pytest.raises(SelectorError):
         NeuronDriver().check_settings(settings)
+
+
+# -- preferred allocation over the device links -------------------------------------------------
+def _request(found: Dict[str, Device], available, must=(), size=1):
+    from host.model import PreferredRequest
+
+    return PreferredRequest(available=[found[i] for i in available],
+                            must_include=[found[i] for i in must], size=size)
+
+
+def _linked(found: Dict[str, Device], ids) -> bool:
+    links = {d.id: {f"neuron{p.strip()}" for p in d.attributes["connected_devices"].split(",")}
+             for d in found.values()}
+    members = set(ids)
+    seen, stack = {ids[0]}, [ids[0]]
+    while stack:
+        for other in links[stack.pop()] & members:
+            if other not in seen:
+                seen.add(other)
+                stack.append(other)
+    return seen == members
+
+
+@pytest.mark.parametrize("size", [2, 4, 8, 16])
+def test_preferred_sets_are_connected_over_the_torus(tree, size):
+    fn.trn1_node(tree)
+    found = devices(tree)
+    picked = NeuronDriver().preferred(NEURON, _request(found, list(found), size=size))
+    assert picked is not None and len(picked) == size == len(set(picked))
+    assert _linked(found, list(picked))
+
+
+def test_preferred_grows_from_the_must_include_device_and_skips_taken_ones(tree):
+    fn.trn1_node(tree)
+    found = devices(tree)
+    available = [i for i in found if i not in ("neuron1", "neuron4")]  # held by another pod
+    picked = NeuronDriver().preferred(NEURON, _request(found, available, ["neuron5"], 3))
+    assert picked is not None and picked[0] == "neuron5" and len(picked) == 3
+    assert not {"neuron1", "neuron4"} & set(picked)
+    assert _linked(found, list(picked))
+
+
+def test_no_connected_set_leaves_the_choice_to_the_host(tree):
+    fn.trn1_node(tree)
+    found = devices(tree)
+    # neuron0 and neuron10 are not neighbours, and nothing else is available.
+    request = _request(found, ["neuron0", "neuron10"], size=2)
+    assert NeuronDriver().preferred(NEURON, request) is None
+    assert NeuronDriver().preferred(
+        ResourceConfig("aws.amazon.com/neuron", "neuron", {}, replicas=2), request) is None
+
+
+def test_cores_are_packed_onto_few_devices(tree):
+    tree.numa_nodes(1)
+    for index in range(3):
+        fn.add_neuron_function(tree, f"0000:{0x10 + index:02x}:1e.0")
+        fn.add_neuron_device(tree, index, core_count=4)
+    found = devices(tree, CORES)
+    available = [i for i in found if i not in ("neuron0-core0", "neuron0-core1")]
+    picked = NeuronDriver().preferred(CORES, _request(found, available, size=4))
+    assert picked == [f"neuron1-core{k}" for k in range(4)]  # a whole device, not 0's leftovers
+    picked = NeuronDriver().preferred(CORES, _request(found, available, ["neuron0-core2"], 2))
+    assert picked == ["neuron0-core2", "neuron0-core3"]
