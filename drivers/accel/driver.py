@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 HABANA_DRIVER = "habanalabs"
 HABANA_ENV = "HABANA_VISIBLE_DEVICES"
 OPERATIONAL = "operational"
+HABANA_HEALTH_INTERVAL_S = 30.0
 
 #: kernel driver -> default resource name, and where the name comes from.
 VENDOR_DEFAULTS: Mapping[str, Tuple[str, str]] = {
@@ -90,8 +91,13 @@ class AccelDriver(Driver):
             raise SelectorError("index_env", f"{name!r} is not an environment variable name")
 
     def default_resources(self) -> Sequence[ResourceConfig]:
+        """The vendors' names. habanalabs changes ``status`` without a uevent, so the Gaudi
+        resource is looked at every HABANA_HEALTH_INTERVAL_S as well."""
         return tuple(
-            ResourceConfig(name, self.name, {"kernel_driver": driver}, register_when_empty=False)
+            ResourceConfig(
+                name, self.name, {"kernel_driver": driver}, register_when_empty=False,
+                health_interval_s=HABANA_HEALTH_INTERVAL_S if driver == HABANA_DRIVER else 0.0,
+            )
             for driver, (name, _) in VENDOR_DEFAULTS.items()
         )
 

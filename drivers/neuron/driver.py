@@ -43,6 +43,7 @@ DEVICES_ENV = "AWS_NEURON_VISIBLE_DEVICES"
 CORES_ENV = "NEURON_RT_VISIBLE_CORES"
 STATES: Mapping[str, str] = {"0": "in reset", "1": "", "2": "invalid (reset failed)"}
 UNITS = ("device", "core")
+HEALTH_INTERVAL_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,9 @@ class NeuronDriver(Driver):
         # AWS's k8s-neuron-device-plugin (aws-neuron-sdk src/k8/) advertises
         # aws.amazon.com/neuron for whole devices. Its neuroncore resource counts the same
         # silicon again, so cores are served only where config asks (unit = "core").
-        return (ResourceConfig("aws.amazon.com/neuron", self.name, {}, register_when_empty=False),)
+        # The device state (reset attribute) changes without a uevent: look every 30 s.
+        return (ResourceConfig("aws.amazon.com/neuron", self.name, {}, register_when_empty=False,
+                               health_interval_s=HEALTH_INTERVAL_S),)
 
     def scan(self, host: HostFS) -> NeuronInventory:
         found = scan(host)

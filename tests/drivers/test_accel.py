@@ -103,7 +103,9 @@ def test_intel_npu_laptop_has_no_topology_and_no_env(tree):
 
 
 def test_defaults_name_the_vendor_plugins_resources_and_leave_xdna_to_config(tree):
-    names = {r.name: dict(r.selectors) for r in AccelDriver().default_resources()}
+    defaults = AccelDriver().default_resources()
+    assert {r.name: r.health_interval_s for r in defaults}["habana.ai/gaudi"] == 30
+    names = {r.name: dict(r.selectors) for r in defaults}
     assert names == {
         "habana.ai/gaudi": {"kernel_driver": "habanalabs"},
         "npu.intel.com/accel": {"kernel_driver": "intel_vpu"},
