@@ -103,7 +103,6 @@ class NeuronDriver(Driver):
                 out.extend(_cores(entry.neuron, entry.device) if cores else (entry.device,))
         return out
 
-
     def preferred(
         self, resource: ResourceConfig, request: PreferredRequest
     ) -> Optional[Sequence[str]]:
