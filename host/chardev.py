@@ -32,7 +32,11 @@ class CharDevice:
     numbers: str  # "261:0", as named in /sys/dev/char
     path: str  # canonical /sys/devices/... host path of the class device
     name: str  # hailo0
-    subsystem: Optional[str]  # the class: hailo_chardev, accel, video4linux
+
+    def subsystem(self, host: HostFS) -> Optional[str]:
+        """The device's class (hailo_chardev, accel, video4linux): the last component of its
+        ``subsystem`` link. Read on demand: most of a host's char devices are never asked."""
+        return host.link_name(f"{self.path}/subsystem")
 
     @property
     def pci_parent(self) -> Optional[str]:
@@ -124,12 +128,7 @@ def _read_entry(host: HostFS, numbers: str) -> Optional[CharDevice]:
             path = None
     if path is None or not path.startswith("/sys/devices/"):
         return None
-    return CharDevice(
-        numbers=numbers,
-        path=path,
-        name=posixpath.basename(path),
-        subsystem=host.link_name(f"{path}/subsystem"),
-    )
+    return CharDevice(numbers=numbers, path=path, name=posixpath.basename(path))
 
 
 def _natural(name: str) -> Tuple[str, int]:

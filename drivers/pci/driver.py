@@ -22,7 +22,7 @@ without code. Rules:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 from host.chardev import CharDevice, CharIndex, dev_node_path
@@ -49,18 +49,38 @@ VFIO_CONTAINER = "/dev/vfio/vfio"
 class CharNode:
     device: CharDevice
     dev_node: str
+    subsystem: Optional[str]
+    present: bool
 
 
-@dataclass(frozen=True)
-class PciEntry:
-    function: PciFunction
-    nodes: Tuple[CharNode, ...]
-
-
-@dataclass(frozen=True)
+@dataclass
 class PciInventory:
-    entries: Tuple[PciEntry, ...]
-    exists: Mapping[str, bool]  # /dev path -> present, read once per scan
+    """One scan: every function and the char index. The nodes of a function (DEVNAME, class,
+    presence in /dev) are read only once a resource selects it, and kept for the scan: most
+    of a host's char devices (ttys, NVMe, USB) belong to functions no resource names."""
+
+    host: HostFS
+    functions: Tuple[PciFunction, ...]
+    index: CharIndex
+    _nodes: Dict[str, Tuple[CharNode, ...]] = field(default_factory=dict)
+    _exists: Dict[str, bool] = field(default_factory=dict)
+
+    def nodes(self, function: PciFunction) -> Tuple[CharNode, ...]:
+        cached = self._nodes.get(function.address)
+        if cached is None:
+            cached = tuple(
+                CharNode(char, node, char.subsystem(self.host), self.exists(node))
+                for char in self.index.of_function(function.address)
+                for node in (dev_node_path(self.host, char.path, char.name),)
+            )
+            self._nodes[function.address] = cached
+        return cached
+
+    def exists(self, path: str) -> bool:
+        known = self._exists.get(path)
+        if known is None:
+            known = self._exists[path] = self.host.exists(path)
+        return known
 
 
 class PciDriver(Driver):
@@ -91,23 +111,7 @@ class PciDriver(Driver):
             raise SelectorError("char_classes", 'a non-empty list of class names ("hailo_chardev")')
 
     def scan(self, host: HostFS) -> PciInventory:
-        index = CharIndex.read(host)
-        entries = []
-        exists: Dict[str, bool] = {}
-        for function in list_functions(host):
-            nodes = []
-            for char in index.of_function(function.address):
-                node = dev_node_path(host, char.path, char.name)
-                exists[node] = host.exists(node)
-                nodes.append(CharNode(char, node))
-            entries.append(PciEntry(function, tuple(nodes)))
-        for path in (VFIO_CONTAINER,):
-            exists[path] = host.exists(path)
-        for entry in entries:
-            group = entry.function.iommu_group
-            if group is not None and _is_passthrough(entry.function):
-                exists[f"/dev/vfio/{group}"] = host.exists(f"/dev/vfio/{group}")
-        return PciInventory(tuple(entries), exists)
+        return PciInventory(host, tuple(list_functions(host)), CharIndex.read(host))
 
     def select(self, inventory: PciInventory, resource: ResourceConfig) -> List[Device]:
         selectors = resource.selectors
@@ -118,13 +122,12 @@ class PciDriver(Driver):
         classes = resource.settings.get("char_classes")
         wanted = frozenset(str(c) for c in classes) if isinstance(classes, list) else None
         out = []
-        for entry in inventory.entries:
-            fn = entry.function
+        for fn in inventory.functions:
             if _is_passthrough(fn) and fn.kernel_driver not in named_drivers:
                 continue
             if not matches_pci(fn, selectors) or not class_matches(fn.pci_class, patterns):
                 continue
-            out.append(_device(inventory, entry, wanted))
+            out.append(_device(inventory, fn, wanted))
         return out
 
 
@@ -134,9 +137,8 @@ def _is_passthrough(fn: PciFunction) -> bool:
 
 
 def _device(
-    inventory: PciInventory, entry: PciEntry, wanted: Optional[FrozenSet[str]]
+    inventory: PciInventory, fn: PciFunction, wanted: Optional[FrozenSet[str]]
 ) -> Device:
-    fn = entry.function
     problems: List[str] = []
     attributes = fn.attributes()
     if _is_passthrough(fn):
@@ -147,7 +149,7 @@ def _device(
             paths.append(f"/dev/vfio/{fn.iommu_group}")
         attributes["passthrough"] = "true"
     else:
-        chosen = [n for n in entry.nodes if wanted is None or n.device.subsystem in wanted]
+        chosen = [n for n in inventory.nodes(fn) if wanted is None or n.subsystem in wanted]
         paths = [n.dev_node for n in chosen]
         if fn.kernel_driver is None:
             problems.append("no kernel driver bound")
@@ -158,9 +160,9 @@ def _device(
             problems.append("PCI function disabled (enable = 0)")
         if chosen:
             attributes["char_devices"] = ",".join(
-                f"{n.device.name}:{n.device.subsystem or '?'}:{n.device.numbers}" for n in chosen
+                f"{n.device.name}:{n.subsystem or '?'}:{n.device.numbers}" for n in chosen
             )
-    problems.extend(f"device node {p} missing" for p in paths if not inventory.exists.get(p))
+    problems.extend(f"device node {p} missing" for p in paths if not inventory.exists(p))
     reason = "; ".join(dict.fromkeys(problems))
     if reason:
         log.warning("pci %s: unhealthy: %s", fn.address, reason)
