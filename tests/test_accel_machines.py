@@ -42,7 +42,9 @@ def test_discover_json_matches_the_golden_output(name, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     golden = json.loads((MACHINES / f"{name}.json").read_text(encoding="utf-8"))
-    assert json.loads(result.stdout) == golden
+    assert json.loads(result.stdout) == golden, (
+        f"discover output differs from {name}.json: if the change is intended, regenerate with "
+        "tests/resources/gen_accel_machines.py and review the diff")
 
 
 def test_the_goldens_show_what_each_machine_is_about():
