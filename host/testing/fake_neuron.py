@@ -14,7 +14,8 @@
   0 RESET, 1 READY, 2 INVALID, neuron_device.h), ``core_count`` (no newline),
   ``connected_devices`` ("1, 3, 4, 12"); and the sysfs metrics tree
   (neuron_sysfs_metrics.c) with ``info/architecture/{arch_type,instance_type,device_name}``
-  and one ``neuron_core<K>/`` folder per core.
+  and one ``neuron_core<K>/`` folder per core; class attributes (``node_id_2``,
+  ``server_id_4``, ``ultraserver_mode``, ...) sit beside the devices in the class folder.
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ def add_neuron_device(
     return path
 
 
+def add_neuron_class_attrs(tree: FakeTree) -> None:
+    """The class attributes neuron_cdev.c puts beside the devices (``ncdev_class_attrs``):
+    plain files in /sys/class/neuron_device that a scan must not take for devices."""
+    for name in ("node_id_2", "node_id_4", "server_id_2", "server_id_4"):
+        tree.attr(f"/sys/class/neuron_device/{name}", "-1")
+    tree.attr("/sys/class/neuron_device/ultraserver_mode", "0")
+
+
 #: A trn1.32xlarge-like numbering: which neuron index each PCI function got (routing ids
 #: follow the 4x4 torus, not the bus numbers), 16 devices over two sockets.
 TRN1_INDEX_OF_SLOT: Sequence[int] = (0, 1, 4, 5, 2, 3, 6, 7, 12, 13, 8, 9, 14, 15, 10, 11)
@@ -75,6 +84,7 @@ def trn1_node(tree: FakeTree) -> Dict[int, str]:
     """16 Trainium devices, 8 per NUMA node, numbered the driver's way. Returns
     {neuron index: PCI address} (known to the test, not to the host: sysfs never says)."""
     tree.numa_nodes(2, cpus_per_node=8)
+    add_neuron_class_attrs(tree)
     out: Dict[int, str] = {}
     for slot, index in enumerate(TRN1_INDEX_OF_SLOT):
         socket = 0 if slot < 8 else 1
@@ -92,6 +102,7 @@ def trn1_node(tree: FakeTree) -> Dict[int, str]:
 def inf2_xlarge(tree: FakeTree) -> List[str]:
     """One Inferentia2 on one NUMA node: the one shape where the node is provable."""
     tree.numa_nodes(1, cpus_per_node=4)
+    add_neuron_class_attrs(tree)
     address = "0000:00:1f.0"
     add_neuron_function(tree, address, device=INF2, numa_node=0)
     add_neuron_device(tree, 0, core_count=2, device_name="Inferentia2",
