@@ -189,4 +189,6 @@ def _attributes(minor: AccelMinor) -> Dict[str, str]:
     if minor.dev_numbers:
         out["dev"] = minor.dev_numbers
     out.update(minor.facts)
+    if "device_type" in minor.facts:
+        out["model"] = minor.facts["device_type"]  # what discover's table shows as the model
     return out

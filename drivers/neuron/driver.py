@@ -165,6 +165,8 @@ def _device(
     ):
         if value:
             attributes[key] = value
+    if neuron.device_name:
+        attributes["model"] = neuron.device_name  # what discover's table shows as the model
     reason = "; ".join(problems)
     if problems:
         log.warning("neuron %s: unhealthy: %s", neuron.name, reason)
