@@ -128,3 +128,43 @@ def test_hailo_served_by_the_generic_pci_driver_from_its_example_config(
             await sim.stop()
 
     run(scenario())
+
+
+def test_loading_the_boards_kernel_driver_later_brings_its_node_to_the_kubelet(
+    tmp_path, short_dir, run
+):
+    """hailo_pci loaded after the host started: the PCI bind uevent rescans the pci driver and
+    the board appears with the node its driver made."""
+    from host.testing import fake_pci
+    from host.testing.fake_chardev import add_class_chardev
+    from host.testing.tree import FakeTree
+
+    tree = FakeTree(tmp_path / "root")
+    tree.numa_nodes(1)
+    function = fake_pci.add_hailo8(tree, "0000:02:00.0", driver=None)
+    registry = load_drivers()
+    config = load_config(str(REPO / "config" / "examples" / "edge-npu.toml"),
+                         registry.drivers).with_overrides(
+        plugin_dir=short_dir, host_root=str(tmp_path / "root"))
+    events = InjectedSource()
+
+    async def scenario():
+        sim = KubeletSimulator(short_dir)
+        await sim.start()
+        try:
+            async with running_host(config, registry.drivers, events):
+                await sim.wait_for(lambda s: HAILO in s.resources and s.resources[HAILO].live,
+                                   what="hailo.ai/npu registered, empty")
+                assert sim.resources[HAILO].allocatable == 0
+                tree.bind_driver(function, "hailo_pci")  # modprobe hailo_pci
+                add_class_chardev(tree, function, "hailo_chardev", "hailo0",
+                                  fake_pci.HAILO_MAJOR, 0)
+                events.inject("pci")  # the bind uevent
+                await sim.wait_for(lambda s: s.resources[HAILO].allocatable == 1,
+                                   what="the Hailo-8 allocatable once its driver bound")
+                result = await sim.allocate(HAILO, 1, pod="detect")
+                assert [d.host_path for d in result.response.devices] == ["/dev/hailo0"]
+        finally:
+            await sim.stop()
+
+    run(scenario())
