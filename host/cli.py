@@ -361,7 +361,7 @@ def _capture(args: argparse.Namespace) -> int:
     globs = ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/kfd", "/dev/dri/*",
              "/dev/dri/by-path/*", "/dev/infiniband/*", "/dev/vfio/*",
              "/dev/bus/usb/*/*", "/dev/dfl-*", "/dev/xclmgmt*", "/dev/ttyUSB*", "/dev/ttyACM*",
-             "/dev/hidraw*", "/dev/video*", "/dev/accel/*")
+             "/dev/hidraw*", "/dev/video*", "/dev/accel/*", "/dev/neuron*", "/dev/hailo*")
     lines = capture_tree(args.host_root, globs)
     if args.output == "-":
         for line in lines:

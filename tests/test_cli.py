@@ -204,6 +204,10 @@ def test_sigint_also_exits_cleanly(tmp_path, short_dir, signum):
                               "example.com/camera": 1}),
     ("fpga-node", "fpga-node", {"fpga.intel.com/arria10.dcp1.2-nlb0": 1,
                                 "xilinx.com/fpga-u250": 1}),
+    ("gaudi-node", "gaudi-node", {"habana.ai/gaudi": 8}),
+    ("npu-laptop", "npu-laptop", {"npu.intel.com/accel": 1, "gpu.intel.com/i915": 1}),
+    ("trainium-node", "trainium-node", {"aws.amazon.com/neuron": 16}),
+    ("edge-npu-box", "edge-npu", {"hailo.ai/npu": 1, "gpu.intel.com/i915": 1}),
 ])
 def test_discover_each_captured_machine_with_its_example_config(tmp_path, machine, example,
                                                                 expected):

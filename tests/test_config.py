@@ -704,6 +704,9 @@ DOCUMENTED: Dict[str, Driver] = {
             (*_PCI, "ib_device", "link_layer", "netdev"),
             {"mode": (str,), "shared_count": (int,)},
         ),
+        Documented("accel", (*_PCI, "class", "device_type"), {"index_env": (str,)}),
+        Documented("neuron", ("index", "device_name", "instance_type"), {"unit": (str,)}),
+        Documented("pci", (*_PCI, "class"), {"char_classes": (list,)}),
     )
 }
 
@@ -715,7 +718,7 @@ def _drivers_used(path: Path) -> List[str]:
 
 def test_there_are_examples_for_each_builtin_driver() -> None:
     used = {name for path in EXAMPLES for name in _drivers_used(path)}
-    assert used == {"gpu", "sriov", "usb", "fpga", "rdma"}
+    assert used == {"gpu", "sriov", "usb", "fpga", "rdma", "accel", "neuron", "pci"}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
