@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import json
 import logging
 import os
 import signal
 import sys
+import tempfile
+import traceback
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from host import __version__
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("host")
 
 EXIT_CONFIG = 2
+_DEBUG_HELP = "show the Python traceback when a command fails (for bug reports)"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,40 +44,46 @@ def _parser() -> argparse.ArgumentParser:
         description="Serve every kind of node device to the kubelet from one process.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
+    # Accepted after the command too (`capture --debug`); SUPPRESS keeps the top-level value.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
+    add = functools.partial(sub.add_parser, parents=[common])
 
-    run = sub.add_parser("run", help="serve and register every configured resource")
+    run = add("run", help="serve and register every configured resource")
     _config_flags(run)
     run.add_argument("--plugin-dir", help="kubelet device-plugin directory")
 
-    discover = sub.add_parser("discover", help="print what would be advertised, then exit")
+    discover = add("discover", help="print what would be advertised, then exit")
     _config_flags(discover)
     discover.add_argument("--json", action="store_true", help="a JSON array, one object a device")
 
-    check = sub.add_parser("check-config", help="validate a config file (exit 2 when invalid)")
+    check = add("check-config", help="validate a config file (exit 2 when invalid)")
     check.add_argument("file")
 
-    demo = sub.add_parser("demo", help="run the real host against a sample tree and simulator")
+    demo = add("demo", help="run the real host against a sample tree and simulator")
     demo.add_argument("--keep", action="store_true", help="keep the temporary directory")
 
-    drain = sub.add_parser("drain", help="mark a device Unhealthy by hand (for draining)")
+    drain = add("drain", help="mark a device Unhealthy by hand (for draining)")
     drain.add_argument("resource", nargs="?")
     drain.add_argument("device", nargs="?")
     drain.add_argument("--reason", default="drained by an operator")
     drain.add_argument("--config", help=f"TOML config (default {DEFAULT_CONFIG_PATH})")
     drain.add_argument("--list", action="store_true", help="print the current marks")
-    undrain = sub.add_parser("undrain", help="remove a device's drain mark")
+    undrain = add("undrain", help="remove a device's drain mark")
     undrain.add_argument("resource")
     undrain.add_argument("device")
     undrain.add_argument("--config", help=f"TOML config (default {DEFAULT_CONFIG_PATH})")
 
-    pods = sub.add_parser("pods", help="which pod holds which device (kubelet PodResources API)")
+    pods = add("pods", help="which pod holds which device (kubelet PodResources API)")
     pods.add_argument("--socket", default=POD_RESOURCES_SOCKET,
                       help=f"the kubelet's pod-resources socket (default {POD_RESOURCES_SOCKET})")
     pods.add_argument("--resource", help="only this resource name (or a pattern: 'nvidia.com/*')")
     pods.add_argument("--json", action="store_true", help="a JSON array, one object a row")
 
-    capture = sub.add_parser("capture", help="write this machine's device tree as a .tree file")
+    capture = add("capture", help="write this machine's device tree as a .tree file")
     capture.add_argument("--host-root", default="/")
     capture.add_argument("--output", "-o", default="-")
     return parser
@@ -92,7 +102,61 @@ def _load(args: argparse.Namespace, registry: DriverRegistry) -> Config:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Every operator-caused failure ends in one line on stderr and exit 1 (or 2 for a bad
+    configuration or host root); a traceback only with ``--debug``."""
     args = _parser().parse_args(argv)
+    try:
+        code = _dispatch(args)
+        sys.stdout.flush()  # a closed pipe shows up here when the output was buffered
+        return code
+    except BrokenPipeError:
+        # The reader went away (`capture | head`): what it read is all it wanted.
+        _discard_stdout()
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except CommandError as error:
+        if args.debug:
+            traceback.print_exc()
+        print(f"device-plugin-host {args.command}: {error}", file=sys.stderr)
+        return error.code
+    except Exception as error:  # the last line of defence: one line for operators
+        if args.debug:
+            traceback.print_exc()
+        else:
+            print(f"device-plugin-host {args.command}: {describe_error(error)} "
+                  "(--debug shows the traceback)", file=sys.stderr)
+        return 1
+
+
+class CommandError(Exception):
+    """An operator-caused failure of a command: ``str()`` is the line to print."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def describe_error(error: BaseException) -> str:
+    """One line for an unexpected error: an OS error's reason and path read like a shell's."""
+    if isinstance(error, OSError) and error.strerror:
+        where = f"{error.filename}: " if error.filename else ""
+        return f"{where}{error.strerror}"
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     quiet = args.command in ("discover", "check-config", "demo", "capture")
     setup_logging("warning" if quiet else "info")
     if args.command == "demo":
@@ -366,8 +430,22 @@ def _capture(args: argparse.Namespace) -> int:
     if args.output == "-":
         for line in lines:
             print(line)
-    else:
-        with open(args.output, "w", encoding="utf-8") as out:
+        return 0
+    # Written beside the target and renamed: a failed capture leaves no half file behind.
+    directory = os.path.dirname(os.path.abspath(args.output))
+    try:
+        fd, temp = tempfile.mkstemp(dir=directory, prefix=".capture.", suffix=".tmp")
+    except OSError as error:
+        raise CommandError(f"cannot write {args.output}: {error.strerror or error}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
             for line in lines:
                 out.write(line + "\n")
+        os.chmod(temp, 0o644)
+        os.replace(temp, args.output)
+    except OSError as error:
+        raise CommandError(f"cannot write {args.output}: {error.strerror or error}") from None
+    finally:
+        if os.path.lexists(temp):
+            os.unlink(temp)
     return 0

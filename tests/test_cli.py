@@ -220,3 +220,57 @@ def test_discover_each_captured_machine_with_its_example_config(tmp_path, machin
         assert row["health"] == "Healthy", row
         assert row["id"] in table.stdout
     assert counts == expected
+
+
+# -- operator errors: one line and an exit code, never a traceback ---------------------------
+def _one_line_error(result: subprocess.CompletedProcess, code: int) -> str:
+    assert result.returncode == code, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_capture_into_a_missing_directory_is_one_line_and_exit_1(tmp_path):
+    target = tmp_path / "missing" / "dir" / "x.tree"
+    line = _one_line_error(_cli("capture", "-o", str(target)), 1)
+    assert str(target) in line and "No such file or directory" in line
+    assert not (tmp_path / "missing").exists()
+
+
+def test_capture_leaves_no_partial_file_beside_the_target(tmp_path):
+    load_machine("edge-box", tmp_path / "root")
+    target = tmp_path / "out" / "edge.tree"
+    target.parent.mkdir()
+    result = _cli("capture", "--host-root", str(tmp_path / "root"), "-o", str(target))
+    assert result.returncode == 0, result.stderr
+    assert target.read_text().startswith("# captured by device-plugin-host capture")
+    assert os.listdir(target.parent) == ["edge.tree"]
+
+
+def test_capture_into_a_closed_pipe_exits_quietly(tmp_path):
+    """`capture | head -1`: the reader leaves after one line of ~130 kB (more than a pipe
+    holds), so the writer meets EPIPE while printing, or at its final flush."""
+    load_machine("gpu-server-8x", tmp_path / "root")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "host", "capture", "--host-root", str(tmp_path / "root")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO)
+    try:
+        assert process.stdout.readline().startswith(b"# captured")
+        process.stdout.close()
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 1
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+
+
+def test_debug_shows_the_traceback_that_is_otherwise_hidden(tmp_path):
+    target = str(tmp_path / "missing" / "x.tree")
+    for argv in (("--debug", "capture", "-o", target), ("capture", "--debug", "-o", target)):
+        result = _cli(*argv)
+        assert result.returncode == 1
+        assert "Traceback" in result.stderr and "No such file or directory" in result.stderr
