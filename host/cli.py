@@ -101,6 +101,28 @@ def _load(args: argparse.Namespace, registry: DriverRegistry) -> Config:
     )
 
 
+def host_root_problem(root: str) -> Optional[str]:
+    """Why ``root`` cannot be a host root, or None. A mistyped --host-root would otherwise
+    look like a machine without devices: every driver finds nothing under a missing tree."""
+    if not os.path.lexists(root):
+        return "does not exist"
+    if not os.path.isdir(root):
+        return "is not a directory"
+    if not os.path.isdir(os.path.join(root, "sys")):
+        return "has no sys/ directory: not a host's root (devices are read from DIR/sys)"
+    return None
+
+
+def _check_host_root(config: Config, *, from_flag: bool) -> None:
+    root = config.host.host_root
+    problem = host_root_problem(root)
+    if problem is None:
+        return
+    if from_flag:
+        raise ConfigError("command line", "--host-root", f"{root} {problem}")
+    raise ConfigError(config.path or "built-in defaults", "host.host_root", f"{root} {problem}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Every operator-caused failure ends in one line on stderr and exit 1 (or 2 for a bad
     configuration or host root); a traceback only with ``--debug``."""
@@ -177,6 +199,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                   f"({', '.join(r.name for r in config.resources) or 'none'})")
             return 0
         config = _load(args, registry)
+        if args.command in ("discover", "run"):
+            _check_host_root(config, from_flag=args.host_root is not None)
     except ConfigError as error:
         print(f"device-plugin-host: invalid configuration: {error}", file=sys.stderr)
         return EXIT_CONFIG
@@ -426,6 +450,9 @@ def _capture(args: argparse.Namespace) -> int:
              "/dev/dri/by-path/*", "/dev/infiniband/*", "/dev/vfio/*",
              "/dev/bus/usb/*/*", "/dev/dfl-*", "/dev/xclmgmt*", "/dev/ttyUSB*", "/dev/ttyACM*",
              "/dev/hidraw*", "/dev/video*", "/dev/accel/*")
+    problem = host_root_problem(args.host_root)
+    if problem is not None:
+        raise CommandError(f"--host-root {args.host_root} {problem}", EXIT_CONFIG)
     lines = capture_tree(args.host_root, globs)
     if args.output == "-":
         for line in lines:

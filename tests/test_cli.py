@@ -274,3 +274,34 @@ def test_debug_shows_the_traceback_that_is_otherwise_hidden(tmp_path):
         result = _cli(*argv)
         assert result.returncode == 1
         assert "Traceback" in result.stderr and "No such file or directory" in result.stderr
+
+
+# -- a host root that cannot be one ----------------------------------------------------------
+def _bad_roots(tmp_path: Path):
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "no-sys" / "dev").mkdir(parents=True)
+    return [(tmp_path / "missing", "does not exist"), (tmp_path / "a-file", "not a directory"),
+            (tmp_path / "no-sys", "no sys/")]
+
+
+@pytest.mark.parametrize("command", ["discover", "capture", "run"])
+def test_a_host_root_without_sys_is_exit_2_not_no_devices(tmp_path, short_dir, command):
+    for root, reason in _bad_roots(tmp_path):
+        argv = [command, "--host-root", str(root)]
+        if command == "run":
+            argv += ["--plugin-dir", short_dir]
+        line = _one_line_error(_cli(*argv, timeout=30), 2)
+        assert "--host-root" in line and str(root) in line and reason in line, line
+        assert "nothing to serve" not in line
+    assert not [n for n in os.listdir(short_dir) if n.startswith("dph-")]  # run served nothing
+
+
+def test_a_host_root_from_the_config_file_names_file_and_key(tmp_path, short_dir):
+    config = tmp_path / "config.toml"
+    config.write_text(f'[host]\nhost_root = "{tmp_path / "nowhere"}"\n')
+    for command in ("discover", "run"):
+        argv = [command, "--config", str(config)]
+        if command == "run":
+            argv += ["--plugin-dir", short_dir]
+        line = _one_line_error(_cli(*argv, timeout=30), 2)
+        assert f"{config}: host.host_root: {tmp_path / 'nowhere'} does not exist" in line, line
