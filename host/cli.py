@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import json
@@ -13,7 +14,7 @@ import signal
 import sys
 import tempfile
 import traceback
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from host import __version__
 from host.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
@@ -24,7 +25,7 @@ from host.inotify import DirectoryWatch
 from host.inventory import Inventory
 from host.isolation import DriverCalls
 from host.logs import setup_logging
-from host.model import Device
+from host.model import Device, ResourceConfig
 from host.plugins import DriverRegistry, load_drivers
 from host.protocol import POD_RESOURCES_SOCKET
 from host.systemd import Notifier
@@ -361,27 +362,66 @@ def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -
 # -- discover --------------------------------------------------------------------------------
 def _discover(config: Config, registry: DriverRegistry, *, as_json: bool) -> int:
     drivers = registry.with_unavailable()
-    inventory = asyncio.run(_scan_once(config, drivers))
+    inventory, empty = asyncio.run(_scan_once(config, drivers))
     rows: List[Dict[str, Any]] = []
     for resource in config.resources:
         for device in inventory.devices.get(resource.name, []):
             rows.append(device_record(resource.name, resource.driver, device))
+    summary = _resource_summary(config, inventory, empty)
     if as_json:
+        # stdout stays the documented array of devices; what has none is told on stderr.
         json.dump(rows, sys.stdout, indent=2)
         sys.stdout.write("\n")
+        for line in summary:
+            print(line, file=sys.stderr)
     else:
         _print_table(rows)
+        print()
+        for line in summary:
+            print(line)
     if not rows:
         kinds = ", ".join(sorted(registry.drivers)) or "none"
         print(
             f"nothing to serve: the drivers ({kinds}) found no devices under "
-            f"{config.host.host_root} for the {len(config.resources)} configured resources",
+            f"{config.host.host_root} for {_config_source(config, short=True)}",
             file=sys.stderr,
         )
     return 0
 
 
-async def _scan_once(config: Config, drivers: Dict[str, Driver]) -> Inventory:
+def _config_source(config: Config, *, short: bool = False) -> str:
+    """Where the resources come from, in words: a file, or the drivers' built-in defaults."""
+    if not config.is_default:
+        count = len(config.resources)
+        return f"the {count} resource{'s' * (count != 1)} configured in {config.path}"
+    if short:
+        return "the built-in defaults"
+    if config.path is None:
+        return f"the built-in defaults (no config file at {DEFAULT_CONFIG_PATH})"
+    return f"the built-in defaults ({config.path} has no [[resource]])"
+
+
+def _resource_summary(config: Config, inventory: Inventory, empty: Dict[str, str]) -> List[str]:
+    """One line per resource, devices or not: a resource that advertises nothing is exactly
+    the one an operator runs discover for."""
+    lines = [f"resources: {_config_source(config)}"]
+    for resource in config.resources:
+        devices = inventory.devices.get(resource.name, [])
+        if devices:
+            healthy = sum(1 for d in devices if d.healthy)
+            word = "device" if len(devices) == 1 else "devices"
+            lines.append(f"  {resource.name}: {len(devices)} {word} ({healthy} Healthy)")
+            continue
+        line = f"  {resource.name}: 0 devices: {empty.get(resource.name, 'reason unknown')}"
+        if not resource.register_when_empty:
+            line += " (a built-in default: registers once it has a device)"
+        lines.append(line)
+    return lines
+
+
+async def _scan_once(config: Config,
+                     drivers: Dict[str, Driver]) -> Tuple[Inventory, Dict[str, str]]:
+    """One scan, and for each resource that found nothing, why (while the pools exist)."""
     calls = DriverCalls()
     inventory = Inventory(
         HostFS(config.host.host_root), drivers, config.resources, calls,
@@ -389,9 +429,40 @@ async def _scan_once(config: Config, drivers: Dict[str, Driver]) -> Inventory:
     )
     try:
         await inventory.scan()
+        empty = {}
+        for resource in config.resources:
+            if not inventory.devices.get(resource.name):
+                empty[resource.name] = await _why_empty(inventory, resource, config, calls)
     finally:
         calls.shutdown()
-    return inventory
+    return inventory, empty
+
+
+async def _why_empty(inventory: Inventory, resource: ResourceConfig, config: Config,
+                     calls: DriverCalls) -> str:
+    """A driver failure, selectors that match nothing the driver sees, or a host without any
+    such device. Selectors are told apart by asking the driver again without them."""
+    status = inventory.status.get(resource.driver)
+    if status is not None and status.last_error:
+        return f"the driver failed: {status.last_error}"
+    root = config.host.host_root
+    if not resource.selectors:
+        return f"the {resource.driver} driver found no devices under {root}"
+    shown = ", ".join(f"{key}={json.dumps(value)}" for key, value in resource.selectors.items())
+    driver = inventory.drivers[resource.driver]
+    probe = dataclasses.replace(resource, selectors={})
+    try:
+        result = await calls.call(resource.driver, "discover", config.host.discover_timeout_s,
+                                  driver.discover, inventory.host, [probe])
+        seen: Optional[int] = len(list(result.get(resource.name, ())))
+    except Exception:  # the answer is only a hint; the real scan already succeeded
+        seen = None
+    if seen:
+        return (f"no match for its selectors ({shown}); the {resource.driver} driver sees "
+                f"{seen} device{'s' * (seen != 1)} without them")
+    if seen == 0:
+        return f"the {resource.driver} driver found no devices under {root} (selectors: {shown})"
+    return f"no match for its selectors ({shown})"
 
 
 def device_record(resource: str, driver: str, device: Device) -> Dict[str, Any]:

@@ -305,3 +305,73 @@ def test_a_host_root_from_the_config_file_names_file_and_key(tmp_path, short_dir
             argv += ["--plugin-dir", short_dir]
         line = _one_line_error(_cli(*argv, timeout=30), 2)
         assert f"{config}: host.host_root: {tmp_path / 'nowhere'} does not exist" in line, line
+
+
+# -- discover lists every resource, with why it has no devices -------------------------------
+def test_discover_lists_resources_without_devices_and_why(tmp_path):
+    _gpu_tree(tmp_path / "root")
+    site = tmp_path / "site"
+    dist = site / "brokendrv-1.2.3.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: brokendrv\nVersion: 1.2.3\n")
+    (dist / "entry_points.txt").write_text("[device_plugin_host.drivers]\nbroken = brokendrv_m\n")
+    (site / "brokendrv_m.py").write_text("raise RuntimeError('boom at import')\n")
+    config = tmp_path / "config.toml"
+    config.write_text(textwrap.dedent("""
+        [[resource]]
+        name = "nvidia.com/gpu"
+        driver = "gpu"
+        selectors = { vendor = "0x10de" }
+        [[resource]]
+        name = "example.com/wrong-vendor"
+        driver = "gpu"
+        selectors = { vendor = "0x1234" }
+        [[resource]]
+        name = "example.com/serial"
+        driver = "usb"
+        [[resource]]
+        name = "example.com/broken"
+        driver = "broken"
+    """))
+    argv = ("discover", "--host-root", str(tmp_path / "root"), "--config", str(config))
+    extra = {"PYTHONPATH": str(site)}
+    table = _cli(*argv, env_extra=dict(extra))
+    assert table.returncode == 0, table.stderr
+    out = table.stdout
+    assert f"the 4 resources configured in {config}" in out
+    assert "  nvidia.com/gpu: 2 devices (2 Healthy)" in out
+    assert ('  example.com/wrong-vendor: 0 devices: no match for its selectors (vendor="0x1234");'
+            " the gpu driver sees 2 devices without them") in out
+    assert f"  example.com/serial: 0 devices: the usb driver found no devices under " \
+           f"{tmp_path / 'root'}" in out
+    broken = [line for line in out.splitlines() if line.startswith("  example.com/broken:")]
+    assert broken and "0 devices: the driver failed" in broken[0] and "boom at import" in broken[0]
+    # --json keeps stdout the array of devices; the resources without any are told on stderr.
+    as_json = _cli(*argv, "--json", env_extra=dict(extra))
+    assert [r["resource"] for r in json.loads(as_json.stdout)] == ["nvidia.com/gpu"] * 2
+    assert "example.com/wrong-vendor: 0 devices: no match for its selectors" in as_json.stderr
+    assert "example.com/serial: 0 devices" in as_json.stderr
+
+
+def test_discover_without_a_config_file_says_built_in_defaults(tmp_path):
+    if os.path.lexists("/etc/device-plugin-host/config.toml"):
+        pytest.skip("this machine has a config file at the default path")
+    (tmp_path / "root" / "sys").mkdir(parents=True)
+    result = _cli("discover", "--host-root", str(tmp_path / "root"))
+    assert result.returncode == 0, result.stderr
+    assert "built-in defaults (no config file at /etc/device-plugin-host/config.toml)" in \
+        result.stdout
+    assert "configured" not in result.stdout + result.stderr
+    assert "nothing to serve" in result.stderr and "for the built-in defaults" in result.stderr
+    assert "  amd.com/gpu: 0 devices: the gpu driver found no devices under" in result.stdout
+    assert "(a built-in default: registers once it has a device)" in result.stdout
+
+
+def test_discover_of_a_file_without_resources_says_built_in_defaults(tmp_path):
+    _gpu_tree(tmp_path / "root")
+    config = tmp_path / "only-host.toml"
+    config.write_text('[host]\nlog_level = "debug"\n')
+    result = _cli("discover", "--host-root", str(tmp_path / "root"), "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert f"the built-in defaults ({config} has no [[resource]])" in result.stdout
+    assert "  nvidia.com/gpu: 2 devices (2 Healthy)" in result.stdout
