@@ -16,7 +16,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Set, Union
 
 from host.cdi import CdiWriter
 from host.config import Config
-from host.drain import read_drains
+from host.drain import DrainError, read_drains
 from host.driver import Driver, UnavailableDriver
 from host.hostfs import HostFS
 from host.inotify import DirectoryWatch
@@ -262,7 +262,11 @@ class HostApp:
             self._drain_watch = None
 
     def _apply_drains(self) -> None:
-        drains = read_drains(self.config.host.drain_file)
+        try:
+            drains = read_drains(self.config.host.drain_file)
+        except DrainError as error:  # unreadable now: the marks already applied stay
+            log.error("%s; keeping the %d marks applied before", error, len(self.inventory.drains))
+            return
         for (resource, device), reason in drains.items():
             if (resource, device) not in self.inventory.drains:
                 log.warning("resource %s: device %s drained by an operator: %s", resource,

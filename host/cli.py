@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from host import __version__
 from host.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
-from host.drain import read_drains, update_drains
+from host.drain import DrainError, key_error, read_drains, update_drains
 from host.driver import Driver
 from host.hostfs import HostFS
 from host.inotify import DirectoryWatch
@@ -216,17 +216,28 @@ def _dispatch(args: argparse.Namespace) -> int:
 # -- run -------------------------------------------------------------------------------------
 def _drain(args: argparse.Namespace, config: Config) -> int:
     path = config.host.drain_file
-    if args.command == "drain" and (args.list or not args.resource):
-        for (resource, device), reason in sorted(read_drains(path).items()):
-            print(f"{resource}\t{device}\t{reason}")
-        return 0
-    if not args.device:
-        print("device-plugin-host drain: give RESOURCE and DEVICE (or --list)", file=sys.stderr)
-        return EXIT_CONFIG
-    reason = args.reason if args.command == "drain" else None
-    update_drains(path, (args.resource, args.device), reason)
+    try:
+        if args.command == "drain" and (args.list or args.resource is None):
+            for (resource, device), reason in sorted(read_drains(path).items()):
+                print(f"{resource}\t{device}\t{reason}")
+            return 0
+        if args.device is None:
+            raise CommandError("give RESOURCE and DEVICE (or --list)", EXIT_CONFIG)
+        problem = key_error(args.resource, args.device)
+        if problem is not None:
+            raise CommandError(problem, EXIT_CONFIG)
+        if args.resource not in {r.name for r in config.resources}:
+            print(f"device-plugin-host {args.command}: note: {args.resource} is not among "
+                  f"{_config_source(config, short=True)}; the mark matters once it is served",
+                  file=sys.stderr)
+        reason = args.reason if args.command == "drain" else None
+        marks = update_drains(path, (args.resource, args.device), reason, missing_ok=False)
+    except DrainError as error:
+        raise CommandError(str(error)) from None
     verb = "drained" if reason else "undrained"
-    print(f"{verb} {args.resource} {args.device} ({path}); a running host applies it at once")
+    shown = f": {marks[(args.resource, args.device)]}" if reason else ""
+    print(f"{verb} {args.resource} {args.device}{shown} ({path}); a running host applies it "
+          "at once")
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -375,3 +376,109 @@ def test_discover_of_a_file_without_resources_says_built_in_defaults(tmp_path):
     assert result.returncode == 0, result.stderr
     assert f"the built-in defaults ({config} has no [[resource]])" in result.stdout
     assert "  nvidia.com/gpu: 2 devices (2 Healthy)" in result.stdout
+
+
+# -- drain / undrain: checked keys, honest answers, clear failures ---------------------------
+def _drain_cli(config: Path, *args: str) -> subprocess.CompletedProcess:
+    return _cli(*args, "--config", str(config))
+
+
+def _drain_config(tmp_path: Path, drain_file: Path) -> Path:
+    config = tmp_path / "c.toml"
+    config.write_text(f'[host]\ndrain_file = "{drain_file}"\n')
+    return config
+
+
+@pytest.mark.parametrize(("resource", "device", "words"), [
+    ("Example.com/GPU", "0000:18:00.0", "not a valid resource name"),
+    ("nvidia.com/gpu\nfoo", "0000:18:00.0", "not a valid resource name"),
+    ("nvidia.com/gpu", "0000:18:00.0 extra", "whitespace or control"),
+    ("nvidia.com/gpu", "0000:18\t00.0", "whitespace or control"),
+    ("nvidia.com/gpu", "", "empty"),
+])
+@pytest.mark.parametrize("command", ["drain", "undrain"])
+def test_drain_refuses_names_and_ids_that_cannot_match(tmp_path, command, resource, device,
+                                                       words):
+    drain_file = tmp_path / "state" / "drained"
+    line = _one_line_error(
+        _drain_cli(_drain_config(tmp_path, drain_file), command, resource, device), 2)
+    assert words in line
+    assert not drain_file.exists()
+
+
+def test_undrain_of_a_missing_mark_says_so_and_exits_1(tmp_path):
+    drain_file = tmp_path / "state" / "drained"
+    config = _drain_config(tmp_path, drain_file)
+    assert _drain_cli(config, "drain", "nvidia.com/gpu", "0000:18:00.0").returncode == 0
+    before = drain_file.read_bytes()
+    line = _one_line_error(_drain_cli(config, "undrain", "nvidia.com/gpu", "0000:86:00.0"), 1)
+    assert "nvidia.com/gpu 0000:86:00.0 has no drain mark" in line and str(drain_file) in line
+    assert drain_file.read_bytes() == before
+
+
+def test_drain_of_a_resource_this_config_does_not_serve_warns(tmp_path):
+    config = _drain_config(tmp_path, tmp_path / "state" / "drained")
+    result = _drain_cli(config, "drain", "example.com/typo", "x1")
+    assert result.returncode == 0, result.stderr
+    assert "example.com/typo is not among the built-in defaults" in result.stderr
+
+
+def test_drain_into_a_state_directory_that_is_a_file(tmp_path):
+    (tmp_path / "state").write_text("")
+    config = _drain_config(tmp_path, tmp_path / "state" / "drained")
+    line = _one_line_error(_drain_cli(config, "drain", "nvidia.com/gpu", "0000:18:00.0"), 1)
+    assert "cannot write the drain marks in" in line and "is not a directory" in line
+
+
+def _in_private_mount(script: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """A shell script in a mount namespace of its own: whatever it mounts vanishes with it."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare(1) for a private tmpfs")
+    env = dict(os.environ, PYTHONPATH=str(REPO), PY=sys.executable)
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no mount namespaces here: {probe.stderr.decode().strip()}")
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-ec",
+                           script], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=timeout)
+
+
+def test_drain_on_a_full_state_directory_keeps_the_old_marks(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    config = _drain_config(tmp_path, state / "drained")
+    result = _in_private_mount(f"""
+        mount -t tmpfs -o size=16k tmpfs {state}
+        "$PY" -m host drain nvidia.com/gpu 0000:18:00.0 --reason first --config {config}
+        cp {state}/drained {tmp_path}/before
+        dd if=/dev/zero of={state}/fill bs=1k count=64 2>/dev/null || true
+        rc=0; "$PY" -m host drain nvidia.com/gpu 0000:86:00.0 --reason "$(head -c 900 \
+            /dev/zero | tr '\\0' x)" --config {config} 2>{tmp_path}/err || rc=$?
+        echo "rc=$rc"
+        cmp {state}/drained {tmp_path}/before && echo same
+        ls -A {state}
+    """)
+    assert result.returncode == 0, result.stderr
+    err = (tmp_path / "err").read_text()
+    assert "rc=1" in result.stdout and "same" in result.stdout, (result.stdout, err)
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "cannot write the drain marks" in err and "No space left on device" in err
+    assert sorted(result.stdout.split("same")[1].split()) == [".drain.lock", "drained", "fill"]
+
+
+def test_drain_on_a_read_only_state_directory(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    config = _drain_config(tmp_path, state / "drained")
+    result = _in_private_mount(f"""
+        mount -t tmpfs -o ro tmpfs {state}
+        rc=0; "$PY" -m host drain nvidia.com/gpu 0000:18:00.0 --config {config} \
+            2>{tmp_path}/err || rc=$?
+        echo "rc=$rc"
+    """)
+    assert result.returncode == 0, result.stderr
+    err = (tmp_path / "err").read_text()
+    assert "rc=1" in result.stdout, (result.stdout, err)
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "Read-only file system" in err
