@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from host import __version__
 from host.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
-from host.drain import DrainError, key_error, read_drains, update_drains
+from host.drain import DEFAULT_REASON, DrainError, key_error, read_drains, update_drains
 from host.driver import Driver
 from host.hostfs import HostFS
 from host.inotify import DirectoryWatch
@@ -37,6 +36,8 @@ log = logging.getLogger("host")
 
 EXIT_CONFIG = 2
 _DEBUG_HELP = "show the Python traceback when a command fails (for bug reports)"
+_DRAIN_CONFIG_HELP = (f"TOML config whose drain_file holds the marks (default "
+                      f"{DEFAULT_CONFIG_PATH} if present)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,33 +51,43 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help=_DEBUG_HELP)
-    sub = parser.add_subparsers(dest="command", required=True)
-    add = functools.partial(sub.add_parser, parents=[common])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="what to do; `device-plugin-host COMMAND --help` for more")
+
+    def add(name: str, *, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], help=help, description=help[0].upper()
+                              + help[1:] + ".")
+
 
     run = add("run", help="serve and register every configured resource")
     _config_flags(run)
-    run.add_argument("--plugin-dir", help="kubelet device-plugin directory")
+    run.add_argument("--plugin-dir", metavar="DIR",
+                     help="the kubelet's device-plugin directory, where kubelet.sock is and our"
+                          " sockets go (default: plugin_dir in [host], "
+                          "/var/lib/kubelet/device-plugins)")
 
     discover = add("discover", help="print what would be advertised, then exit")
     _config_flags(discover)
     discover.add_argument("--json", action="store_true", help="a JSON array, one object a device")
 
     check = add("check-config", help="validate a config file (exit 2 when invalid)")
-    check.add_argument("file")
+    check.add_argument("file", help="the TOML file to check (nothing is served or changed)")
 
     demo = add("demo", help="run the real host against a sample tree and simulator")
     demo.add_argument("--keep", action="store_true", help="keep the temporary directory")
 
     drain = add("drain", help="mark a device Unhealthy by hand (for draining)")
-    drain.add_argument("resource", nargs="?")
-    drain.add_argument("device", nargs="?")
-    drain.add_argument("--reason", default="drained by an operator")
-    drain.add_argument("--config", help=f"TOML config (default {DEFAULT_CONFIG_PATH})")
+    drain.add_argument("resource", nargs="?", help="the resource name, e.g. nvidia.com/gpu")
+    drain.add_argument("device", nargs="?",
+                       help="the device id as discover shows it (its replicas go with it)")
+    drain.add_argument("--reason", default=DEFAULT_REASON,
+                       help="why, shown as the device's health reason (default: %(default)s)")
+    drain.add_argument("--config", help=_DRAIN_CONFIG_HELP)
     drain.add_argument("--list", action="store_true", help="print the current marks")
     undrain = add("undrain", help="remove a device's drain mark")
-    undrain.add_argument("resource")
-    undrain.add_argument("device")
-    undrain.add_argument("--config", help=f"TOML config (default {DEFAULT_CONFIG_PATH})")
+    undrain.add_argument("resource", help="the resource name of the mark")
+    undrain.add_argument("device", help="the device id of the mark")
+    undrain.add_argument("--config", help=_DRAIN_CONFIG_HELP)
 
     pods = add("pods", help="which pod holds which device (kubelet PodResources API)")
     pods.add_argument("--socket", default=POD_RESOURCES_SOCKET,
@@ -85,14 +96,21 @@ def _parser() -> argparse.ArgumentParser:
     pods.add_argument("--json", action="store_true", help="a JSON array, one object a row")
 
     capture = add("capture", help="write this machine's device tree as a .tree file")
-    capture.add_argument("--host-root", default="/")
-    capture.add_argument("--output", "-o", default="-")
+    capture.add_argument("--host-root", default="/", metavar="DIR",
+                         help="capture the tree under DIR instead of this machine's / "
+                              "(DIR/sys, DIR/dev)")
+    capture.add_argument("--output", "-o", default="-", metavar="FILE",
+                         help="write to FILE (atomically) instead of standard output")
     return parser
 
 
 def _config_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help=f"TOML config (default {DEFAULT_CONFIG_PATH} if present)")
-    parser.add_argument("--host-root", help="read sysfs at DIR/sys and devices at DIR/dev")
+    parser.add_argument("--config", metavar="FILE",
+                        help=f"TOML config (default {DEFAULT_CONFIG_PATH} if present, else the "
+                             "built-in defaults)")
+    parser.add_argument("--host-root", metavar="DIR",
+                        help="read sysfs at DIR/sys and devices at DIR/dev; the paths handed to "
+                             "the kubelet stay host paths (default: host_root in [host], /)")
 
 
 def _load(args: argparse.Namespace, registry: DriverRegistry) -> Config:

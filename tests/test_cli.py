@@ -482,3 +482,29 @@ def test_drain_on_a_read_only_state_directory(tmp_path):
     assert "rc=1" in result.stdout, (result.stdout, err)
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert "Read-only file system" in err
+
+
+def test_every_command_and_argument_has_help_text():
+    import argparse
+
+    from host.cli import _parser
+
+    parser = _parser()
+    pending = [("device-plugin-host", parser)]
+    seen = []
+    while pending:
+        name, current = pending.pop()
+        assert current.description, f"{name} has no description"
+        for action in current._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                helped = {choice.dest for choice in action._choices_actions if choice.help}
+                assert helped == set(action.choices), f"{name}: commands without help"
+                pending += [(f"{name} {c}", p) for c, p in action.choices.items()]
+            assert action.help and action.help != argparse.SUPPRESS, \
+                f"{name}: {action.option_strings or action.dest} has no help"
+        seen.append(name)
+    assert len(seen) == 9  # the program and its 8 commands
+    for command in ("run", "discover", "check-config", "demo", "drain", "undrain", "pods",
+                    "capture"):
+        result = _cli(command, "--help")
+        assert result.returncode == 0 and "--debug" in result.stdout, result.stderr
