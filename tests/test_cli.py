@@ -39,6 +39,14 @@ def _gpu_tree(root: Path) -> FakeTree:
     return tree
 
 
+def _private_config(tmp_path: Path) -> Path:
+    """A config file whose drain marks live under tmp_path: a host run by a test must not
+    create the real /var/lib/device-plugin-host (it watches its drain file's directory)."""
+    config = tmp_path / "private.toml"
+    config.write_text(f'[host]\ndrain_file = "{tmp_path / "state" / "drained"}"\n')
+    return config
+
+
 def test_discover_json_has_the_documented_keys(tmp_path):
     _gpu_tree(tmp_path / "root")
     result = _cli("discover", "--host-root", str(tmp_path / "root"), "--json")
@@ -148,7 +156,8 @@ def test_sigterm_stops_serving_removes_sockets_and_exits_0(tmp_path, short_dir):
         env = dict(os.environ, PYTHONPATH=str(REPO))
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "host", "run", "--plugin-dir", short_dir,
-            "--host-root", str(tmp_path / "root"), env=env, cwd=str(REPO),
+            "--host-root", str(tmp_path / "root"), "--config", str(_private_config(tmp_path)),
+            env=env, cwd=str(REPO),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         try:
             await sim.wait_for(lambda s: "nvidia.com/gpu" in s.resources
@@ -175,7 +184,8 @@ def test_sigint_also_exits_cleanly(tmp_path, short_dir, signum):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     process = subprocess.Popen(
         [sys.executable, "-m", "host", "run", "--plugin-dir", short_dir, "--host-root",
-         str(tmp_path / "root")], env=env, cwd=REPO, stderr=subprocess.PIPE, text=True)
+         str(tmp_path / "root"), "--config", str(_private_config(tmp_path))], env=env, cwd=REPO,
+        stderr=subprocess.PIPE, text=True)
     try:
         # No kubelet here: the host serves and waits; it must still stop cleanly.
         deadline = 20
