@@ -22,6 +22,7 @@ from host.hostfs import HostFS
 from host.inotify import DirectoryWatch
 from host.inventory import Inventory
 from host.isolation import DriverCalls
+from host.liveness import RegistrationLiveness
 from host.metrics import HostMetrics
 from host.model import Device, ResourceConfig
 from host.registration import Endpoint, Registrar
@@ -72,6 +73,10 @@ class HostApp:
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
+        self.metrics.liveness = RegistrationLiveness(
+            lambda: {name: ep.registered for name, ep in self.registrar.endpoints.items()},
+            lambda: self.config.host.plugin_dir, lambda: self.config.host.liveness_grace_s,
+        ).problems
         self.registrar.start()
         self._start_events()  # before the first scan: nothing plugged in meanwhile is missed
         self._watch_drains()
