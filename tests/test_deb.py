@@ -256,6 +256,20 @@ def test_unit_is_notify_restarting_hardened_and_independent_of_the_kubelet():
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
 
 
+def test_unit_lets_localhost_scrape_the_metrics_endpoint():
+    """IPAddressDeny=any alone drops every IP packet, loopback included: the README's
+    `curl localhost:9400/metrics` could never work under the unit."""
+    service = _unit(UNIT_SOURCE)["Service"]
+    assert service["IPAddressDeny"] == ["any"]
+    allowed = " ".join(service.get("IPAddressAllow", [])).split()
+    assert "localhost" in allowed or {"127.0.0.1", "::1"} <= set(allowed)
+    assert "any" not in allowed  # still nothing but loopback
+    # The default metrics address is on loopback, so it is inside what the unit allows.
+    from host.config import HostSettings
+
+    assert HostSettings().metrics_address.startswith("127.0.0.1:")
+
+
 # -- installing into this machine ----------------------------------------------------------
 def _dpkg(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")

@@ -32,6 +32,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from host.config import parse_config
+from host.metrics import parse_address
 from host.plugins import load_drivers
 
 try:
@@ -129,7 +130,8 @@ def test_every_overlay_is_found():
 @pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
 def test_every_object_matches_the_kubernetes_schema(name, version):
     objects = render(name)
-    assert {o["kind"] for o in objects} == {"Namespace", "ConfigMap", "DaemonSet"}
+    # The headless Service lists the pods for Prometheus (issue 11, item 13).
+    assert {o["kind"] for o in objects} == {"Namespace", "ConfigMap", "DaemonSet", "Service"}
     problems = []
     for obj in objects:
         try:
@@ -223,6 +225,95 @@ def test_the_base_config_serves_the_built_in_defaults():
                           load_drivers().with_unavailable())
     assert config.is_default
     assert "nvidia.com/gpu" in {r.name for r in config.resources}
+
+
+# -- metrics and liveness --------------------------------------------------------------------
+MONITORING = KUBE / "monitoring"
+
+
+def _metrics_port(objects: List[Dict[str, Any]]) -> int:
+    ports = {p["name"]: p for p in container(objects).get("ports", [])}
+    assert "metrics" in ports, "the container has no port named metrics"
+    assert ports["metrics"].get("protocol", "TCP") == "TCP"
+    return ports["metrics"]["containerPort"]
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_metrics_listen_where_a_scraper_and_the_probe_reach_them(name):
+    """Inside the pod 127.0.0.1 is reachable by nothing outside it: the kubelet's probe and
+    Prometheus connect to the pod IP. Every kustomization's own config (an overlay replaces
+    the base file) must listen on all of the pod's addresses, on the port named metrics."""
+    objects = render(name)
+    host = parse_config(config_text(objects), f"{name}/{CONFIG_KEY}",
+                        load_drivers().with_unavailable()).host
+    bound = parse_address(host.metrics_address)
+    assert bound is not None, f"{name}: metrics are off, the liveness probe would fail"
+    address, port = bound
+    assert address in (None, "0.0.0.0", "::"), f"{name}: metrics bound to {address} only"
+    assert port == _metrics_port(objects)
+    probe = container(objects)["livenessProbe"]
+    assert probe["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    # A stuck loop is a timeout: the probe must have one, and a short start must not fail it.
+    assert 1 <= probe["timeoutSeconds"] < probe["periodSeconds"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 20
+    annotations = only(objects, "DaemonSet")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(port)
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_a_headless_service_lists_every_host_pod_on_the_metrics_port(name):
+    objects = render(name)
+    service = only(objects, "Service")
+    assert service["spec"]["clusterIP"] == "None"  # one endpoint per node, not a random one
+    pod_labels = only(objects, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    [port] = service["spec"]["ports"]
+    assert port["name"] == "metrics" and port["targetPort"] == "metrics"
+    assert port["port"] == _metrics_port(objects)
+
+
+def _monitoring_objects() -> List[Dict[str, Any]]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (with its built-in kustomize) is not installed")
+    result = subprocess.run([kubectl, "kustomize", str(MONITORING)], capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
+def test_the_monitoring_examples_select_the_host_pods_and_their_port(version):
+    base = render("base")
+    pod_labels = only(base, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    service = only(base, "Service")
+    objects = _monitoring_objects()
+    assert {o["kind"] for o in objects} == {"ServiceMonitor", "NetworkPolicy"}
+    for obj in objects:
+        assert obj["metadata"]["namespace"] == NAME
+
+    monitor = only(objects, "ServiceMonitor")  # a CRD: no schema here, so checked by hand
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"][
+        "labels"].items()
+    assert monitor["spec"]["namespaceSelector"]["matchNames"] == [NAME]
+    assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [
+        ("metrics", "/metrics")]
+    pod_monitor = yaml.safe_load((MONITORING / "podmonitor.yaml").read_text())
+    assert pod_monitor["kind"] == "PodMonitor"
+    assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert [(e["port"], e["path"]) for e in pod_monitor["spec"]["podMetricsEndpoints"]] == [
+        ("metrics", "/metrics")]
+
+    policy = only(objects, "NetworkPolicy")
+    kubernetes_validate.validate(policy, version, strict=True)
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert set(policy["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+    assert "egress" not in policy["spec"]  # the host dials no IP address
+    [rule] = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert rule["from"], "an ingress rule without 'from' admits everyone"
 
 
 # -- security --------------------------------------------------------------------------------
