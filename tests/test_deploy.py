@@ -33,6 +33,7 @@ from packaging.utils import canonicalize_name
 
 from host.config import parse_config
 from host.metrics import parse_address
+from host.model import ResourceConfig
 from host.plugins import load_drivers
 
 try:
@@ -433,6 +434,45 @@ def test_overlays_schedule_onto_their_own_nodes():
         selector = dict(spec["nodeSelector"])
         selector.pop("kubernetes.io/os")
         assert selector or spec.get("affinity", {}).get("nodeAffinity"), name
+
+
+def _nfd_pci_labels(root: Path, resource: ResourceConfig) -> set:
+    """The feature.node.kubernetes.io/pci-<class>_<vendor>.present labels Node Feature
+    Discovery puts on a node with these GPUs (class: base class and subclass, 4 hex digits)."""
+    from drivers.gpu.driver import GpuDriver
+    from host.hostfs import HostFS
+
+    found = GpuDriver().discover(HostFS(str(root)), [resource])[resource.name]
+    assert found
+    return {f"feature.node.kubernetes.io/pci-{d.attributes['class'][2:6]}_"
+            f"{d.attributes['vendor'][2:]}.present" for d in found}
+
+
+def test_the_gpu_overlay_s_affinity_matches_the_classes_the_cards_report(tmp_path):
+    """Each GPU's own PCI class, read by the gpu driver from captured and fake trees, is what
+    the overlay's affinity and its note for AMD are built on."""
+    from host.testing.fake_gpu import add_amd_gpu
+    from host.testing.tree import FakeTree, load_machine
+
+    load_machine("gpu-server-8x", tmp_path / "hgx")  # 8 x H100 SXM: 3D controllers
+    nvidia = _nfd_pci_labels(tmp_path / "hgx", ResourceConfig("nvidia.com/gpu", "gpu",
+                                                               {"vendor": "0x10de"}))
+    affinity = pod_spec(render("overlays/gpu-nodes"))["affinity"]["nodeAffinity"]
+    terms = affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    keys = {e["key"] for term in terms for e in term["matchExpressions"]}
+    assert nvidia <= keys
+
+    tree = FakeTree(tmp_path / "amd")
+    add_amd_gpu(tree, "0000:05:00.0", card=1, render=128)  # MI210: display controller
+    add_amd_gpu(tree, "0000:15:00.0", card=2, render=129, device=0x74A1,
+                pci_class=0x120000, product_name="AMD Instinct MI300X")
+    amd = _nfd_pci_labels(tmp_path / "amd", ResourceConfig("amd.com/gpu", "gpu",
+                                                           {"vendor": "0x1002"}))
+    assert amd == {"feature.node.kubernetes.io/pci-0380_1002.present",
+                   "feature.node.kubernetes.io/pci-1200_1002.present"}
+    note = (KUBE / "overlays" / "gpu-nodes" / "node-affinity.yaml").read_text()
+    assert "pci-1200_1002" in note and "MI300X" in note
+    assert "Instinct cards are class 0380" not in note  # the old, wrong rule for all of them
 
 
 # -- the image -------------------------------------------------------------------------------
