@@ -143,6 +143,26 @@ def test_every_object_matches_the_kubernetes_schema(name, version):
     assert not problems, f"{name} (Kubernetes {version}):\n" + "\n".join(problems)
 
 
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_the_oldest_supported_kubernetes_is_the_oldest_the_manifests_fit(name):
+    """The test above shows the manifests fit OLDEST_KUBERNETES; one release before must not
+    (recursiveReadOnly is unknown to 1.29), or the README would promise too little; and the
+    README must say the same version."""
+    major, minor = (int(part) for part in OLDEST_KUBERNETES.split("."))
+    older = f"{major}.{minor - 1}"
+    problems = []
+    for obj in render(name):
+        try:
+            kubernetes_validate.validate(obj, older, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            problems.append(error.message)
+    assert any("recursiveReadOnly" in p for p in problems), (older, problems)
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Running in Kubernetes"):]
+    section = section[: section.index("\n## ", 1)]
+    assert f"**Kubernetes {OLDEST_KUBERNETES} or newer.**" in section
+
+
 def test_the_schema_check_is_strict():
     """A misspelled field must fail, or the schema test above proves little."""
     daemonset = only(render("base"), "DaemonSet")
