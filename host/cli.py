@@ -480,12 +480,15 @@ async def _why_empty(inventory: Inventory, resource: ResourceConfig, config: Con
     shown = ", ".join(f"{key}={json.dumps(value)}" for key, value in resource.selectors.items())
     driver = inventory.drivers[resource.driver]
     probe = dataclasses.replace(resource, selectors={})
+    logging.disable(logging.WARNING)  # the scan above already said what the driver warns
     try:
         result = await calls.call(resource.driver, "discover", config.host.discover_timeout_s,
                                   driver.discover, inventory.host, [probe])
         seen: Optional[int] = len(list(result.get(resource.name, ())))
     except Exception:  # the answer is only a hint; the real scan already succeeded
         seen = None
+    finally:
+        logging.disable(logging.NOTSET)
     if seen:
         return (f"no match for its selectors ({shown}); the {resource.driver} driver sees "
                 f"{seen} device{'s' * (seen != 1)} without them")

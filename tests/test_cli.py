@@ -518,3 +518,20 @@ def test_every_command_and_argument_has_help_text():
                     "capture"):
         result = _cli(command, "--help")
         assert result.returncode == 0 and "--debug" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize(("argv", "code"), [
+    (("check-config", "/nonexistent/config.toml"), 2),
+    (("discover", "--config", "/nonexistent/config.toml"), 2),
+    (("discover", "--host-root", "/nonexistent"), 2),
+    (("capture", "--host-root", "/nonexistent"), 2),
+    (("capture", "-o", "/proc/no/such/dir/x.tree"), 1),
+    (("pods", "--socket", "/nonexistent/pod-resources/kubelet.sock"), 1),
+    (("drain", "Bad/Name", "x1"), 2),
+    (("drain", "example.com/x"), 2),
+])
+def test_operator_errors_are_one_line_with_exit_1_or_2(tmp_path, argv, code):
+    if argv[0] in ("drain", "undrain"):
+        argv = (*argv, "--config", str(_private_config(tmp_path)))
+    line = _one_line_error(_cli(*argv), code)
+    assert line.startswith("device-plugin-host"), line
