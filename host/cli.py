@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from host import __version__
 from host.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
-from host.drain import DEFAULT_REASON, DrainError, key_error, read_drains, update_drains
+from host.drain import (
+    DEFAULT_REASON,
+    DrainError,
+    clean_reason,
+    key_error,
+    read_drains,
+    update_drains,
+)
 from host.driver import Driver
 from host.hostfs import HostFS
 from host.inotify import DirectoryWatch
@@ -249,6 +256,11 @@ def _drain(args: argparse.Namespace, config: Config) -> int:
                   f"{_config_source(config, short=True)}; the mark matters once it is served",
                   file=sys.stderr)
         reason = args.reason if args.command == "drain" else None
+        if reason is not None:
+            try:
+                reason = clean_reason(reason)
+            except DrainError as error:  # a bad argument, like a bad name
+                raise CommandError(f"--reason: {error}", EXIT_CONFIG) from None
         marks = update_drains(path, (args.resource, args.device), reason, missing_ok=False)
     except DrainError as error:
         raise CommandError(str(error)) from None

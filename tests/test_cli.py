@@ -529,6 +529,7 @@ def test_every_command_and_argument_has_help_text():
     (("pods", "--socket", "/nonexistent/pod-resources/kubelet.sock"), 1),
     (("drain", "Bad/Name", "x1"), 2),
     (("drain", "example.com/x"), 2),
+    (("drain", "example.com/x", "x1", "--reason", "r" * 2000), 2),
 ])
 def test_operator_errors_are_one_line_with_exit_1_or_2(tmp_path, argv, code):
     if argv[0] in ("drain", "undrain"):
