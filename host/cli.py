@@ -251,10 +251,6 @@ def _drain(args: argparse.Namespace, config: Config) -> int:
         problem = key_error(args.resource, args.device)
         if problem is not None:
             raise CommandError(problem, EXIT_CONFIG)
-        if args.resource not in {r.name for r in config.resources}:
-            print(f"device-plugin-host {args.command}: note: {args.resource} is not among "
-                  f"{_config_source(config, short=True)}; the mark matters once it is served",
-                  file=sys.stderr)
         reason = args.reason if args.command == "drain" else None
         if reason is not None:
             try:
@@ -264,6 +260,10 @@ def _drain(args: argparse.Namespace, config: Config) -> int:
         marks = update_drains(path, (args.resource, args.device), reason, missing_ok=False)
     except DrainError as error:
         raise CommandError(str(error)) from None
+    if args.resource not in {r.name for r in config.resources}:  # a typo, or another config
+        print(f"device-plugin-host {args.command}: note: {args.resource} is not among "
+              f"{_config_source(config, short=True)}; the mark matters once it is served",
+              file=sys.stderr)
     verb = "drained" if reason else "undrained"
     shown = f": {marks[(args.resource, args.device)]}" if reason else ""
     print(f"{verb} {args.resource} {args.device}{shown} ({path}); a running host applies it "
