@@ -17,12 +17,13 @@ from typing import Callable, Dict, Iterable, List, Optional, Set, Union
 from host import devinfo
 from host.cdi import CdiWriter
 from host.config import Config
-from host.drain import read_drains
+from host.drain import DrainError, read_drains
 from host.driver import Driver, UnavailableDriver
 from host.hostfs import HostFS
 from host.inotify import DirectoryWatch
 from host.inventory import Inventory
 from host.isolation import DriverCalls
+from host.liveness import RegistrationLiveness
 from host.metrics import HostMetrics
 from host.model import Device, ResourceConfig
 from host.nfd import FeatureFile
@@ -81,6 +82,10 @@ class HostApp:
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
+        self.metrics.liveness = RegistrationLiveness(
+            lambda: {name: ep.registered for name, ep in self.registrar.endpoints.items()},
+            lambda: self.config.host.plugin_dir, lambda: self.config.host.liveness_grace_s,
+        ).problems
         self.registrar.start()
         self._start_events()  # before the first scan: nothing plugged in meanwhile is missed
         self._watch_drains()
@@ -302,7 +307,11 @@ class HostApp:
             self._drain_watch = None
 
     def _apply_drains(self) -> None:
-        drains = read_drains(self.config.host.drain_file)
+        try:
+            drains = read_drains(self.config.host.drain_file)
+        except DrainError as error:  # unreadable now: the marks already applied stay
+            log.error("%s; keeping the %d marks applied before", error, len(self.inventory.drains))
+            return
         for (resource, device), reason in drains.items():
             if (resource, device) not in self.inventory.drains:
                 log.warning("resource %s: device %s drained by an operator: %s", resource,

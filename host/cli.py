@@ -4,24 +4,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+import tempfile
+import traceback
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from host import __version__
 from host.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
-from host.drain import read_drains, update_drains
+from host.drain import (
+    DEFAULT_REASON,
+    DrainError,
+    clean_reason,
+    key_error,
+    read_drains,
+    update_drains,
+)
 from host.driver import Driver
 from host.hostfs import HostFS
 from host.inotify import DirectoryWatch
 from host.inventory import Inventory
 from host.isolation import DriverCalls
 from host.logs import setup_logging
-from host.model import Device
+from host.model import Device, ResourceConfig
 from host.plugins import DriverRegistry, load_drivers
 from host.protocol import POD_RESOURCES_SOCKET
 from host.systemd import Notifier
@@ -32,6 +42,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("host")
 
 EXIT_CONFIG = 2
+_DEBUG_HELP = "show the Python traceback when a command fails (for bug reports)"
+_DRAIN_CONFIG_HELP = (f"TOML config whose drain_file holds the marks (default "
+                      f"{DEFAULT_CONFIG_PATH} if present)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,48 +53,71 @@ def _parser() -> argparse.ArgumentParser:
         description="Serve every kind of node device to the kubelet from one process.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
+    # Accepted after the command too (`capture --debug`); SUPPRESS keeps the top-level value.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help=_DEBUG_HELP)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="what to do; `device-plugin-host COMMAND --help` for more")
 
-    run = sub.add_parser("run", help="serve and register every configured resource")
+    def add(name: str, *, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], help=help, description=help[0].upper()
+                              + help[1:] + ".")
+
+
+    run = add("run", help="serve and register every configured resource")
     _config_flags(run)
-    run.add_argument("--plugin-dir", help="kubelet device-plugin directory")
+    run.add_argument("--plugin-dir", metavar="DIR",
+                     help="the kubelet's device-plugin directory, where kubelet.sock is and our"
+                          " sockets go (default: plugin_dir in [host], "
+                          "/var/lib/kubelet/device-plugins)")
 
-    discover = sub.add_parser("discover", help="print what would be advertised, then exit")
+    discover = add("discover", help="print what would be advertised, then exit")
     _config_flags(discover)
     discover.add_argument("--json", action="store_true", help="a JSON array, one object a device")
 
-    check = sub.add_parser("check-config", help="validate a config file (exit 2 when invalid)")
-    check.add_argument("file")
+    check = add("check-config", help="validate a config file (exit 2 when invalid)")
+    check.add_argument("file", help="the TOML file to check (nothing is served or changed)")
 
-    demo = sub.add_parser("demo", help="run the real host against a sample tree and simulator")
+    demo = add("demo", help="run the real host against a sample tree and simulator")
     demo.add_argument("--keep", action="store_true", help="keep the temporary directory")
 
-    drain = sub.add_parser("drain", help="mark a device Unhealthy by hand (for draining)")
-    drain.add_argument("resource", nargs="?")
-    drain.add_argument("device", nargs="?")
-    drain.add_argument("--reason", default="drained by an operator")
-    drain.add_argument("--config", help=f"TOML config (default {DEFAULT_CONFIG_PATH})")
+    drain = add("drain", help="mark a device Unhealthy by hand (for draining)")
+    drain.add_argument("resource", nargs="?", help="the resource name, e.g. nvidia.com/gpu")
+    drain.add_argument("device", nargs="?",
+                       help="the device id as discover shows it (its replicas go with it)")
+    drain.add_argument("--reason", default=DEFAULT_REASON,
+                       help="why, shown as the device's health reason (default: %(default)s)")
+    drain.add_argument("--config", help=_DRAIN_CONFIG_HELP)
     drain.add_argument("--list", action="store_true", help="print the current marks")
-    undrain = sub.add_parser("undrain", help="remove a device's drain mark")
-    undrain.add_argument("resource")
-    undrain.add_argument("device")
-    undrain.add_argument("--config", help=f"TOML config (default {DEFAULT_CONFIG_PATH})")
+    undrain = add("undrain", help="remove a device's drain mark")
+    undrain.add_argument("resource", help="the resource name of the mark")
+    undrain.add_argument("device", help="the device id of the mark")
+    undrain.add_argument("--config", help=_DRAIN_CONFIG_HELP)
 
-    pods = sub.add_parser("pods", help="which pod holds which device (kubelet PodResources API)")
+    pods = add("pods", help="which pod holds which device (kubelet PodResources API)")
     pods.add_argument("--socket", default=POD_RESOURCES_SOCKET,
                       help=f"the kubelet's pod-resources socket (default {POD_RESOURCES_SOCKET})")
     pods.add_argument("--resource", help="only this resource name (or a pattern: 'nvidia.com/*')")
     pods.add_argument("--json", action="store_true", help="a JSON array, one object a row")
 
-    capture = sub.add_parser("capture", help="write this machine's device tree as a .tree file")
-    capture.add_argument("--host-root", default="/")
-    capture.add_argument("--output", "-o", default="-")
+    capture = add("capture", help="write this machine's device tree as a .tree file")
+    capture.add_argument("--host-root", default="/", metavar="DIR",
+                         help="capture the tree under DIR instead of this machine's / "
+                              "(DIR/sys, DIR/dev)")
+    capture.add_argument("--output", "-o", default="-", metavar="FILE",
+                         help="write to FILE (atomically) instead of standard output")
     return parser
 
 
 def _config_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help=f"TOML config (default {DEFAULT_CONFIG_PATH} if present)")
-    parser.add_argument("--host-root", help="read sysfs at DIR/sys and devices at DIR/dev")
+    parser.add_argument("--config", metavar="FILE",
+                        help=f"TOML config (default {DEFAULT_CONFIG_PATH} if present, else the "
+                             "built-in defaults)")
+    parser.add_argument("--host-root", metavar="DIR",
+                        help="read sysfs at DIR/sys and devices at DIR/dev; the paths handed to "
+                             "the kubelet stay host paths (default: host_root in [host], /)")
 
 
 def _load(args: argparse.Namespace, registry: DriverRegistry) -> Config:
@@ -91,8 +127,84 @@ def _load(args: argparse.Namespace, registry: DriverRegistry) -> Config:
     )
 
 
+def host_root_problem(root: str) -> Optional[str]:
+    """Why ``root`` cannot be a host root, or None. A mistyped --host-root would otherwise
+    look like a machine without devices: every driver finds nothing under a missing tree."""
+    if not os.path.lexists(root):
+        return "does not exist"
+    if not os.path.isdir(root):
+        return "is not a directory"
+    if not os.path.isdir(os.path.join(root, "sys")):
+        return "has no sys/ directory: not a host's root (devices are read from DIR/sys)"
+    return None
+
+
+def _check_host_root(config: Config, *, from_flag: bool) -> None:
+    root = config.host.host_root
+    problem = host_root_problem(root)
+    if problem is None:
+        return
+    if from_flag:
+        raise ConfigError("command line", "--host-root", f"{root} {problem}")
+    raise ConfigError(config.path or "built-in defaults", "host.host_root", f"{root} {problem}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Every operator-caused failure ends in one line on stderr and exit 1 (or 2 for a bad
+    configuration or host root); a traceback only with ``--debug``."""
     args = _parser().parse_args(argv)
+    try:
+        code = _dispatch(args)
+        sys.stdout.flush()  # a closed pipe shows up here when the output was buffered
+        return code
+    except BrokenPipeError:
+        # The reader went away (`capture | head`): what it read is all it wanted.
+        _discard_stdout()
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except CommandError as error:
+        if args.debug:
+            traceback.print_exc()
+        print(f"device-plugin-host {args.command}: {error}", file=sys.stderr)
+        return error.code
+    except Exception as error:  # the last line of defence: one line for operators
+        if args.debug:
+            traceback.print_exc()
+        else:
+            print(f"device-plugin-host {args.command}: {describe_error(error)} "
+                  "(--debug shows the traceback)", file=sys.stderr)
+        return 1
+
+
+class CommandError(Exception):
+    """An operator-caused failure of a command: ``str()`` is the line to print."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def describe_error(error: BaseException) -> str:
+    """One line for an unexpected error: an OS error's reason and path read like a shell's."""
+    if isinstance(error, OSError) and error.strerror:
+        where = f"{error.filename}: " if error.filename else ""
+        return f"{where}{error.strerror}"
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     quiet = args.command in ("discover", "check-config", "demo", "capture")
     setup_logging("warning" if quiet else "info")
     if args.command == "demo":
@@ -113,6 +225,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"({', '.join(r.name for r in config.resources) or 'none'})")
             return 0
         config = _load(args, registry)
+        if args.command in ("discover", "run"):
+            _check_host_root(config, from_flag=args.host_root is not None)
     except ConfigError as error:
         print(f"device-plugin-host: invalid configuration: {error}", file=sys.stderr)
         return EXIT_CONFIG
@@ -127,17 +241,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 # -- run -------------------------------------------------------------------------------------
 def _drain(args: argparse.Namespace, config: Config) -> int:
     path = config.host.drain_file
-    if args.command == "drain" and (args.list or not args.resource):
-        for (resource, device), reason in sorted(read_drains(path).items()):
-            print(f"{resource}\t{device}\t{reason}")
-        return 0
-    if not args.device:
-        print("device-plugin-host drain: give RESOURCE and DEVICE (or --list)", file=sys.stderr)
-        return EXIT_CONFIG
-    reason = args.reason if args.command == "drain" else None
-    update_drains(path, (args.resource, args.device), reason)
+    try:
+        if args.command == "drain" and (args.list or args.resource is None):
+            for (resource, device), reason in sorted(read_drains(path).items()):
+                print(f"{resource}\t{device}\t{reason}")
+            return 0
+        if args.device is None:
+            raise CommandError("give RESOURCE and DEVICE (or --list)", EXIT_CONFIG)
+        problem = key_error(args.resource, args.device)
+        if problem is not None:
+            raise CommandError(problem, EXIT_CONFIG)
+        reason = args.reason if args.command == "drain" else None
+        if reason is not None:
+            try:
+                reason = clean_reason(reason)
+            except DrainError as error:  # a bad argument, like a bad name
+                raise CommandError(f"--reason: {error}", EXIT_CONFIG) from None
+        marks = update_drains(path, (args.resource, args.device), reason, missing_ok=False)
+    except DrainError as error:
+        raise CommandError(str(error)) from None
+    if args.resource not in {r.name for r in config.resources}:  # a typo, or another config
+        print(f"device-plugin-host {args.command}: note: {args.resource} is not among "
+              f"{_config_source(config, short=True)}; the mark matters once it is served",
+              file=sys.stderr)
     verb = "drained" if reason else "undrained"
-    print(f"{verb} {args.resource} {args.device} ({path}); a running host applies it at once")
+    shown = f": {marks[(args.resource, args.device)]}" if reason else ""
+    print(f"{verb} {args.resource} {args.device}{shown} ({path}); a running host applies it "
+          "at once")
     return 0
 
 
@@ -273,27 +403,66 @@ def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -
 # -- discover --------------------------------------------------------------------------------
 def _discover(config: Config, registry: DriverRegistry, *, as_json: bool) -> int:
     drivers = registry.with_unavailable()
-    inventory = asyncio.run(_scan_once(config, drivers))
+    inventory, empty = asyncio.run(_scan_once(config, drivers))
     rows: List[Dict[str, Any]] = []
     for resource in config.resources:
         for device in inventory.devices.get(resource.name, []):
             rows.append(device_record(resource.name, resource.driver, device))
+    summary = _resource_summary(config, inventory, empty)
     if as_json:
+        # stdout stays the documented array of devices; what has none is told on stderr.
         json.dump(rows, sys.stdout, indent=2)
         sys.stdout.write("\n")
+        for line in summary:
+            print(line, file=sys.stderr)
     else:
         _print_table(rows)
+        print()
+        for line in summary:
+            print(line)
     if not rows:
         kinds = ", ".join(sorted(registry.drivers)) or "none"
         print(
             f"nothing to serve: the drivers ({kinds}) found no devices under "
-            f"{config.host.host_root} for the {len(config.resources)} configured resources",
+            f"{config.host.host_root} for {_config_source(config, short=True)}",
             file=sys.stderr,
         )
     return 0
 
 
-async def _scan_once(config: Config, drivers: Dict[str, Driver]) -> Inventory:
+def _config_source(config: Config, *, short: bool = False) -> str:
+    """Where the resources come from, in words: a file, or the drivers' built-in defaults."""
+    if not config.is_default:
+        count = len(config.resources)
+        return f"the {count} resource{'s' * (count != 1)} configured in {config.path}"
+    if short:
+        return "the built-in defaults"
+    if config.path is None:
+        return f"the built-in defaults (no config file at {DEFAULT_CONFIG_PATH})"
+    return f"the built-in defaults ({config.path} has no [[resource]])"
+
+
+def _resource_summary(config: Config, inventory: Inventory, empty: Dict[str, str]) -> List[str]:
+    """One line per resource, devices or not: a resource that advertises nothing is exactly
+    the one an operator runs discover for."""
+    lines = [f"resources: {_config_source(config)}"]
+    for resource in config.resources:
+        devices = inventory.devices.get(resource.name, [])
+        if devices:
+            healthy = sum(1 for d in devices if d.healthy)
+            word = "device" if len(devices) == 1 else "devices"
+            lines.append(f"  {resource.name}: {len(devices)} {word} ({healthy} Healthy)")
+            continue
+        line = f"  {resource.name}: 0 devices: {empty.get(resource.name, 'reason unknown')}"
+        if not resource.register_when_empty:
+            line += " (a built-in default: registers once it has a device)"
+        lines.append(line)
+    return lines
+
+
+async def _scan_once(config: Config,
+                     drivers: Dict[str, Driver]) -> Tuple[Inventory, Dict[str, str]]:
+    """One scan, and for each resource that found nothing, why (while the pools exist)."""
     calls = DriverCalls()
     inventory = Inventory(
         HostFS(config.host.host_root), drivers, config.resources, calls,
@@ -301,9 +470,43 @@ async def _scan_once(config: Config, drivers: Dict[str, Driver]) -> Inventory:
     )
     try:
         await inventory.scan()
+        empty = {}
+        for resource in config.resources:
+            if not inventory.devices.get(resource.name):
+                empty[resource.name] = await _why_empty(inventory, resource, config, calls)
     finally:
         calls.shutdown()
-    return inventory
+    return inventory, empty
+
+
+async def _why_empty(inventory: Inventory, resource: ResourceConfig, config: Config,
+                     calls: DriverCalls) -> str:
+    """A driver failure, selectors that match nothing the driver sees, or a host without any
+    such device. Selectors are told apart by asking the driver again without them."""
+    status = inventory.status.get(resource.driver)
+    if status is not None and status.last_error:
+        return f"the driver failed: {status.last_error}"
+    root = config.host.host_root
+    if not resource.selectors:
+        return f"the {resource.driver} driver found no devices under {root}"
+    shown = ", ".join(f"{key}={json.dumps(value)}" for key, value in resource.selectors.items())
+    driver = inventory.drivers[resource.driver]
+    probe = dataclasses.replace(resource, selectors={})
+    logging.disable(logging.WARNING)  # the scan above already said what the driver warns
+    try:
+        result = await calls.call(resource.driver, "discover", config.host.discover_timeout_s,
+                                  driver.discover, inventory.host, [probe])
+        seen: Optional[int] = len(list(result.get(resource.name, ())))
+    except Exception:  # the answer is only a hint; the real scan already succeeded
+        seen = None
+    finally:
+        logging.disable(logging.NOTSET)
+    if seen:
+        return (f"no match for its selectors ({shown}); the {resource.driver} driver sees "
+                f"{seen} device{'s' * (seen != 1)} without them")
+    if seen == 0:
+        return f"the {resource.driver} driver found no devices under {root} (selectors: {shown})"
+    return f"no match for its selectors ({shown})"
 
 
 def device_record(resource: str, driver: str, device: Device) -> Dict[str, Any]:
@@ -362,12 +565,29 @@ def _capture(args: argparse.Namespace) -> int:
              "/dev/dri/by-path/*", "/dev/infiniband/*", "/dev/vfio/*",
              "/dev/bus/usb/*/*", "/dev/dfl-*", "/dev/xclmgmt*", "/dev/ttyUSB*", "/dev/ttyACM*",
              "/dev/hidraw*", "/dev/video*", "/dev/accel/*", "/dev/neuron*", "/dev/hailo*")
+    problem = host_root_problem(args.host_root)
+    if problem is not None:
+        raise CommandError(f"--host-root {args.host_root} {problem}", EXIT_CONFIG)
     lines = capture_tree(args.host_root, globs)
     if args.output == "-":
         for line in lines:
             print(line)
-    else:
-        with open(args.output, "w", encoding="utf-8") as out:
+        return 0
+    # Written beside the target and renamed: a failed capture leaves no half file behind.
+    directory = os.path.dirname(os.path.abspath(args.output))
+    try:
+        fd, temp = tempfile.mkstemp(dir=directory, prefix=".capture.", suffix=".tmp")
+    except OSError as error:
+        raise CommandError(f"cannot write {args.output}: {error.strerror or error}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
             for line in lines:
                 out.write(line + "\n")
+        os.chmod(temp, 0o644)
+        os.replace(temp, args.output)
+    except OSError as error:
+        raise CommandError(f"cannot write {args.output}: {error.strerror or error}") from None
+    finally:
+        if os.path.lexists(temp):
+            os.unlink(temp)
     return 0

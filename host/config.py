@@ -73,6 +73,7 @@ class HostSettings:
     allocate_timeout_s: float = 5.0  # driver allocate/preferred hooks
     discover_timeout_s: float = 30.0  # one driver scan
     register_timeout_s: float = 20.0  # Register covers the kubelet's 10 s dial-back + options
+    liveness_grace_s: float = 300.0  # /healthz fails after a resource this long unregistered
     rescan_interval_s: float = 300.0  # safety rescan; 0 disables
     vanished_grace_s: float = 300.0  # how long a device gone from sysfs is still Unhealthy
     drain_file: str = "/var/lib/device-plugin-host/drained"  # operator's Unhealthy marks
@@ -128,6 +129,8 @@ _HOST_NUMBERS: Mapping[str, _Range] = {
     "allocate_timeout_s": _Range(0, True, 300),
     "discover_timeout_s": _Range(0, True, 3600),
     "register_timeout_s": _Range(0, True, 300),
+    # While the kubelet is up; 0 disables the check (host/liveness.py).
+    "liveness_grace_s": _Range(1, False, 86400, zero_disables=True),
     # A rescan more often than every second would be a busy loop over sysfs.
     "rescan_interval_s": _Range(1, False, 86400, zero_disables=True),
     "vanished_grace_s": _Range(0, False, 7 * 86400),

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import platform
 import time
-from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -153,6 +153,9 @@ class HostMetrics:
         self._server: Optional[asyncio.AbstractServer] = None
         self._connections: Set[asyncio.Task] = set()
         self.address: Optional[Tuple[str, int]] = None
+        # /healthz: None answers "ok" whenever the loop answers; the host sets its
+        # registration check (host/liveness.py), whose problems turn the answer into a 503.
+        self.liveness: Optional[Callable[[], List[str]]] = None
 
     # -- what the host calls (cheap, never raising) -----------------------------------------
     def set_devices(self, resource: str, devices: Iterable[Device]) -> None:
@@ -383,20 +386,39 @@ class HostMetrics:
             return
         if path == "/metrics":
             body, content_type = await self.render(headers.get("accept", ""))
+        elif path == "/healthz":
+            status, body = self.health()
+            await _respond(writer, status, body, head_only=method == "HEAD")
+            return
         elif path == "/":
-            body, content_type = (b"device-plugin-host: metrics at /metrics\n",
-                                  "text/plain; charset=utf-8")
+            body, content_type = (b"device-plugin-host: metrics at /metrics, liveness at "
+                                  b"/healthz\n", "text/plain; charset=utf-8")
         else:
-            await _respond(writer, 404, b"not found; try /metrics\n")
+            await _respond(writer, 404, b"not found; try /metrics or /healthz\n")
             return
         await _respond(writer, 200, body, content_type, head_only=method == "HEAD")
+
+    def health(self) -> Tuple[int, bytes]:
+        """/healthz: answered on the event loop, so a stuck loop fails the probe by its
+        timeout; 503 with one line per problem the liveness check reports."""
+        if self.liveness is None:
+            return 200, b"ok\n"
+        try:
+            problems = self.liveness()
+        except Exception as error:  # a bug in the check must not restart a working host
+            log.exception("metrics: the liveness check failed")
+            return 200, f"ok (the registration check failed: {error})\n".encode()
+        if not problems:
+            return 200, b"ok\n"
+        return 503, "".join(f"unhealthy: {p}\n" for p in problems).encode()
 
 
 def _join(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed"}
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            503: "Service Unavailable"}
 
 
 async def _respond(writer: asyncio.StreamWriter, status: int, body: bytes,

@@ -250,11 +250,28 @@ class DevicePluginService:
         self, container: api.ContainerPreferredAllocationRequest, where: str
     ) -> List[str]:
         size = container.allocation_size
-        must = list(container.must_include_deviceIDs)
-        available_ids = list(dict.fromkeys([*container.available_deviceIDs, *must]))
+        must = list(dict.fromkeys(container.must_include_deviceIDs))
+        available_ids = list(dict.fromkeys(container.available_deviceIDs))
         if size < 1:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"{where}: allocation_size must be at least 1, got {size}")
+        # The kubelet lists the must-include ids among the available ones and asks only for
+        # what it has candidates for (devicesToAllocate); anything else is a broken client,
+        # and answering it would hand back ids it never offered, or too few.
+        offered = set(available_ids)
+        outside = [device_id for device_id in must if device_id not in offered]
+        if outside:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: must-include id {_show(outside[0])} is not in available_deviceIDs"
+                + (f" (and {len(outside) - 1} more)" if len(outside) > 1 else ""),
+            )
+        if size > len(available_ids):
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: allocation_size {size} is larger than the {len(available_ids)} "
+                "available ids",
+            )
         if len(must) > size:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -13,7 +13,8 @@ Rules, chosen so that every GPU the kubelet sees is either fully usable or visib
   ``GPU-????????-...`` for a GPU it could not initialise), and is the same kind of id for all
   three vendors. The NVIDIA UUID is carried as an attribute and in NVIDIA_VISIBLE_DEVICES.
 * NVIDIA: /dev/nvidiaN with N the "Device Minor" of /proc/driver/nvidia/gpus/<addr>/information,
-  plus /dev/nvidiactl (required) and /dev/nvidia-uvm, -uvm-tools, -modeset where present. No
+  plus /dev/nvidiactl (required) and /dev/nvidia-uvm, -uvm-tools where present (-modeset, the
+  display interface, only with the setting ``nvidia_modeset = true``: see nvidia.py). No
   information file means no minor: the GPU is Unhealthy with the reason, except where it cannot
   be ambiguous and procfs lists no GPU at all (a tree captured or mounted without it): one GPU
   with exactly one /dev/nvidiaN, or N GPUs all bound to nvidia with exactly /dev/nvidia0..N-1,
@@ -42,7 +43,13 @@ from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from drivers.gpu.drm import drm_nodes
-from drivers.gpu.nvidia import NvidiaInfo, proc_addresses, read_information
+from drivers.gpu.nvidia import (
+    MODESET_SETTING,
+    NvidiaInfo,
+    apply_modeset_setting,
+    proc_addresses,
+    read_information,
+)
 from host.driver import Driver, SelectorError, selector_values
 from host.hostfs import HostFS
 from host.model import ContainerAllocation, Device, DeviceNode, Health, Mount, ResourceConfig
@@ -98,7 +105,7 @@ class GpuDriver(Driver):
     name = "gpu"
     subsystems = ("pci", "drm")
     selector_types = {**PCI_SELECTOR_TYPES, "class": (str,)}
-    setting_types = {}
+    setting_types = {MODESET_SETTING: (bool,)}
 
     # -- configuration -------------------------------------------------------------------
     def check_selectors(self, selectors: Mapping[str, object]) -> None:
@@ -177,7 +184,7 @@ class GpuDriver(Driver):
                 p is not None and _class_matches(entry.function.pci_class, p) for p in patterns
             ):
                 continue
-            out.append(entry.device)
+            out.append(apply_modeset_setting(entry.device, resource.settings))
         return out
 
     # -- allocation ----------------------------------------------------------------------
