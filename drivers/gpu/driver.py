@@ -41,7 +41,9 @@ import re
 from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from drivers.gpu import amd
 from drivers.gpu.drm import drm_nodes
+from drivers.gpu.kfd import KfdNode, read_topology, xgmi_peers
 from drivers.gpu.nvidia import NvidiaInfo, proc_addresses, read_information
 from host.driver import Driver, SelectorError, selector_values
 from host.hostfs import HostFS
@@ -96,8 +98,10 @@ class GpuInventory:
 
 class GpuDriver(Driver):
     name = "gpu"
+    # A compute repartition rebuilds the KFD topology under the PCI function: its change
+    # events arrive as "pci" or "drm"; the safety rescan covers kernels that send none.
     subsystems = ("pci", "drm")
-    selector_types = {**PCI_SELECTOR_TYPES, "class": (str,)}
+    selector_types = {**PCI_SELECTOR_TYPES, "class": (str,), "partition_mode": (str,)}
     setting_types = {}
 
     # -- configuration -------------------------------------------------------------------
@@ -111,6 +115,10 @@ class GpuDriver(Driver):
                     f'{value!r} is not a PCI class: use 2, 4 or 6 hex digits ("0x03" base'
                     ' class, "0x0302" class and subclass, "0x030200" with prog-if)',
                 )
+        for value in selector_values(selectors, "partition_mode") or []:
+            problem = amd.mode_selector_error(str(value))
+            if problem is not None:
+                raise SelectorError("partition_mode", problem)
 
     def default_resources(self) -> Sequence[ResourceConfig]:
         return (
@@ -144,29 +152,34 @@ class GpuDriver(Driver):
         for address, (minor, _) in minors.items():
             if minor is not None:
                 claims.setdefault(minor, []).append(address)
+        amd_gpus = [fn for fn in gpus if fn.vendor == AMD and not _is_passthrough(fn)]
+        kfd = read_topology(host) if amd_gpus else []
+        peers = xgmi_peers(kfd)
         entries = []
         for fn in gpus:
             passthrough = _is_passthrough(fn)
             if passthrough:
-                device = _passthrough_device(host, fn)
+                devices = [_passthrough_device(host, fn)]
             elif fn.vendor == NVIDIA:
                 minor, note = minors[fn.address]
                 others = claims.get(minor, []) if minor is not None else []
                 shared = [a for a in others if a != fn.address]
-                device = _nvidia_device(host, fn, infos[fn.address], minor, note, shared)
+                devices = [_nvidia_device(host, fn, infos[fn.address], minor, note, shared)]
             elif fn.vendor == AMD:
-                device = _drm_device(host, fn, "amd", required=(KFD,))
+                devices = _amd_devices(host, fn, kfd, peers.get(fn.address, set()))
             else:
-                device = _drm_device(host, fn, "intel", required=())
-            if not device.healthy:
-                logger.warning("gpu %s: unhealthy: %s", fn.address, device.health_reason)
-            entries.append(GpuEntry(fn, device, passthrough))
+                devices = [_drm_device(host, fn, "intel", required=())]
+            for device in devices:
+                if not device.healthy:
+                    logger.warning("gpu %s: unhealthy: %s", device.id, device.health_reason)
+                entries.append(GpuEntry(fn, device, passthrough))
         return GpuInventory(tuple(entries))
 
     def select(self, inventory: GpuInventory, resource: ResourceConfig) -> Sequence[Device]:
         selectors = resource.selectors
         named_drivers = selector_values(selectors, "kernel_driver") or []
         patterns = [_class_pattern(str(v)) for v in selector_values(selectors, "class") or []]
+        modes = [str(v) for v in selector_values(selectors, "partition_mode") or []]
         out = []
         for entry in inventory.entries:
             if entry.passthrough and entry.function.kernel_driver not in named_drivers:
@@ -176,6 +189,8 @@ class GpuDriver(Driver):
             if patterns and not any(
                 p is not None and _class_matches(entry.function.pci_class, p) for p in patterns
             ):
+                continue
+            if modes and not amd.mode_matches(entry.device.attributes.get("partition_mode"), modes):
                 continue
             out.append(entry.device)
         return out
@@ -399,6 +414,72 @@ def _drm_device(host: HostFS, fn: PciFunction, vendor: str, required: Sequence[s
             if host.readlink(link) is not None and host.exists(link):  # not dangling
                 mounts.append(Mount(link, link, read_only=True))
     return _device(fn, paths, problems, attributes, mounts=mounts)
+
+
+def _amd_devices(
+    host: HostFS, fn: PciFunction, kfd: Sequence[KfdNode], peers: set
+) -> List[Device]:
+    """The whole GPU, or its partitions when KFD lists more than one agent for it."""
+    mode = amd.read_mode(host.read, fn.path)
+    whole = _drm_device(host, fn, "amd", required=(KFD,))
+    extra: Dict[str, str] = {}
+    if mode.name is not None:
+        extra["partition_mode"] = mode.name
+        extra["compute_partition"] = mode.compute or ""
+        if mode.memory:
+            extra["memory_partition"] = mode.memory
+        if mode.available:
+            extra["available_compute_partitions"] = ",".join(mode.available)
+    vram = host.read_int(f"{fn.path}/mem_info_vram_total", 10)
+    if vram:
+        extra["memory_bytes"] = str(vram)
+    if "product_name" in whole.attributes:
+        extra["product"] = whole.attributes["product_name"]
+    if peers:
+        extra["xgmi_peers"] = ",".join(sorted(peers))
+    parts = amd.partitions_of(host, fn.address, kfd)
+    if len(parts) <= 1:
+        device = replace(whole, attributes={**whole.attributes, **extra})
+        if mode.partitioned:
+            found = "one KFD node" if parts else "no KFD topology node"
+            return [_add_problem(device, (
+                f"compute partition {mode.compute} but {found} for it (repartition in progress,"
+                " or amdgpu's KFD not loaded): neither the whole GPU nor its partitions can be"
+                " served"))]
+        return [device]
+    driver_problems = _driver_problems(host, fn)
+    duplicates = amd.duplicate_indices(parts)
+    count = len(parts)
+    out = []
+    for part in parts:
+        paths = [KFD]
+        if part.card is not None:
+            paths.append(f"/dev/dri/{part.card}")
+        paths.append(f"/dev/dri/{part.render}")
+        problems = list(driver_problems) + _missing(host, paths)
+        if part.index in duplicates:
+            problems.append(f"KFD lists partition {part.index} {duplicates[part.index]} times")
+        attributes = {
+            **{k: v for k, v in whole.attributes.items() if k not in ("drm_card", "drm_render")},
+            **extra,
+            "partition_index": str(part.index),
+            "partition_count": str(count),
+            "drm_render": part.render,
+        }
+        if part.card is not None:
+            attributes["drm_card"] = part.card
+        if part.mem_bytes:
+            attributes["memory_bytes"] = str(part.mem_bytes)
+        elif vram:
+            attributes["memory_bytes"] = str(vram // count)
+        device = _device(fn, paths, problems, attributes)
+        out.append(replace(device, id=amd.partition_id(fn.address, part.index)))
+    return out
+
+
+def _add_problem(device: Device, problem: str) -> Device:
+    reason = "; ".join(r for r in (device.health_reason, problem) if r)
+    return device.with_health(Health.UNHEALTHY, reason)
 
 
 # -- passthrough --------------------------------------------------------------------------------
