@@ -32,19 +32,27 @@ Rules, chosen so that every GPU the kubelet sees is either fully usable or visib
 * SR-IOV: an Intel or AMD PF with VFs enabled is left on the host and its VFs are served (the
   Intel GPU plugin's rule); NVIDIA VFs are vGPU-manager functions with no container node and
   are skipped.
+* AMD compute partitions (amd.py, kfd.py): a GPU with more than one KFD agent is served as its
+  partitions; selector ``partition_mode`` gives ROCm's "mixed" names (amd.com/cpx_nps4).
+* NVIDIA MIG (mig.py, nvml.py): a GPU in MIG mode is never served whole. Setting
+  ``mig_strategy`` has NVIDIA's meaning: "none" (whole GPUs only), "single" (the MIG devices
+  under the resource's own name), "mixed" (whole GPUs here; MIG devices under resources that
+  select them by ``mig_profile`` (NVML), ``mig_parent``, ``mig_gi``, ``mig_ci``).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from drivers.gpu import amd
 from drivers.gpu.drm import drm_nodes
 from drivers.gpu.kfd import KfdNode, read_topology, xgmi_peers
+from drivers.gpu.mig import MigDevice, read_mig_devices
 from drivers.gpu.nvidia import NvidiaInfo, proc_addresses, read_information
+from drivers.gpu.nvml import NvmlSource, NvmlView, PynvmlSource
 from host.driver import Driver, SelectorError, selector_values
 from host.hostfs import HostFS
 from host.model import ContainerAllocation, Device, DeviceNode, Health, Mount, ResourceConfig
@@ -84,16 +92,23 @@ _NVIDIA_NODE = re.compile(r"nvidia(\d+)\Z")
 _HEX = re.compile(r"[0-9a-f]+\Z")
 
 
+MIG_STRATEGIES = ("none", "single", "mixed")
+NO_NVML = NvmlView(False, "not needed: no NVIDIA GPU bound to nvidia")
+MIG_SELECTORS = ("mig_profile", "mig_parent", "mig_gi", "mig_ci")
+
+
 @dataclass(frozen=True)
 class GpuEntry:
     function: PciFunction
     device: Device
     passthrough: bool
+    mig: bool = False  # a MIG device (compute instance) of the function, not the function
 
 
 @dataclass(frozen=True)
 class GpuInventory:
     entries: Tuple[GpuEntry, ...]
+    nvml: NvmlView = field(default_factory=lambda: NO_NVML)
 
 
 class GpuDriver(Driver):
@@ -101,8 +116,15 @@ class GpuDriver(Driver):
     # A compute repartition rebuilds the KFD topology under the PCI function: its change
     # events arrive as "pci" or "drm"; the safety rescan covers kernels that send none.
     subsystems = ("pci", "drm")
-    selector_types = {**PCI_SELECTOR_TYPES, "class": (str,), "partition_mode": (str,)}
-    setting_types = {}
+    selector_types = {
+        **PCI_SELECTOR_TYPES, "class": (str,), "partition_mode": (str,),
+        "mig_profile": (str,), "mig_parent": (str,), "mig_gi": (int,), "mig_ci": (int,),
+    }
+    setting_types = {"mig_strategy": (str,)}
+
+    def __init__(self, nvml: Optional[NvmlSource] = None) -> None:
+        # NVML is asked only when a scan finds NVIDIA GPUs bound to nvidia (see nvml.py).
+        self._nvml: NvmlSource = nvml if nvml is not None else PynvmlSource()
 
     # -- configuration -------------------------------------------------------------------
     def check_selectors(self, selectors: Mapping[str, object]) -> None:
@@ -119,6 +141,15 @@ class GpuDriver(Driver):
             problem = amd.mode_selector_error(str(value))
             if problem is not None:
                 raise SelectorError("partition_mode", problem)
+
+    def check_settings(self, settings: Mapping[str, object]) -> None:
+        super().check_settings(settings)
+        strategy = settings.get("mig_strategy")
+        if strategy is not None and strategy not in MIG_STRATEGIES:
+            raise SelectorError(
+                "mig_strategy",
+                f"{strategy!r} is not a MIG strategy: use one of {', '.join(MIG_STRATEGIES)}",
+            )
 
     def default_resources(self) -> Sequence[ResourceConfig]:
         return (
@@ -152,6 +183,9 @@ class GpuDriver(Driver):
         for address, (minor, _) in minors.items():
             if minor is not None:
                 claims.setdefault(minor, []).append(address)
+        bound = [fn for fn in nvidia if fn.kernel_driver == "nvidia"]
+        nvml = self._nvml_view() if bound else NO_NVML
+        migs = read_mig_devices(host) if bound else {}
         amd_gpus = [fn for fn in gpus if fn.vendor == AMD and not _is_passthrough(fn)]
         kfd = read_topology(host) if amd_gpus else []
         peers = xgmi_peers(kfd)
@@ -164,7 +198,26 @@ class GpuDriver(Driver):
                 minor, note = minors[fn.address]
                 others = claims.get(minor, []) if minor is not None else []
                 shared = [a for a in others if a != fn.address]
-                devices = [_nvidia_device(host, fn, infos[fn.address], minor, note, shared)]
+                whole = _nvidia_device(host, fn, infos[fn.address], minor, note, shared)
+                linked = nvml.nvlink_peers.get(fn.address)
+                if linked:
+                    whole = replace(whole, attributes={
+                        **whole.attributes, "nvlink_peers": ",".join(sorted(linked))})
+                own = migs.get(minor, []) if minor is not None else []
+                in_mig = nvml.mig_mode.get(fn.address, bool(own)) if nvml.available else bool(own)
+                if in_mig:
+                    logger.warning(
+                        "gpu %s is in MIG mode (%d MIG devices): never served whole; its MIG"
+                        " devices serve with mig_strategy = \"single\" or MIG selectors",
+                        fn.address, len(own))
+                    for mig in own:
+                        device = _mig_device(host, whole, mig, nvml)
+                        if not device.healthy:
+                            logger.warning("gpu %s: unhealthy: %s", device.id,
+                                           device.health_reason)
+                        entries.append(GpuEntry(fn, device, False, mig=True))
+                    continue
+                devices = [whole]
             elif fn.vendor == AMD:
                 devices = _amd_devices(host, fn, kfd, peers.get(fn.address, set()))
             else:
@@ -173,13 +226,27 @@ class GpuDriver(Driver):
                 if not device.healthy:
                     logger.warning("gpu %s: unhealthy: %s", device.id, device.health_reason)
                 entries.append(GpuEntry(fn, device, passthrough))
-        return GpuInventory(tuple(entries))
+        return GpuInventory(tuple(entries), nvml)
+
+    def _nvml_view(self) -> NvmlView:
+        try:
+            return self._nvml.read()
+        except Exception as error:  # a broken source must not fail the scan
+            logger.warning("gpu: NVML source failed: %s", error)
+            return NvmlView(False, f"NVML failed: {type(error).__name__}: {error}")
 
     def select(self, inventory: GpuInventory, resource: ResourceConfig) -> Sequence[Device]:
         selectors = resource.selectors
         named_drivers = selector_values(selectors, "kernel_driver") or []
         patterns = [_class_pattern(str(v)) for v in selector_values(selectors, "class") or []]
         modes = [str(v) for v in selector_values(selectors, "partition_mode") or []]
+        strategy = str(resource.settings.get("mig_strategy", "none"))
+        mig_resource = any(key in selectors for key in MIG_SELECTORS)
+        if "mig_profile" in selectors and not inventory.nvml.available:
+            logger.warning(
+                "resource %s selects mig_profile, which only NVML knows (%s): no MIG device"
+                " matches; select by mig_parent / mig_gi / mig_ci instead",
+                resource.name, inventory.nvml.reason)
         out = []
         for entry in inventory.entries:
             if entry.passthrough and entry.function.kernel_driver not in named_drivers:
@@ -192,7 +259,17 @@ class GpuDriver(Driver):
                 continue
             if modes and not amd.mode_matches(entry.device.attributes.get("partition_mode"), modes):
                 continue
+            if entry.mig:
+                if mig_resource:
+                    if not _mig_matches(entry.device, selectors):
+                        continue
+                elif strategy != "single":
+                    continue
+            elif mig_resource:
+                continue  # a resource of MIG devices serves no whole GPU
             out.append(entry.device)
+        if strategy == "single" and not mig_resource:
+            out = _single_strategy(out)
         return out
 
     # -- allocation ----------------------------------------------------------------------
@@ -266,6 +343,39 @@ def _class_pattern(text: str) -> Optional[Tuple[int, int]]:
 def _class_matches(pci_class: Optional[int], pattern: Tuple[int, int]) -> bool:
     value, shift = pattern
     return pci_class is not None and pci_class >> shift == value
+
+
+def _mig_matches(device: Device, selectors: Mapping[str, object]) -> bool:
+    attributes = device.attributes
+    for key, attribute in (("mig_profile", "mig_profile"), ("mig_parent", "pci_address"),
+                           ("mig_gi", "mig_gi"), ("mig_ci", "mig_ci")):
+        wanted = selector_values(selectors, key)
+        if wanted is None:
+            continue
+        have = attributes.get(attribute)
+        if have is None or have.lower() not in {str(v).strip().lower() for v in wanted}:
+            return False
+    return True
+
+
+def _single_strategy(devices: List[Device]) -> List[Device]:
+    """NVIDIA's "single": every GPU in MIG mode with one profile, MIG devices served under the
+    resource's name. A node that breaks the rule gets the offending devices Unhealthy with
+    the reason (NVIDIA's plugin refuses to start instead); without MIG devices it is "none"."""
+    migs = [d for d in devices if "mig_ci" in d.attributes]
+    if not migs:
+        return devices
+    profiles = sorted({d.attributes["mig_profile"] for d in migs if "mig_profile" in d.attributes})
+    out = []
+    for device in devices:
+        if "mig_ci" not in device.attributes and device.attributes.get("gpu_vendor") == "nvidia":
+            device = _add_problem(device, 'mig_strategy "single": this GPU is not in MIG mode'
+                                  ' while others are; use "mixed"')
+        elif len(profiles) > 1 and "mig_ci" in device.attributes:
+            device = _add_problem(device, 'mig_strategy "single" needs one MIG profile on the'
+                                  f' node, found {", ".join(profiles)}; use "mixed"')
+        out.append(device)
+    return out
 
 
 def kubevirt_env_name(resource_name: str) -> str:
@@ -387,6 +497,57 @@ def _nvidia_device(
             attributes["vbios"] = info.vbios
     visible = info.uuid if info is not None and info.uuid else fn.address
     return _device(fn, paths, problems, attributes, env={"NVIDIA_VISIBLE_DEVICES": visible})
+
+
+def _mig_device(host: HostFS, parent: Device, mig: MigDevice, nvml: NvmlView) -> Device:
+    """A MIG device: the parent's nodes (minus nothing: CUDA opens /dev/nvidiaN of the parent)
+    plus the GI and CI capability nodes, the parent's NUMA node and health."""
+    address = parent.attributes["pci_address"]
+    problems = [parent.health_reason] if parent.health_reason else []
+    problems.extend(mig.problems)
+    caps = list(mig.cap_nodes)
+    problems.extend(_missing(host, caps))
+    nodes = [n.host_path for n in parent.device_nodes]
+    nodes[1:1] = caps  # /dev/nvidiaN, its caps, then the control nodes
+    attributes = {
+        k: v for k, v in parent.attributes.items()
+        if k not in ("uuid", "device_minor_source", "nvlink_peers")
+    }
+    attributes.update({
+        "mig_parent_minor": str(mig.gpu_minor),
+        "mig_gi": str(mig.gi),
+        "mig_ci": str(mig.ci),
+    })
+    if mig.gi_cap is not None:
+        attributes["mig_gi_cap"] = str(mig.gi_cap)
+    if mig.ci_cap is not None:
+        attributes["mig_ci_cap"] = str(mig.ci_cap)
+    env: Dict[str, str] = {}
+    known = nvml.migs.get((address, mig.gi, mig.ci)) if nvml.available else None
+    if known is not None:
+        if known.profile:
+            attributes["mig_profile"] = known.profile
+        if known.uuid:
+            attributes["mig_uuid"] = known.uuid
+            env["NVIDIA_VISIBLE_DEVICES"] = known.uuid
+    elif nvml.available:
+        attributes["nvml"] = "NVML lists no MIG device with these GPU/compute instance ids"
+    else:
+        attributes["nvml"] = (f"not available: {nvml.reason}; it would add mig_profile and"
+                              " mig_uuid")
+    if "NVIDIA_VISIBLE_DEVICES" not in env and "uuid" in parent.attributes:
+        # The R450-era MIG name the container toolkit still resolves, from procfs facts only.
+        env["NVIDIA_VISIBLE_DEVICES"] = f"MIG-{parent.attributes['uuid']}/{mig.gi}/{mig.ci}"
+    unique = list(dict.fromkeys(problems))
+    return Device(
+        id=f"{address}-gi{mig.gi}-ci{mig.ci}",
+        health=Health.UNHEALTHY if unique else Health.HEALTHY,
+        health_reason="; ".join(unique),
+        numa_nodes=parent.numa_nodes,
+        device_nodes=tuple(DeviceNode(p, p, "rw") for p in dict.fromkeys(nodes)),
+        env=env,
+        attributes=attributes,
+    )
 
 
 # -- AMD and Intel ------------------------------------------------------------------------------

@@ -6,8 +6,9 @@
   GPUs' DRM minors start at card1 / renderD128 and each takes 8 (its own + 7 amdgpu_xcp).
   All eight form one XGMI hive (fully connected, one hop each).
 * mi300x-spx: the same platform in SPX / NPS1: 8 GPUs, still 64 render nodes.
-* hgx-h100-mig: the HGX H100 layout of gpu-server-8x's GPUs, GPUs 0-1 in MIG mode (GPU 0:
-  seven 1g.10gb, GPU 1: one 3g.40gb + one 4g.40gb... as GI/CI ids in procfs), GPUs 2-7 whole.
+* hgx-h100-mig: gpu-server-8x (an HGX H100) with GPUs 0-1 in MIG mode (GPU 0: seven
+  1g.10gb, GPU 1: 4g.40gb + 3g.40gb, as procfs shows them: GI/CI ids and cap minors), GPUs
+  2-7 whole; served without NVML, so the resource names are the operator's.
 
 The builders are host/testing/fake_gpu.py's (each layout detail is sourced there). Each tree
 gets a config beside it and the golden ``discover --json`` output of that config.
@@ -83,6 +84,20 @@ def mi300x(compute: str, memory: str) -> Callable[[FakeTree], None]:
     return build
 
 
+def hgx_mig(tree: FakeTree) -> None:
+    """gpu-server-8x's HGX H100 with MIG on GPUs 0 and 1 (minors 0, 1): GPU 0 as seven
+    1g.10gb (GPU instances 7..13, H100's ids for that profile), GPU 1 as 4g.40gb + 3g.40gb
+    (GPU instances 1 and 2), each with compute instance 0; the driver's mig-minors table,
+    the config/monitor capabilities and the cap nodes nvidia-modprobe creates."""
+    tree.load((MACHINES / "gpu-server-8x.tree").read_text(encoding="utf-8"))
+    fake_gpu.add_mig_minors_table(tree, gpus=8)
+    fake_gpu.add_mig_config_caps(tree)
+    for gi in range(7, 14):
+        fake_gpu.add_mig_device(tree, 0, gi, 0)
+    for gi in (1, 2):
+        fake_gpu.add_mig_device(tree, 1, gi, 0)
+
+
 MACHINE_BUILDERS = {
     "mi300x-cpx-nps4": (mi300x("CPX", "NPS4"), [
         ("amd.com/cpx_nps4", {"vendor": "0x1002", "partition_mode": "cpx_nps4"}),
@@ -91,14 +106,23 @@ MACHINE_BUILDERS = {
     "mi300x-spx": (mi300x("SPX", "NPS1"), [
         ("amd.com/gpu", {"vendor": "0x1002"}),
     ], "8x MI300X, SPX/NPS1: 8 GPUs (and 56 idle xcp render nodes); single naming"),
+    "hgx-h100-mig": (hgx_mig, [
+        ("nvidia.com/gpu", {"vendor": "0x10de"}, {"mig_strategy": "mixed"}),
+        ("nvidia.com/mig-1g.10gb", {"mig_parent": "0000:18:00.0"}),
+        ("nvidia.com/mig-4g.40gb", {"mig_parent": "0000:2a:00.0", "mig_gi": 1}),
+        ("nvidia.com/mig-3g.40gb", {"mig_parent": "0000:2a:00.0", "mig_gi": 2}),
+    ], "HGX H100 8-GPU, MIG on GPUs 0-1 (procfs only); mixed strategy, names by operator"),
 }
 
 
 def config_text(resources) -> str:
     lines = []
-    for name, selectors in resources:
+    for name, selectors, *settings in resources:
         lines += ["[[resource]]", f'name = "{name}"', 'driver = "gpu"', "[resource.selectors]"]
         lines += [f"{key} = {json.dumps(value)}" for key, value in selectors.items()]
+        if settings:
+            lines.append("[resource.settings]")
+            lines += [f"{key} = {json.dumps(value)}" for key, value in settings[0].items()]
         lines.append("")
     return "\n".join(lines)
 
@@ -111,7 +135,7 @@ def golden(tree_path: Path, config_path: Path) -> str:
              str(config_path), "--json"],
             check=True, capture_output=True, text=True, cwd=ROOT,
         )
-    return out.stdout
+    return json.dumps(fake_gpu.golden_rows(json.loads(out.stdout)), indent=2) + "\n"
 
 
 def main() -> None:
