@@ -50,12 +50,21 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from drivers.gpu import amd
 from drivers.gpu.drm import drm_nodes
 from drivers.gpu.kfd import KfdNode, read_topology, xgmi_peers
+from drivers.gpu.links import link_preferred
 from drivers.gpu.mig import MigDevice, read_mig_devices
 from drivers.gpu.nvidia import NvidiaInfo, proc_addresses, read_information
 from drivers.gpu.nvml import NvmlSource, NvmlView, PynvmlSource
 from host.driver import Driver, SelectorError, selector_values
 from host.hostfs import HostFS
-from host.model import ContainerAllocation, Device, DeviceNode, Health, Mount, ResourceConfig
+from host.model import (
+    ContainerAllocation,
+    Device,
+    DeviceNode,
+    Health,
+    Mount,
+    PreferredRequest,
+    ResourceConfig,
+)
 from host.pci import (
     PCI_SELECTOR_TYPES,
     PciFunction,
@@ -273,6 +282,15 @@ class GpuDriver(Driver):
         return out
 
     # -- allocation ----------------------------------------------------------------------
+    def preferred(
+        self, resource: ResourceConfig, request: PreferredRequest
+    ) -> Optional[Sequence[str]]:
+        """Link-aware choice (links.py): XGMI/NVLink cliques, then fewest GPUs, then NUMA.
+        Replicated resources keep the host's pack/spread policy."""
+        if resource.replicas > 1:
+            return None
+        return link_preferred(request.available, request.must_include, request.size)
+
     def allocate(
         self, resource: ResourceConfig, devices: Sequence[Device], merged: ContainerAllocation
     ) -> ContainerAllocation:
