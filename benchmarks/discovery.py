@@ -3,7 +3,9 @@
 Trees are generated once per run into a temporary directory (untimed): 2048 PCI GPU functions
 for the ``gpu`` driver (254 NVIDIA, the rest AMD and Intel, over 8 NUMA nodes and two PCI
 domains, every one healthy), and 16 SR-IOV PFs with 64 VFs each (1024 VFs, half on vfio-pci,
-half on iavf with netdevs) for the ``sriov`` driver.
+half on iavf with netdevs) for the ``sriov`` driver; an 8x MI300X node in CPX/NPS4 mode (64
+compute partitions from the KFD topology, 64 render nodes, 4096 XGMI io_links) for the ``gpu``
+driver's partition path.
 
 Figure: ``driver.discover(HostFS(root), resources)``, median of several warm runs (the page
 and dentry caches hot, as on a node rescanning). Floor: the file-system calls that discovery
@@ -29,7 +31,7 @@ from host.model import ResourceConfig
 from host.testing import fake_gpu, fake_net
 from host.testing.tree import FakeTree
 
-KEYS = ("discovery_ms_2048", "discovery_ms_sriov_1024")
+KEYS = ("discovery_ms_2048", "discovery_ms_sriov_1024", "discovery_ms_cpx_64")
 NUMA_NODES = 8
 NVIDIA_GPUS = 254  # every minor the NVIDIA driver can hand a GPU (0..253)
 SRIOV_PFS = 16
@@ -124,12 +126,24 @@ def build_sriov_tree(root: str, pfs: int = SRIOV_PFS, vfs: int = VFS_PER_PF) -> 
         )
 
 
+def build_cpx_tree(root: str, gpus: int = 8) -> None:
+    """``gpus`` MI300X in CPX/NPS4, one XGMI hive, four per NUMA node (fake_gpu.AmdMachine)."""
+    tree = FakeTree(root)
+    tree.numa_nodes(2)
+    machine = fake_gpu.AmdMachine(tree, cpu_nodes=2)
+    for number in range(gpus):
+        machine.add_gpu(f"0000:{0x05 + number * 0x20:02x}:00.0", numa_node=number * 2 // gpus,
+                        compute="CPX", memory="NPS4")
+    machine.write_kfd()
+
+
 # -- measurement -----------------------------------------------------------------------------
 def _measure_driver(ctx: Context, key: str, driver: Driver, resources: List[ResourceConfig],
                     root: str, expected: int) -> Figure:
     runs = ctx.pick(15, 5, 1)
+    driver.discover(HostFS(root), resources)  # warms the page cache and any driver cache
     recorder = RecordingHostFS(root)
-    found = driver.discover(recorder, resources)  # also warms the caches
+    found = driver.discover(recorder, resources)  # the calls a warm rescan makes
     total = sum(len(devices) for devices in found.values())
     healthy = sum(1 for devices in found.values() for d in devices if d.healthy)
     if total != expected:
@@ -156,6 +170,29 @@ def _measure_driver(ctx: Context, key: str, driver: Driver, resources: List[Reso
         f"{total} devices ({healthy} healthy), median of {runs}; floor replays {calls}",
         f"the attribute reads alone (os.open/os.read): {median(timings['reads']):.1f} ms",
     ])
+
+
+def _cold_note(ctx: Context, resources: List[ResourceConfig], root: str) -> str:
+    """The same discovery by a fresh driver each time (no KFD topology cached: the first scan
+    after start, or after the topology's generation moved), against its own calls."""
+    recorder = RecordingHostFS(root)
+    GpuDriver().discover(recorder, resources)
+    ops = list(recorder.ops)
+    host = HostFS(root)
+    cold: List[float] = []
+    floor: List[float] = []
+    for _ in range(ctx.pick(15, 5, 1)):
+        driver = GpuDriver()
+        started = now()
+        driver.discover(host, resources)
+        cold.append((now() - started) * 1000)
+        started = now()
+        replay(ops)
+        floor.append((now() - started) * 1000)
+    value, bare = median(cold), median(floor)
+    return (f"cold (fresh driver, whole KFD topology read, {len(ops)} calls): {value:.1f} ms"
+            f" vs {bare:.1f} ms bare, {value / bare:.2f}x; warm rescans reuse the topology"
+            " while KFD's generation_id is unchanged")
 
 
 def run(ctx: Context) -> List[Figure]:
@@ -185,5 +222,18 @@ def run(ctx: Context) -> List[Figure]:
             ], root, pfs * vfs)
             if ctx.tiny:
                 figure.notes.append(f"tiny run: {pfs * vfs} VFs")
+            figures.append(figure)
+        if ctx.wants("discovery_ms_cpx_64"):
+            gpus = 8 if not ctx.tiny else 1
+            root = os.path.join(work, "cpx")
+            ctx.progress(f"generating {gpus} MI300X in CPX mode ({gpus * 8} partitions)")
+            build_cpx_tree(root, gpus)
+            cpx = [ResourceConfig("amd.com/cpx_nps4", "gpu",
+                                  {"vendor": "0x1002", "partition_mode": "cpx_nps4"})]
+            figure = _measure_driver(ctx, "discovery_ms_cpx_64", GpuDriver(), cpx, root,
+                                     gpus * 8)
+            figure.notes.append(_cold_note(ctx, cpx, root))
+            if ctx.tiny:
+                figure.notes.append(f"tiny run: {gpus * 8} partitions")
             figures.append(figure)
     return figures

@@ -10,7 +10,7 @@ handing out the PCI function's render node gives a container partition 0 only. S
   render minor and its index in location_id[31:28]. Render nodes alone would count the idle
   ``amdgpu_xcp`` devices an SPX GPU still has.
 * A GPU with more than one KFD node is served as its partitions: each gets ``/dev/kfd`` and its
-  own render (and card) node, the parent's NUMA node, and the id ``<parent address>-p<index>``,
+  own render node, the parent's NUMA node, and the id ``<parent address>-p<index>``,
   stable across reboots and repartitions to the same mode. An SPX GPU stays one device with
   the id it always had, its PCI address.
 * A mode that says partitioned while KFD lists one agent or none (a repartition half done, KFD
@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from drivers.gpu.kfd import KfdNode
 
 COMPUTE_MODES = ("SPX", "DPX", "TPX", "QPX", "CPX")
 MEMORY_MODES = ("NPS1", "NPS2", "NPS4", "NPS8")
 _MODE = re.compile(r"(spx|dpx|tpx|qpx|cpx)(?:_(nps[1248]))?\Z")
-_CARD = re.compile(r"card\d+\Z")
 
 
 @dataclass(frozen=True)
@@ -87,30 +86,21 @@ def mode_matches(mode_name: Optional[str], wanted: Sequence[str]) -> bool:
     return False
 
 
-@dataclass(frozen=True)
-class Partition:
-    index: int
+class Partition(NamedTuple):  # 64 per scan on an MI300X node: a tuple is cheapest
+    number: int  # the partition index (location_id[31:28])
     render: str  # "renderD129"
-    card: Optional[str]  # "card2", the card of the same DRM device
-    owner: Optional[str]  # the sysfs device holding the nodes (PCI function or amdgpu_xcp.N)
     mem_bytes: Optional[int]
 
 
-def partitions_of(host, address: str, nodes: Sequence[KfdNode]) -> List[Partition]:
-    """The live partitions of one GPU, in index order, each with its DRM nodes."""
-    out: List[Partition] = []
-    for node in sorted((n for n in nodes if n.address == address), key=lambda n: n.partition):
-        render = f"renderD{node.render_minor}"
-        owner = host.resolve(f"/sys/class/drm/{render}/device")
-        card = None
-        if owner is not None:
-            cards = sorted(
-                (name for name in host.listdir(f"{owner}/drm") if _CARD.match(name)),
-                key=lambda name: int(name[4:]),
-            )
-            card = cards[0] if cards else None
-        out.append(Partition(node.partition, render, card, owner, node.mem_bytes))
-    return out
+def partitions_of(nodes: Sequence[KfdNode]) -> List[Partition]:
+    """The live partitions of one GPU (its KFD nodes), in index order.
+
+    A partition is used through its render node and /dev/kfd only: ROCm opens the render
+    nodes of the agents KFD lists (AMD documents ``--device /dev/kfd --device
+    /dev/dri/renderD<N>`` to hand a container one GPU); the xcp devices' card nodes serve
+    no compute purpose, so they are not handed out (whole GPUs keep theirs, as before)."""
+    return [Partition(node.partition, f"renderD{node.render_minor}", node.mem_bytes)
+            for node in sorted(nodes, key=lambda n: n.partition)]
 
 
 def partition_id(address: str, index: int) -> str:
@@ -120,5 +110,5 @@ def partition_id(address: str, index: int) -> str:
 def duplicate_indices(partitions: Sequence[Partition]) -> Dict[int, int]:
     counts: Dict[int, int] = {}
     for part in partitions:
-        counts[part.index] = counts.get(part.index, 0) + 1
+        counts[part.number] = counts.get(part.number, 0) + 1
     return {index: count for index, count in counts.items() if count > 1}

@@ -42,6 +42,7 @@ Rules, chosen so that every GPU the kubelet sees is either fully usable or visib
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from dataclasses import dataclass, field, replace
@@ -49,7 +50,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from drivers.gpu import amd
 from drivers.gpu.drm import drm_nodes
-from drivers.gpu.kfd import KfdNode, read_topology, xgmi_peers
+from drivers.gpu.kfd import KfdNode, TopologyCache
 from drivers.gpu.links import link_preferred
 from drivers.gpu.mig import MigDevice, read_mig_devices
 from drivers.gpu.nvidia import NvidiaInfo, proc_addresses, read_information
@@ -134,6 +135,7 @@ class GpuDriver(Driver):
     def __init__(self, nvml: Optional[NvmlSource] = None) -> None:
         # NVML is asked only when a scan finds NVIDIA GPUs bound to nvidia (see nvml.py).
         self._nvml: NvmlSource = nvml if nvml is not None else PynvmlSource()
+        self._kfd = TopologyCache()
 
     # -- configuration -------------------------------------------------------------------
     def check_selectors(self, selectors: Mapping[str, object]) -> None:
@@ -196,8 +198,7 @@ class GpuDriver(Driver):
         nvml = self._nvml_view() if bound else NO_NVML
         migs = read_mig_devices(host) if bound else {}
         amd_gpus = [fn for fn in gpus if fn.vendor == AMD and not _is_passthrough(fn)]
-        kfd = read_topology(host) if amd_gpus else []
-        peers = xgmi_peers(kfd)
+        kfd, peers = self._kfd.read(host) if amd_gpus else ({}, {})
         entries = []
         for fn in gpus:
             passthrough = _is_passthrough(fn)
@@ -257,14 +258,19 @@ class GpuDriver(Driver):
                 " matches; select by mig_parent / mig_gi / mig_ci instead",
                 resource.name, inventory.nvml.reason)
         out = []
+        # Partitions and MIG devices share their function: judge each function once.
+        verdicts: Dict[str, bool] = {}
         for entry in inventory.entries:
-            if entry.passthrough and entry.function.kernel_driver not in named_drivers:
-                continue
-            if not matches_pci(entry.function, selectors):
-                continue
-            if patterns and not any(
-                p is not None and _class_matches(entry.function.pci_class, p) for p in patterns
-            ):
+            fn = entry.function
+            verdict = verdicts.get(fn.address)
+            if verdict is None:
+                verdict = verdicts[fn.address] = (
+                    (not entry.passthrough or fn.kernel_driver in named_drivers)
+                    and matches_pci(fn, selectors)
+                    and (not patterns or any(
+                        p is not None and _class_matches(fn.pci_class, p) for p in patterns))
+                )
+            if not verdict:
                 continue
             if modes and not amd.mode_matches(entry.device.attributes.get("partition_mode"), modes):
                 continue
@@ -596,7 +602,7 @@ def _drm_device(host: HostFS, fn: PciFunction, vendor: str, required: Sequence[s
 
 
 def _amd_devices(
-    host: HostFS, fn: PciFunction, kfd: Sequence[KfdNode], peers: set
+    host: HostFS, fn: PciFunction, kfd: Mapping[str, Sequence[KfdNode]], peers: set
 ) -> List[Device]:
     """The whole GPU, or its partitions when KFD lists more than one agent for it."""
     mode = amd.read_mode(host.read, fn.path)
@@ -616,7 +622,7 @@ def _amd_devices(
         extra["product"] = whole.attributes["product_name"]
     if peers:
         extra["xgmi_peers"] = ",".join(sorted(peers))
-    parts = amd.partitions_of(host, fn.address, kfd)
+    parts = amd.partitions_of(kfd.get(fn.address, ()))
     if len(parts) <= 1:
         device = replace(whole, attributes={**whole.attributes, **extra})
         if mode.partitioned:
@@ -626,33 +632,39 @@ def _amd_devices(
                 " or amdgpu's KFD not loaded): neither the whole GPU nor its partitions can be"
                 " served"))]
         return [device]
-    driver_problems = _driver_problems(host, fn)
+    # What every partition shares is worked out once: an MI300X node has 64 of them.
+    shared = _driver_problems(host, fn) + _missing(host, [KFD])
+    base = {k: v for k, v in whole.attributes.items() if k not in ("drm_card", "drm_render")}
+    base.update(extra)
     duplicates = amd.duplicate_indices(parts)
     count = len(parts)
+    base["partition_count"] = str(count)
     out = []
-    for part in parts:
-        paths = [KFD]
-        if part.card is not None:
-            paths.append(f"/dev/dri/{part.card}")
-        paths.append(f"/dev/dri/{part.render}")
-        problems = list(driver_problems) + _missing(host, paths)
-        if part.index in duplicates:
-            problems.append(f"KFD lists partition {part.index} {duplicates[part.index]} times")
-        attributes = {
-            **{k: v for k, v in whole.attributes.items() if k not in ("drm_card", "drm_render")},
-            **extra,
-            "partition_index": str(part.index),
-            "partition_count": str(count),
-            "drm_render": part.render,
-        }
-        if part.card is not None:
-            attributes["drm_card"] = part.card
-        if part.mem_bytes:
-            attributes["memory_bytes"] = str(part.mem_bytes)
-        elif vram:
-            attributes["memory_bytes"] = str(vram // count)
-        device = _device(fn, paths, problems, attributes)
-        out.append(replace(device, id=amd.partition_id(fn.address, part.index)))
+    kfd_node = _node(KFD)
+    fallback_memory = str(vram // count) if vram else None
+    for part in parts:  # kept tight: 64 of these per scan on an MI300X node in CPX
+        problems = list(shared)
+        nodes = [kfd_node]
+        attributes = dict(base)
+        attributes["partition_index"] = str(part.number)
+        attributes["drm_render"] = part.render
+        render = "/dev/dri/" + part.render
+        nodes.append(_node(render))
+        if not host.exists(render):
+            problems.append(f"device node {render} missing")
+        if part.number in duplicates:
+            problems.append(f"KFD lists partition {part.number} {duplicates[part.number]} times")
+        memory = str(part.mem_bytes) if part.mem_bytes else fallback_memory
+        if memory is not None:
+            attributes["memory_bytes"] = memory
+        out.append(Device(
+            id=amd.partition_id(fn.address, part.number),
+            health=Health.UNHEALTHY if problems else Health.HEALTHY,
+            health_reason="; ".join(dict.fromkeys(problems)),
+            numa_nodes=fn.numa_nodes,
+            device_nodes=tuple(nodes),
+            attributes=attributes,
+        ))
     return out
 
 
@@ -704,15 +716,23 @@ def _device(
     attributes: Dict[str, str],
     env: Optional[Mapping[str, str]] = None,
     mounts: Sequence[Mount] = (),
+    device_id: Optional[str] = None,
 ) -> Device:
     unique = list(dict.fromkeys(problems))
     return Device(
-        id=fn.address,
+        id=device_id or fn.address,
         health=Health.UNHEALTHY if unique else Health.HEALTHY,
         health_reason="; ".join(unique),
         numa_nodes=fn.numa_nodes,
-        device_nodes=tuple(DeviceNode(p, p, "rw") for p in dict.fromkeys(paths)),
+        device_nodes=tuple(_node(p) for p in dict.fromkeys(paths)),
         mounts=tuple(mounts),
         env=dict(env or {}),
         attributes=attributes,
     )
+
+
+@functools.lru_cache(maxsize=8192)
+def _node(path: str) -> DeviceNode:
+    """DeviceNodes are immutable: one per path is shared by every scan (and by the 64
+    partitions of an MI300X node that all carry /dev/kfd)."""
+    return DeviceNode(path, path, "rw")

@@ -17,8 +17,7 @@ more than one node (kfd_topology_add_device), ``domain`` = the PCI domain, and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
 
 from host.hostfs import HostFS
 
@@ -28,15 +27,13 @@ XGMI_DIRECT_WEIGHT = 15  # one hop (kfd_crat.c KFD_CRAT_XGMI_WEIGHT)
 _PARTITION_SHIFT = 28
 
 
-@dataclass(frozen=True)
-class KfdLink:
+class KfdLink(NamedTuple):  # thousands per scan on a big node: a tuple is cheapest
     to: int
     kind: int
     weight: int
 
 
-@dataclass(frozen=True)
-class KfdNode:
+class KfdNode(NamedTuple):
     """One GPU agent as KFD lists it."""
 
     node: int
@@ -48,6 +45,12 @@ class KfdNode:
 
 
 def parse_properties(text: str) -> Dict[str, str]:
+    """``<key> <value>`` lines (kfd_topology.c prints every one with "%s %u\n"-style
+    formats). A big MI300X node has thousands of these files, so the common shape, one key
+    and one value a line, is split in one C call; anything else goes line by line."""
+    tokens = text.split()
+    if not len(tokens) % 2:  # (an odd line out would need a second one to stay even)
+        return dict(zip(tokens[::2], tokens[1::2]))
     fields: Dict[str, str] = {}
     for line in text.splitlines():
         key, _, value = line.strip().partition(" ")
@@ -74,10 +77,47 @@ def pci_address(domain: int, location_id: int) -> Tuple[str, int]:
     return f"{domain:04x}:{bus:02x}:{devfn >> 3:02x}.{devfn & 7}", partition
 
 
+GENERATION = "/sys/class/kfd/kfd/topology/generation_id"
+Agents = Dict[str, List[KfdNode]]
+
+
+class TopologyCache:
+    """The last topology read, keyed by the host root and KFD's generation_id.
+
+    kfd_topology.c increments generation_count whenever it adds, removes or updates a node
+    (a GPU probed or removed, a repartition, a property change) and shows it as
+    ``generation_id``: an unchanged generation means an unchanged topology, so a rescan
+    (every pci/drm event on the node) reads one file instead of ~700 on an 8x MI300X in CPX.
+    A tree without generation_id is read in full every time.
+    """
+
+    def __init__(self) -> None:
+        self._last: Optional[Tuple[str, str, Agents, Dict[str, Set[str]]]] = None
+
+    def read(self, host: HostFS) -> Tuple[Agents, Dict[str, Set[str]]]:
+        """Each GPU's agents by PCI address, and each GPU's XGMI peers (shared between scans:
+        callers must not modify them)."""
+        generation = host.read(GENERATION)
+        last = self._last
+        if generation and last is not None and last[0] == host.root and last[1] == generation:
+            return last[2], last[3]
+        found = read_topology(host)
+        peers = xgmi_peers(found)
+        nodes: Agents = {}
+        for node in found:
+            nodes.setdefault(node.address, []).append(node)
+        # Read it again after: a generation that moved while we read means a torn read,
+        # which must not be remembered as the truth for that generation.
+        if generation and host.read(GENERATION) == generation:
+            self._last = (host.root, generation, nodes, peers)
+        return nodes, peers
+
+
 def read_topology(host: HostFS) -> List[KfdNode]:
     """Every GPU agent KFD lists; empty when KFD is not loaded or not visible."""
     out: List[KfdNode] = []
-    for name in host.listdir(TOPOLOGY):
+    linked: Set[str] = set()
+    for name in sorted(host.listdir(TOPOLOGY), key=lambda n: (len(n), n)):
         if not name.isdigit():
             continue
         base = f"{TOPOLOGY}/{name}"
@@ -93,13 +133,18 @@ def read_topology(host: HostFS) -> List[KfdNode]:
         if location is None or not render or render < 0:
             continue
         address, partition = pci_address(domain, location)
+        # XGMI links belong to the GPU, not to a partition: every partition of one GPU
+        # lists the same peers, so one partition's io_links per GPU tell it all (an MI300X
+        # node in CPX has 64 x 65 link files; this reads 8 x 65).
+        first = address not in linked
+        linked.add(address)
         out.append(KfdNode(
             node=int(name),
             address=address,
             partition=partition,
             render_minor=render,
             mem_bytes=_mem_bytes(host, base),
-            links=_links(host, base),
+            links=_links(host, base) if first else (),
         ))
     return out
 
@@ -118,12 +163,24 @@ def _mem_bytes(host: HostFS, base: str) -> Optional[int]:
 
 def _links(host: HostFS, base: str) -> Tuple[KfdLink, ...]:
     links = []
-    for link in host.listdir(f"{base}/io_links"):
-        fields = parse_properties(host.read(f"{base}/io_links/{link}/properties") or "")
-        to, kind = _int(fields, "node_to"), _int(fields, "type")
-        if to is None or kind is None:
+    folder = f"{base}/io_links/"
+    read = host.read
+    for link in host.listdir(folder[:-1]):
+        # Three keys of thirteen, looked up in the split words (keys are words, values are
+        # decimals, so a key never matches a value): thousands of these files on a big node.
+        words = (read(folder + link + "/properties") or "").split()
+        try:  # the kernel prints decimals; anything else is not a link we can use
+            if words[8] == "node_to" and words[0] == "type" and words[10] == "weight":
+                # iolink_show's order (type, version_major, version_minor, node_from,
+                # node_to, weight, ...): no search needed
+                to, kind, weight = words[9], words[1], words[11]
+            else:
+                to = words[words.index("node_to") + 1]
+                kind = words[words.index("type") + 1]
+                weight = words[words.index("weight") + 1]
+            links.append(KfdLink(int(to), int(kind), int(weight)))
+        except (IndexError, ValueError):  # a key missing (index) or a value that is not one
             continue
-        links.append(KfdLink(to, kind, _int(fields, "weight") or 0))
     return tuple(links)
 
 

@@ -214,6 +214,8 @@ def add_intel_gpu(
 #   id in bits 31:28 (kfd_topology_add_device); domain = the PCI domain; drm_render_minor = the
 #   partition's render minor. io_links/<m>/properties: type (2 PCIe, 11 XGMI: kfd_crat.h
 #   CRAT_IOLINK_TYPE_*), node_from, node_to, weight (PCIe 20, XGMI 15 per hop: kfd_crat.c).
+#   topology/generation_id shows sys_props.generation_count, incremented on every add, remove
+#   or update of a node.
 # * /dev/kfd: one character device for the whole machine (major assigned at load).
 
 XCP_PER_GPU = 8  # MAX_XCP in amdgpu_xcp.h
@@ -231,6 +233,7 @@ class AmdMachine:
         self.next_render = 128
         self.next_xcp = 0
         self.cpu_nodes = cpu_nodes
+        self.generation = 0  # kfd_topology.c's generation_count, bumped on every rebuild
         self.gpus: list = []  # (address, function path, [(card, render, drm dir)], numa)
         self.hives: dict = {}
         tree.link("/sys/class/kfd/kfd", _KFD)
@@ -301,7 +304,8 @@ class AmdMachine:
         partition in GPU probe order; XGMI links between every pair of partitions in a hive."""
         tree = self.tree
         tree.remove(f"{_KFD}/topology")
-        tree.attr(f"{_KFD}/topology/generation_id", "1")
+        self.generation += 1
+        tree.attr(f"{_KFD}/topology/generation_id", str(self.generation))
         tree.attr(f"{_KFD}/topology/system_properties", "platform_oem 0\nplatform_id 0\n"
                   "platform_rev 0\n")
         nodes: list = []  # (node id, properties dict or None for a CPU, hive, numa)
