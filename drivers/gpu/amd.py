@@ -89,7 +89,6 @@ def mode_matches(mode_name: Optional[str], wanted: Sequence[str]) -> bool:
 class Partition(NamedTuple):  # 64 per scan on an MI300X node: a tuple is cheapest
     number: int  # the partition index (location_id[31:28])
     render: str  # "renderD129"
-    mem_bytes: Optional[int]
 
 
 def partitions_of(nodes: Sequence[KfdNode]) -> List[Partition]:
@@ -99,7 +98,7 @@ def partitions_of(nodes: Sequence[KfdNode]) -> List[Partition]:
     nodes of the agents KFD lists (AMD documents ``--device /dev/kfd --device
     /dev/dri/renderD<N>`` to hand a container one GPU); the xcp devices' card nodes serve
     no compute purpose, so they are not handed out (whole GPUs keep theirs, as before)."""
-    return [Partition(node.partition, f"renderD{node.render_minor}", node.mem_bytes)
+    return [Partition(node.partition, f"renderD{node.render_minor}")
             for node in sorted(nodes, key=lambda n: n.partition)]
 
 

@@ -641,7 +641,7 @@ def _amd_devices(
     base["partition_count"] = str(count)
     out = []
     kfd_node = _node(KFD)
-    fallback_memory = str(vram // count) if vram else None
+    share = str(vram // count) if vram else None  # the GPU's memory over its partitions
     for part in parts:  # kept tight: 64 of these per scan on an MI300X node in CPX
         problems = list(shared)
         nodes = [kfd_node]
@@ -654,9 +654,8 @@ def _amd_devices(
             problems.append(f"device node {render} missing")
         if part.number in duplicates:
             problems.append(f"KFD lists partition {part.number} {duplicates[part.number]} times")
-        memory = str(part.mem_bytes) if part.mem_bytes else fallback_memory
-        if memory is not None:
-            attributes["memory_bytes"] = memory
+        if share is not None:
+            attributes["memory_bytes"] = share
         out.append(Device(
             id=amd.partition_id(fn.address, part.number),
             health=Health.UNHEALTHY if problems else Health.HEALTHY,

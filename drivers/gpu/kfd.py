@@ -12,7 +12,9 @@ Layout (kfd_topology.c): ``properties`` holds ``<key> <value>`` lines; a GPU nod
 more than one node (kfd_topology_add_device), ``domain`` = the PCI domain, and
 ``drm_render_minor`` = the render minor of that agent. CPU nodes have gpu_id 0 and no SIMDs.
 ``io_links/<m>/properties`` name the peer (``node_to``) and the link ``type`` (kfd_crat.h:
-2 = PCIe, 11 = XGMI) with a ``weight`` (XGMI: 15 per hop).
+2 = PCIe, 11 = XGMI) with a ``weight`` (XGMI: 15 per hop). Memory is not read here: a
+partition's share is the GPU's mem_info_vram_total over its partition count (an NPS4 memory
+partition is shared by two CPX partitions, so a KFD memory bank is not a partition's own).
 """
 
 from __future__ import annotations
@@ -27,12 +29,6 @@ XGMI_DIRECT_WEIGHT = 15  # one hop (kfd_crat.c KFD_CRAT_XGMI_WEIGHT)
 _PARTITION_SHIFT = 28
 
 
-class KfdLink(NamedTuple):  # thousands per scan on a big node: a tuple is cheapest
-    to: int
-    kind: int
-    weight: int
-
-
 class KfdNode(NamedTuple):
     """One GPU agent as KFD lists it."""
 
@@ -40,8 +36,7 @@ class KfdNode(NamedTuple):
     address: str  # the PCI function it belongs to, "0000:0c:00.0"
     partition: int  # location_id[31:28]; 0 on single-agent devices
     render_minor: int
-    mem_bytes: Optional[int]
-    links: Tuple[KfdLink, ...]
+    xgmi: Tuple[Tuple[int, int], ...]  # (node_to, weight) of its XGMI io_links
 
 
 def parse_properties(text: str) -> Dict[str, str]:
@@ -143,45 +138,45 @@ def read_topology(host: HostFS) -> List[KfdNode]:
             address=address,
             partition=partition,
             render_minor=render,
-            mem_bytes=_mem_bytes(host, base),
-            links=_links(host, base) if first else (),
+            xgmi=_xgmi_links(host, base) if first else (),
         ))
     return out
 
 
-def _mem_bytes(host: HostFS, base: str) -> Optional[int]:
-    total = 0
-    found = False
-    for bank in host.listdir(f"{base}/mem_banks"):
-        text = host.read(f"{base}/mem_banks/{bank}/properties")
-        size = _int(parse_properties(text or ""), "size_in_bytes")
-        if size:
-            total += size
-            found = True
-    return total if found else None
-
-
-def _links(host: HostFS, base: str) -> Tuple[KfdLink, ...]:
+def _xgmi_links(host: HostFS, base: str) -> Tuple[Tuple[int, int], ...]:
     links = []
     folder = f"{base}/io_links/"
     read = host.read
     for link in host.listdir(folder[:-1]):
-        # Three keys of thirteen, looked up in the split words (keys are words, values are
-        # decimals, so a key never matches a value): thousands of these files on a big node.
-        words = (read(folder + link + "/properties") or "").split()
-        try:  # the kernel prints decimals; anything else is not a link we can use
-            if words[8] == "node_to" and words[0] == "type" and words[10] == "weight":
-                # iolink_show's order (type, version_major, version_minor, node_from,
-                # node_to, weight, ...): no search needed
-                to, kind, weight = words[9], words[1], words[11]
+        text = read(folder + link + "/properties") or ""
+        # An MI300X node has hundreds of these 13-line files and only two values of each
+        # matter, so iolink_show's own layout ("type" first, then version_major,
+        # version_minor, node_from, node_to, weight, ... one "<key> <value>" a line) is read
+        # with string searches; any other layout goes through the general parser.
+        try:
+            if text.startswith("type "):
+                if not text.startswith(_XGMI_TYPE):
+                    continue  # PCIe to the CPU, or another kind: says nothing about peers
+                to = _value_after(text, "\nnode_to ")
+                weight = _value_after(text, "\nweight ")
             else:
-                to = words[words.index("node_to") + 1]
-                kind = words[words.index("type") + 1]
-                weight = words[words.index("weight") + 1]
-            links.append(KfdLink(int(to), int(kind), int(weight)))
-        except (IndexError, ValueError):  # a key missing (index) or a value that is not one
+                fields = parse_properties(text)
+                if int(fields["type"]) != IOLINK_XGMI:
+                    continue
+                to, weight = int(fields["node_to"]), int(fields["weight"])
+            links.append((to, weight))
+        except (KeyError, ValueError):  # a key missing or a value that is not a number
             continue
     return tuple(links)
+
+
+_XGMI_TYPE = f"type {IOLINK_XGMI}\n"
+
+
+def _value_after(text: str, key: str) -> int:
+    start = text.index(key) + len(key)  # ValueError when the key is missing
+    end = text.find("\n", start)
+    return int(text[start:] if end < 0 else text[start:end])
 
 
 def xgmi_peers(nodes: List[KfdNode]) -> Dict[str, set]:
@@ -190,10 +185,10 @@ def xgmi_peers(nodes: List[KfdNode]) -> Dict[str, set]:
     by_node = {n.node: n.address for n in nodes}
     peers: Dict[str, set] = {}
     for node in nodes:
-        for link in node.links:
-            if link.kind != IOLINK_XGMI or link.weight > XGMI_DIRECT_WEIGHT:
-                continue
-            other = by_node.get(link.to)
+        for to, weight in node.xgmi:
+            if weight > XGMI_DIRECT_WEIGHT:
+                continue  # more than one hop
+            other = by_node.get(to)
             if other is not None and other != node.address:
                 peers.setdefault(node.address, set()).add(other)
     return peers
