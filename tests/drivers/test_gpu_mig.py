@@ -258,3 +258,87 @@ def test_mig_device_allocation_carries_its_caps_nodes(tree, short_dir, run):
             assert envs["NVIDIA_VISIBLE_DEVICES"] == f"MIG-{gpu_uuid(GPU0)}/{gi}/0"
 
     run(scenario())
+
+
+class _FakeNvmlLibrary:
+    """The handful of pynvml calls nvml._read makes, answering like NVML does on an HGX
+    with GPU 0 in MIG mode (two MIG devices, empty slots raising NOT_FOUND) and GPU 1 not
+    MIG-capable (NOT_SUPPORTED), each with NVLinks to one NVSwitch. Passed in, not patched."""
+
+    class NVMLError(Exception):
+        pass
+
+    NVML_DEVICE_MIG_ENABLE = 1
+    NVML_FEATURE_ENABLED = 1
+    NVML_NVLINK_MAX_LINKS = 4
+
+    def __init__(self):
+        self.gpus = [("00000000:18:00.0", True), ("00000000:2A:00.0", False)]
+        self.migs = {0: [(1, 0, "NVIDIA H100 80GB HBM3 MIG 3g.40gb", "MIG-aaaa"), None,
+                         (2, 0, "NVIDIA H100 80GB HBM3 MIG 4g.40gb", b"MIG-bbbb")]}
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return ("gpu", index)
+
+    def nvmlDeviceGetPciInfo(self, handle):
+        return type("Pci", (), {"busId": self.gpus[handle[1]][0].encode()})
+
+    def nvmlDeviceGetMigMode(self, handle):
+        if not self.gpus[handle[1]][1]:
+            raise self.NVMLError("Not Supported")
+        return (1, 1)
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle):
+        return len(self.migs.get(handle[1], []))
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle, slot):
+        entry = self.migs[handle[1]][slot]
+        if entry is None:
+            raise self.NVMLError("Not Found")
+        return ("mig", entry)
+
+    def nvmlDeviceGetGpuInstanceId(self, mig):
+        return mig[1][0]
+
+    def nvmlDeviceGetComputeInstanceId(self, mig):
+        return mig[1][1]
+
+    def nvmlDeviceGetName(self, mig):
+        return mig[1][2]
+
+    def nvmlDeviceGetUUID(self, mig):
+        return mig[1][3]
+
+    def nvmlDeviceGetNvLinkState(self, handle, link):
+        if link >= 2:
+            raise self.NVMLError("Invalid Argument")
+        return 1
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, handle, link):
+        return type("Pci", (), {"busId": "00000000:07:00.0"})  # an NVSwitch
+
+
+def test_nvml_reader_against_nvml_shaped_answers():
+    from drivers.gpu.nvml import _read
+
+    view = _read(_FakeNvmlLibrary())
+    assert view.available
+    assert view.mig_mode == {GPU0: True, GPU1: False}
+    assert view.migs == {(GPU0, 1, 0): NvmlMig("MIG-aaaa", "3g.40gb"),
+                         (GPU0, 2, 0): NvmlMig("MIG-bbbb", "4g.40gb")}
+    assert view.nvlink_peers == {GPU0: {GPU1}, GPU1: {GPU0}}
+
+
+def test_a_bad_mig_strategy_in_a_config_file_is_one_line(tmp_path):
+    from host.config import ConfigError, parse_config
+
+    text = ('[[resource]]\nname = "nvidia.com/gpu"\ndriver = "gpu"\n'
+            '[resource.settings]\nmig_strategy = "MIXED"\n')
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, "c.toml", {"gpu": GpuDriver()})
+    message = str(caught.value)
+    assert message.startswith("c.toml: ") and "mig_strategy" in message
+    assert "\n" not in message
