@@ -228,6 +228,9 @@ _CAPTURE_ROOTS = (
     "/sys/class/video4linux",
     "/sys/kernel/iommu_groups",
     "/sys/class/accel",
+    "/sys/class/kfd",  # AMD KFD topology: compute partitions and XGMI links
+    "/proc/driver/nvidia/capabilities",  # MIG instances
+    "/proc/driver/nvidia-caps",  # mig-minors
 )
 _CAPTURE_ATTRS = frozenset(
     "vendor device class numa_node local_cpulist enable subsystem_vendor subsystem_device "
@@ -238,6 +241,9 @@ _CAPTURE_ATTRS = frozenset(
     "feature_id type id afu_id interface_id name speed product_name unique_id boot_vga "
     "compat_id bitstream_id ports_num mgmt_pf user_pf instance VBNV timestamp serial_num "
     "authorized devpath status device_type module_id serial_number".split()
+    # amdgpu partition modes and memory; KFD topology nodes and links
+    + "current_compute_partition current_memory_partition available_compute_partition "
+    "available_memory_partition mem_info_vram_total properties gpu_id generation_id".split()
 )
 
 

@@ -177,3 +177,18 @@ def test_repartition_updates_the_advertisement_without_a_restart(tmp_path, short
                                timeout=3, what="back to SPX")
 
     run(scenario())
+
+
+def test_capture_keeps_what_partition_discovery_reads(tmp_path):
+    """A `device-plugin-host capture` of an MI300X node in CPX reproduces its partitions."""
+    from host.testing.tree import capture_tree
+
+    machine = _machine(tmp_path / "real", [("CPX", "NPS4"), ("SPX", "NPS1")])
+    lines = list(capture_tree(machine.tree.root, ("/dev/kfd", "/dev/dri/*")))
+    copy = FakeTree(tmp_path / "copy")
+    copy.load("\n".join(lines))
+    found = GpuDriver().discover(HostFS(copy.root), [AMD_GPU])["amd.com/gpu"]
+    original = _discover(machine)["amd.com/gpu"]
+    assert [(d.id, d.health, _paths(d), d.attributes.get("xgmi_peers")) for d in found] == [
+        (d.id, d.health, _paths(d), d.attributes.get("xgmi_peers")) for d in original]
+    assert len(found) == 9
