@@ -23,7 +23,7 @@ CONTRACT_KEYS = {
     "startup_ms_1", "startup_ms_16", "startup_ms_64",
     "reregister_p99_ms_16", "reregister_p99_ms_64",
     "listwatch_p99_ms_10", "listwatch_p99_ms_1000", "listwatch_p99_ms_10000",
-    "discovery_ms_2048", "discovery_ms_sriov_1024", "discovery_ms_qat_256",
+    "discovery_ms_2048", "discovery_ms_sriov_1024", "discovery_ms_qat_256", "discovery_ms_cpx_64",
     "rss_mb_64r_10k", "idle_cpu_pct_64r", "preferred_ms_1024_8numa",
     "event_to_kubelet_p99_ms_1", "event_to_kubelet_p99_ms_16", "event_to_kubelet_p99_ms_64",
     "idle_cpu_pct_watching",

@@ -230,6 +230,9 @@ _CAPTURE_ROOTS = (
     "/sys/class/accel",
     "/sys/class/neuron_device",
     "/sys/dev/char",
+    "/sys/class/kfd",  # AMD KFD topology: compute partitions and XGMI links
+    "/proc/driver/nvidia/capabilities",  # MIG instances
+    "/proc/driver/nvidia-caps",  # mig-minors
 )
 _CAPTURE_ATTRS = frozenset(
     "vendor device class numa_node local_cpulist enable subsystem_vendor subsystem_device "
@@ -241,6 +244,9 @@ _CAPTURE_ATTRS = frozenset(
     "compat_id bitstream_id ports_num mgmt_pf user_pf instance VBNV timestamp serial_num "
     "authorized devpath status device_type module_id serial_number "
     "reset core_count connected_devices arch_type instance_type device_name".split()
+    # amdgpu partition modes and memory; KFD topology nodes and links
+    + "current_compute_partition current_memory_partition available_compute_partition "
+    "available_memory_partition mem_info_vram_total properties gpu_id generation_id".split()
 )
 
 
