@@ -14,7 +14,7 @@ import os
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Set, Union
 
-from host.cdi import CdiWriter
+from host.cdi import FILE_PREFIX, CdiWriter
 from host.config import Config
 from host.drain import read_drains
 from host.driver import Driver, UnavailableDriver
@@ -23,7 +23,7 @@ from host.inotify import DirectoryWatch
 from host.inventory import Inventory
 from host.isolation import DriverCalls
 from host.metrics import HostMetrics
-from host.model import Device, ResourceConfig
+from host.model import Device, Health, ResourceConfig
 from host.registration import Endpoint, Registrar
 from host.service import DevicePluginService
 from host.snapshot import Snapshot
@@ -66,6 +66,9 @@ class HostApp:
         self._events_spec = events
         self._drain_watch: Optional[DirectoryWatch] = None
         self._health_timers: Dict[str, asyncio.TimerHandle] = {}
+        self._cdi_watch: Optional[DirectoryWatch] = None
+        self._cdi_retry: Optional[asyncio.TimerHandle] = None
+        self._cdi_backoff = 1.0
         self.events: Optional[EventSource] = None
         self.scheduler = RescanScheduler(self._drivers_for_subsystem, self.request_rescan)
         self.metrics = HostMetrics(pod_resources_socket=config.host.pod_resources_socket)
@@ -79,6 +82,8 @@ class HostApp:
         self.metrics.sync_drivers(self.inventory.status)
         for resource in self.config.resources:
             self._sync(resource)
+        self._watch_cdi()
+        self._arm_cdi_retry()
         self._arm_safety_rescan()
         self._arm_health_checks()
         self._arm_expiry()
@@ -94,6 +99,10 @@ class HostApp:
         self.scheduler.close()
         if self._drain_watch is not None:
             self._drain_watch.close()
+        if self._cdi_watch is not None:
+            self._cdi_watch.close()
+        if self._cdi_retry is not None:
+            self._cdi_retry.cancel()
         for timer in self._health_timers.values():
             timer.cancel()
         if self.events is not None:
@@ -122,8 +131,8 @@ class HostApp:
             if not devices and not resource.register_when_empty:
                 return  # a built-in default with nothing on this node: not advertised
             snapshot = Snapshot()
+            devices = self._write_cdi(resource, devices)
             snapshot.update(devices)
-            self._write_cdi(resource, devices)
             driver = self.drivers.get(resource.driver) or UnavailableDriver(
                 resource.driver, "not installed"
             )
@@ -132,21 +141,76 @@ class HostApp:
                 snapshot, self.calls, allocate_timeout_s=self.config.host.allocate_timeout_s,
                 observer=self.metrics.allocate_observer,
             )
+            service.cdi_resolvable = self.cdi.resolvable
             self.snapshots[resource.name] = snapshot
             self.services[resource.name] = service
             self.registrar.add(service)
             self.metrics.set_devices(resource.name, devices)
             self.ready.clear()
             return
-        self._write_cdi(resource, devices)  # before the kubelet can ask for a new device
+        devices = self._write_cdi(resource, devices)  # before the kubelet can ask for one
         if snapshot.update(devices):
             log.info("resource %s: %d devices (%d healthy)", resource.name, len(devices),
                      sum(1 for d in devices if d.healthy))
         self.metrics.set_devices(resource.name, devices)
 
-    def _write_cdi(self, resource: ResourceConfig, devices: List[Device]) -> None:
-        if resource.cdi:
-            self.cdi.update(resource.name, devices)
+    def _write_cdi(self, resource: ResourceConfig, devices: List[Device]) -> List[Device]:
+        """Write the resource's CDI spec; the devices as they may be advertised.
+
+        A device whose CDI name is not in the spec on disk cannot be used by a runtime: it is
+        Unhealthy with the reason, unless ``cdi_fallback`` lets Allocate hand out its device
+        nodes instead (the service then leaves the CDI names out)."""
+        if not resource.cdi:
+            return devices
+        self.cdi.update(resource.name, devices)
+        if resource.cdi_fallback:
+            return devices
+        broken = self.cdi.unresolvable(resource.name, devices)
+        if not broken:
+            return devices
+        return [d.with_health(Health.UNHEALTHY, broken[d.id])
+                if d.id in broken and d.healthy else d for d in devices]
+
+    def _check_cdi(self) -> None:
+        """Write again every CDI spec that should be on disk and is not (a failed write, a
+        file deleted by hand); cheap when all are there (one stat each)."""
+        if self._stopped:
+            return
+        for resource in self.config.resources:
+            if resource.cdi and resource.name in self.snapshots and \
+                    self.cdi.retry(resource.name):
+                self._sync(resource)
+        self._arm_cdi_retry()
+
+    def _arm_cdi_retry(self) -> None:
+        """While a spec is missing, retry with backoff (1 s doubling to 30 s) besides the
+        rescans: freeing space elsewhere on the filesystem sends no event."""
+        if self._cdi_retry is not None:
+            self._cdi_retry.cancel()
+            self._cdi_retry = None
+        if not self.cdi.problems or self._stopped:
+            self._cdi_backoff = 1.0
+            return
+        self._cdi_retry = asyncio.get_running_loop().call_later(self._cdi_backoff,
+                                                                self._check_cdi)
+        self._cdi_backoff = min(self._cdi_backoff * 2, 30.0)
+
+    def _watch_cdi(self) -> None:
+        """Notice at once when someone deletes one of our spec files."""
+        if not any(r.cdi for r in self.config.resources):
+            return
+
+        def changed(names: Optional[List[str]]) -> None:
+            if names is None or any(n.startswith(FILE_PREFIX) for n in names):
+                self._check_cdi()
+
+        try:
+            self._cdi_watch = DirectoryWatch(self.cdi.directory, changed)
+            self._cdi_watch.start()
+        except OSError as error:
+            log.warning("cannot watch the CDI directory %s: %s; specs are checked at every "
+                        "rescan", self.cdi.directory, error)
+            self._cdi_watch = None
 
     async def rescan(self, drivers: Optional[Iterable[str]] = None) -> Set[str]:
         """Rescan drivers and push every changed resource to its streams."""
@@ -156,6 +220,7 @@ class HostApp:
             resource = self.inventory.resources.get(name)
             if resource is not None:
                 self._sync(resource)
+        self._check_cdi()
         self._arm_expiry()
         return changed
 
@@ -216,6 +281,8 @@ class HostApp:
         await self.rescan(rescan)
         for resource in config.resources:
             self._sync(resource)
+        if self._cdi_watch is None:
+            self._watch_cdi()
         self._arm_health_checks()
 
     # -- periodic health and operator drains ---------------------------------------------------
