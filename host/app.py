@@ -15,7 +15,7 @@ import time
 from typing import Callable, Dict, Iterable, List, Optional, Set, Union
 
 from host.cdi import FILE_PREFIX, CdiWriter
-from host.config import Config
+from host.config import Config, overlap_error
 from host.drain import read_drains
 from host.driver import Driver, UnavailableDriver
 from host.hostfs import HostFS
@@ -24,6 +24,7 @@ from host.inventory import Inventory
 from host.isolation import DriverCalls
 from host.metrics import HostMetrics
 from host.model import Device, Health, ResourceConfig
+from host.overlap import Overlap
 from host.registration import Endpoint, Registrar
 from host.service import DevicePluginService
 from host.snapshot import Snapshot
@@ -78,7 +79,14 @@ class HostApp:
         self.registrar.start()
         self._start_events()  # before the first scan: nothing plugged in meanwhile is missed
         self._watch_drains()
+        self.inventory.warn_overlaps = self.config.is_default
         await self.inventory.scan()
+        self.inventory.warn_overlaps = True
+        if self.inventory.overlaps and not self.config.is_default:
+            # The operator's file makes two resources advertise one device: refuse to start
+            # (exit 2) rather than let two pods be given it. Built-in defaults that overlap
+            # are the drivers' doing; the first resource keeps the device (inventory).
+            raise overlap_error(self.config, self.inventory.overlaps[0])
         self.metrics.sync_drivers(self.inventory.status)
         for resource in self.config.resources:
             self._sync(resource)
@@ -230,6 +238,17 @@ class HostApp:
         asyncio.get_running_loop().create_task(self.rescan(drivers))
 
     # -- live reload ------------------------------------------------------------------------
+    async def overlaps_in(self, config: Config) -> List[Overlap]:
+        """Scan with a config's resources, without applying them, for devices two of them
+        claim: a reload that would double-advertise a device is rejected like a bad file."""
+        trial = Inventory(
+            self.host, self.drivers, config.resources, self.calls,
+            discover_timeout_s=config.host.discover_timeout_s, vanished_grace_s=0,
+        )
+        trial.warn_overlaps = False
+        await trial.scan()
+        return trial.overlaps
+
     async def reload(self, config: Config) -> None:
         """Apply a new, already validated config without a blip for unchanged resources.
 

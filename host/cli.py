@@ -13,7 +13,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from host import __version__
-from host.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
+from host.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, overlap_error
 from host.drain import read_drains, update_drains
 from host.driver import Driver
 from host.hostfs import HostFS
@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check-config", help="validate a config file (exit 2 when invalid)")
     check.add_argument("file")
+    check.add_argument("--host-root", help="scan the devices under DIR (default: the [host] "
+                       "host_root, the live host) for devices two resources claim")
 
     demo = sub.add_parser("demo", help="run the real host against a sample tree and simulator")
     demo.add_argument("--keep", action="store_true", help="keep the temporary directory")
@@ -109,6 +111,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "check-config":
             config = load_config(args.file, registry.with_unavailable())
+            config = config.with_overrides(host_root=args.host_root)
+            _check_overlaps(config, registry)
             print(f"{args.file}: valid: {len(config.resources)} resources "
                   f"({', '.join(r.name for r in config.resources) or 'none'})")
             return 0
@@ -122,6 +126,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _drain(args, config)
     setup_logging(config.host.log_level, config.host.log_format)
     return _run(config, registry, args.config)
+
+
+def _check_overlaps(config: Config, registry: DriverRegistry) -> None:
+    """A device two configured resources claim is a config error; only a scan shows it."""
+    if config.is_default:
+        return
+    inventory = asyncio.run(_scan_once(config, registry.with_unavailable(), warn=False))
+    if inventory.overlaps:
+        raise overlap_error(config, inventory.overlaps[0])
 
 
 # -- run -------------------------------------------------------------------------------------
@@ -193,6 +206,10 @@ class _ConfigReloader:
         try:
             config = load_config(self.path, self.registry.with_unavailable())
             config = config.with_overrides(**self.overrides)
+            if not config.is_default:
+                overlaps = await self.app.overlaps_in(config)
+                if overlaps:
+                    raise overlap_error(config, overlaps[0])
         except ConfigError as error:
             log.error("reload rejected, still serving the previous configuration: %s", error)
             return
@@ -261,7 +278,11 @@ def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -
             await app.stop()
             await app.metrics.stop()
 
-    asyncio.run(serve())
+    try:
+        asyncio.run(serve())
+    except ConfigError as error:  # found only with a scan: devices two resources claim
+        print(f"device-plugin-host: invalid configuration: {error}", file=sys.stderr)
+        return EXIT_CONFIG
     logging.shutdown()
     if DriverCalls.stuck_threads():
         # A driver call that never returned: Python would wait for its thread forever.
@@ -293,12 +314,13 @@ def _discover(config: Config, registry: DriverRegistry, *, as_json: bool) -> int
     return 0
 
 
-async def _scan_once(config: Config, drivers: Dict[str, Driver]) -> Inventory:
+async def _scan_once(config: Config, drivers: Dict[str, Driver], warn: bool = True) -> Inventory:
     calls = DriverCalls()
     inventory = Inventory(
         HostFS(config.host.host_root), drivers, config.resources, calls,
         discover_timeout_s=config.host.discover_timeout_s, vanished_grace_s=0,
     )
+    inventory.warn_overlaps = warn
     try:
         await inventory.scan()
     finally:

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from host.cdi import kind_error
 from host.driver import Driver, SelectorError
 from host.model import ResourceConfig
+from host.overlap import Overlap
 from host.resource_name import resource_name_error
 
 try:
@@ -139,7 +140,7 @@ _HOST_KEYS = tuple(field.name for field in dataclasses.fields(HostSettings))
 _TOP_KEYS = ("host", "resource")
 _RESOURCE_KEYS = (
     "name", "driver", "selectors", "settings", "replicas", "replica_policy", "health_interval_s",
-    "cdi", "cdi_fallback",
+    "cdi", "cdi_fallback", "shared_with",
 )
 _REPLICA_POLICIES = ("pack", "spread")
 _MAX_REPLICAS = 1024
@@ -343,12 +344,60 @@ def _sharing_and_health(file: str, where: str, entry: Mapping[str, object]) -> D
         if problem:
             raise ConfigError(file, f"{where}.cdi", f"the resource name cannot be a CDI kind: "
                                                      f"{problem}")
+    if "shared_with" in entry:
+        out["shared_with"] = _check_shared_with(file, where, entry)
     if "health_interval_s" in entry:
         out["health_interval_s"] = _check_seconds(
             file, f"{where}.health_interval_s", _Range(0.1, False, 86400, zero_disables=True),
             entry["health_interval_s"],
         )
     return out
+
+
+def _check_shared_with(file: str, where: str, entry: Mapping[str, object]) -> Tuple[str, ...]:
+    """``shared_with = ["other/name", ...]``: resources that may advertise the same devices.
+    That the names are configured is checked once every resource is known."""
+    key = f"{where}.shared_with"
+    value = entry["shared_with"]
+    if not isinstance(value, list):
+        raise ConfigError(file, key, f"must be an array of resource names, got {_typed(value)}")
+    names: List[str] = []
+    for position, item in enumerate(value):
+        if not isinstance(item, str):
+            raise ConfigError(file, f"{key}[{position}]",
+                              f"must be a resource name (a string), got {_typed(item)}")
+        problem = resource_name_error(item)
+        if problem is not None:
+            raise ConfigError(file, f"{key}[{position}]",
+                              f"{_show(item)} is not a valid resource name: {problem}")
+        if item == entry.get("name"):
+            raise ConfigError(file, f"{key}[{position}]", "names the resource itself")
+        if item not in names:
+            names.append(item)
+    return tuple(names)
+
+
+def _check_shared_names(file: str, resources: Sequence[ResourceConfig]) -> None:
+    known = {r.name for r in resources}
+    for index, resource in enumerate(resources):
+        for position, other in enumerate(resource.shared_with):
+            if other not in known:
+                raise ConfigError(
+                    file, f"resource[{index}] ({resource.name}).shared_with[{position}]",
+                    f"{_show(other)} is not a configured resource{_hint(other, sorted(known))}")
+
+
+def overlap_error(config: Config, overlap: Overlap) -> ConfigError:
+    """A device claimed by two resources, as one config error naming both and the ids."""
+    index = {r.name: i for i, r in enumerate(config.resources)}
+    file = config.path or "built-in defaults"
+    first = f"resource[{index.get(overlap.first, '?')}] ({overlap.first})"
+    second = f"resource[{index.get(overlap.second, '?')}] ({overlap.second})"
+    return ConfigError(
+        file, f"{second}.selectors",
+        f"claims {overlap.describe()} that {first} also claims: two pods could be given one "
+        f"device; narrow the selectors, or set shared_with = [\"{overlap.first}\"] if the "
+        "two resources are meant to share them")
 
 
 def _unknown_resource_key(key: str, driver: Driver) -> str:
@@ -410,6 +459,7 @@ def parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config:
             )
         first_index[resource.name] = index
         resources.append(resource)
+    _check_shared_names(file, resources)
     return Config(path=file, host=host, resources=tuple(resources), is_default=False)
 
 
