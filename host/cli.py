@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import logging
 import os
@@ -17,13 +16,13 @@ from host.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, o
 from host.drain import read_drains, update_drains
 from host.driver import Driver
 from host.hostfs import HostFS
-from host.inotify import DirectoryWatch
 from host.inventory import Inventory
 from host.isolation import DriverCalls
 from host.logs import setup_logging
 from host.model import Device
 from host.plugins import DriverRegistry, load_drivers
 from host.protocol import POD_RESOURCES_SOCKET
+from host.reload import ConfigReloader, is_empty
 from host.systemd import Notifier
 
 if TYPE_CHECKING:
@@ -113,8 +112,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             config = load_config(args.file, registry.with_unavailable())
             config = config.with_overrides(host_root=args.host_root)
             _check_overlaps(config, registry)
-            print(f"{args.file}: valid: {len(config.resources)} resources "
-                  f"({', '.join(r.name for r in config.resources) or 'none'})")
+            print(f"{args.file}: valid: {_what_it_serves(args.file, config)}")
             return 0
         config = _load(args, registry)
     except ConfigError as error:
@@ -126,6 +124,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _drain(args, config)
     setup_logging(config.host.log_level, config.host.log_format)
     return _run(config, registry, args.config)
+
+
+def _what_it_serves(path: str, config: Config) -> str:
+    """check-config's summary; an empty file or one without [[resource]] is valid, but the
+    operator must be told that it means the built-in defaults."""
+    listed = ", ".join(r.name for r in config.resources) or "none"
+    names = f"{len(config.resources)} resources ({listed})"
+    if not config.is_default:
+        return names
+    try:
+        with open(path, "rb") as handle:
+            empty = is_empty(handle.read())
+    except OSError:
+        empty = False
+    why = "the file is empty" if empty else "the file has no [[resource]]"
+    return f"{why}, which means the built-in defaults: {names}"
 
 
 def _check_overlaps(config: Config, registry: DriverRegistry) -> None:
@@ -152,75 +166,6 @@ def _drain(args: argparse.Namespace, config: Config) -> int:
     verb = "drained" if reason else "undrained"
     print(f"{verb} {args.resource} {args.device} ({path}); a running host applies it at once")
     return 0
-
-
-class _ConfigReloader:
-    """Reload on SIGHUP or when the config file changes (a ConfigMap update swaps its
-    ``..data`` link); an invalid new file is rejected and the running set stays."""
-
-    def __init__(self, app: HostApp, path: Optional[str], registry: DriverRegistry,
-                 overrides: Dict[str, Optional[str]]) -> None:
-        self.app = app
-        self.path = path
-        self.registry = registry
-        self.overrides = overrides
-        self._digest = self._read_digest()
-        self._watch: Optional[DirectoryWatch] = None
-        self._pending: Optional[asyncio.TimerHandle] = None
-
-    def _read_digest(self) -> Optional[bytes]:
-        if not self.path:
-            return None
-        try:
-            with open(self.path, "rb") as handle:
-                return hashlib.sha256(handle.read()).digest()
-        except OSError:
-            return None
-
-    def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGHUP, lambda: self.schedule(force=True))
-        if self.path:
-            name = os.path.basename(self.path)
-
-            def changed(names: Optional[List[str]]) -> None:
-                if names is None or name in names or "..data" in names:
-                    self.schedule()
-
-            self._watch = DirectoryWatch(os.path.dirname(os.path.abspath(self.path)), changed)
-            self._watch.start()
-
-    def schedule(self, force: bool = False) -> None:
-        """Debounced: editors and ConfigMap updates write in several steps."""
-        if self._pending is not None:
-            self._pending.cancel()
-        self._pending = asyncio.get_running_loop().call_later(
-            0.05, lambda: asyncio.ensure_future(self.reload(force)))
-
-    async def reload(self, force: bool) -> None:
-        self._pending = None
-        digest = self._read_digest()
-        if not force and digest == self._digest:
-            return
-        self._digest = digest
-        try:
-            config = load_config(self.path, self.registry.with_unavailable())
-            config = config.with_overrides(**self.overrides)
-            if not config.is_default:
-                overlaps = await self.app.overlaps_in(config)
-                if overlaps:
-                    raise overlap_error(config, overlaps[0])
-        except ConfigError as error:
-            log.error("reload rejected, still serving the previous configuration: %s", error)
-            return
-        log.info("reloading the configuration from %s", self.path or "built-in defaults")
-        await self.app.reload(config)
-
-    def close(self) -> None:
-        if self._watch is not None:
-            self._watch.close()
-        if self._pending is not None:
-            self._pending.cancel()
 
 
 async def _announce_ready(app: HostApp, notifier: Notifier, config: Config) -> None:
@@ -250,7 +195,7 @@ def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -
 
     async def serve() -> None:
         app = HostApp(config, drivers)
-        reloader = _ConfigReloader(app, config_path, registry, {
+        reloader = ConfigReloader(app, config_path, registry, {
             "plugin_dir": config.host.plugin_dir, "host_root": config.host.host_root})
         notifier = Notifier()
         app.on_ready.append(lambda: notifier.ready(
@@ -274,7 +219,7 @@ def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -
             notifier.stopping()
         finally:
             notifier.stop_watchdog()
-            reloader.close()
+            await reloader.aclose()
             await app.stop()
             await app.metrics.stop()
 

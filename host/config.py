@@ -413,6 +413,33 @@ def _unknown_resource_key(key: str, driver: Driver) -> str:
 
 def parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config:
     """Parse and validate config text; ``file`` names it in errors. Raises ConfigError."""
+    try:
+        return _parse_config(text, file, drivers)
+    except RecursionError:
+        # tomllib recurses once per nesting level: thousands of "[" end here, not in a
+        # traceback (and a restart loop under systemd).
+        raise ConfigError(file, _deepest(text), "invalid TOML: arrays or tables nested too "
+                          "deeply to parse") from None
+
+
+def _deepest(text: str) -> str:
+    """Where nesting first gets absurd (the 100th open bracket), as "line L, column C"."""
+    depth = 0
+    line, column = 1, 0
+    for char in text:
+        column += 1
+        if char == "\n":
+            line, column = line + 1, 0
+        elif char in "[{":
+            depth += 1
+            if depth >= 100:
+                return f"line {line}, column {column}"
+        elif char in "]}":
+            depth = max(0, depth - 1)
+    return "TOML syntax"
+
+
+def _parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config:
     if text.startswith("\ufeff"):
         text = text[1:]  # a byte-order mark from a Windows editor is harmless; TOML rejects it
     try:

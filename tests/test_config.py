@@ -732,3 +732,47 @@ def test_example_is_valid_for_the_real_drivers(path: Path) -> None:
             drivers[driver.name] = driver
     config = load_config(str(path), drivers)
     assert {r.driver for r in config.resources} == set(_drivers_used(path))
+
+
+# -- hostile files (issue 11 items 5 and 6) ---------------------------------------------------
+def _check_config(*args: str):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "host", "check-config", *args],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+
+
+@pytest.mark.parametrize("nesting", ["x = " + "[" * 5000 + "]" * 5000,
+                                     "x = " + "{a = " * 5000 + "1" + "}" * 5000,
+                                     "[host]\nx = " + "[" * 300 + "]" * 300])
+def test_deeply_nested_toml_is_a_config_error(nesting: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(nesting + "\n", "deep.toml", DRIVERS)
+    assert caught.value.file == "deep.toml"
+    if len(nesting) > 5000:  # too deep to parse; 300 levels parse and fail as a wrong type
+        assert caught.value.key.startswith("line 1, column ")
+        assert "nested too deeply" in caught.value.reason
+
+
+def test_check_config_of_deeply_nested_toml_exits_2_with_one_line(tmp_path: Path) -> None:
+    deep = tmp_path / "deep.toml"
+    deep.write_text("[host]\nlog_level = " + "[" * 5000 + "]" * 5000 + "\n")
+    result = _check_config(str(deep))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert f"{deep}: line 2, column " in result.stderr and "nested too deeply" in result.stderr
+
+
+def test_check_config_of_an_empty_file_says_it_means_the_builtin_defaults(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    result = _check_config(str(empty))
+    assert result.returncode == 0
+    assert "empty" in result.stdout and "built-in defaults" in result.stdout
+    host_only = tmp_path / "host.toml"
+    host_only.write_text('[host]\nlog_level = "debug"\n')
+    result = _check_config(str(host_only))
+    assert result.returncode == 0
+    assert "no [[resource]]" in result.stdout and "built-in defaults" in result.stdout
