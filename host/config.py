@@ -144,6 +144,9 @@ _RESOURCE_KEYS = (
 )
 _REPLICA_POLICIES = ("pack", "spread")
 _MAX_REPLICAS = 1024
+#: Each resource is a gRPC server, a socket and a kubelet registration; more than this is a
+#: generated file gone wrong (10,000 took a 23 s reload), not a node. See README.
+MAX_RESOURCES = 256
 
 
 def _check_host_value(file: str, key: str, field_name: str, value: object) -> object:
@@ -473,6 +476,11 @@ def _parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config
             " built-in defaults",
         )
 
+    if len(entries) > MAX_RESOURCES:
+        raise ConfigError(
+            file, "resource",
+            f"{len(entries)} resources; at most {MAX_RESOURCES} are supported (each one is a "
+            "gRPC server, a socket and a kubelet registration)")
     resources: List[ResourceConfig] = []
     first_index: Dict[str, int] = {}
     for index, entry in enumerate(entries):

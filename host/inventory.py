@@ -27,6 +27,9 @@ from host.overlap import Overlap, claim_keys, find_overlaps
 log = logging.getLogger(__name__)
 
 MAX_ID_LENGTH = 256
+#: Advertised devices on one host, replicas included (README). Far past any real node; what
+#: keeps a runaway driver or ``replicas`` on a big card pool from taking the host's memory.
+MAX_DEVICES = 100_000
 _BAD_ID = re.compile(r"[\s\x00-\x1f\x7f]")
 
 
@@ -79,6 +82,7 @@ class Inventory:
         self._warned: Set[Tuple[str, str, str]] = set()
         # Off where an overlap is reported as a config error instead (check-config, start-up).
         self.warn_overlaps = True
+        self._capped: Dict[str, int] = {}  # resource -> devices left out by MAX_DEVICES
         self.set_resources(resources)
 
     def set_resources(self, resources: Sequence[ResourceConfig]) -> None:
@@ -261,7 +265,7 @@ class Inventory:
                 device = device.with_health(Health.UNHEALTHY, "; ".join(reasons))
             out.append(device)
         if resource.replicas <= 1:
-            return out
+            return self._cap(resource.name, out)
         expanded = []
         for device in out:
             for k in range(resource.replicas):
@@ -272,7 +276,23 @@ class Inventory:
                     replica = replica.with_health(Health.UNHEALTHY,
                                                   f"drained by an operator: {drained}")
                 expanded.append(replica)
-        return expanded
+        return self._cap(resource.name, expanded)
+
+    def _cap(self, resource: str, devices: List[Device]) -> List[Device]:
+        """Keep the host within MAX_DEVICES: a resource gets what the others leave, and
+        what does not fit is not advertised, with one error line per change in the count."""
+        others = sum(len(d) for name, d in self.devices.items() if name != resource)
+        room = max(0, MAX_DEVICES - others)
+        left_out = max(0, len(devices) - room)
+        if left_out != self._capped.get(resource, 0):
+            if left_out:
+                log.error("resource %s: %d devices would pass the host's limit of %d "
+                          "advertised devices (replicas included); %d are not advertised",
+                          resource, len(devices), MAX_DEVICES, left_out)
+            else:
+                log.info("resource %s: all its devices fit within the limit again", resource)
+            self._capped[resource] = left_out
+        return devices[:room] if left_out else devices
 
     def set_drains(self, drains: Mapping[DrainKey, str]) -> Set[str]:
         """Apply the operator's marks; the resources whose advertised health changed."""
