@@ -18,6 +18,7 @@ from host.driver import Driver
 from host.hostfs import HostFS
 from host.inventory import Inventory
 from host.isolation import DriverCalls
+from host.lock import HostLock, LockHeld, running_host
 from host.logs import setup_logging
 from host.model import Device
 from host.plugins import DriverRegistry, load_drivers
@@ -113,17 +114,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             config = config.with_overrides(host_root=args.host_root)
             _check_overlaps(config, registry)
             print(f"{args.file}: valid: {_what_it_serves(args.file, config)}")
+            _note_running_host(config)
             return 0
         config = _load(args, registry)
     except ConfigError as error:
         print(f"device-plugin-host: invalid configuration: {error}", file=sys.stderr)
         return EXIT_CONFIG
     if args.command == "discover":
+        _note_running_host(config)
         return _discover(config, registry, as_json=args.json)
     if args.command in ("drain", "undrain"):
         return _drain(args, config)
     setup_logging(config.host.log_level, config.host.log_format)
     return _run(config, registry, args.config)
+
+
+def _note_running_host(config: Config) -> None:
+    """check-config and discover say when a host already serves the plugin directory: its
+    view is what the kubelet sees, and `run` would refuse to start beside it."""
+    holder = running_host(config.host.plugin_dir)
+    if holder is not None:
+        print(f"note: a device-plugin-host already serves {config.host.plugin_dir}: "
+              f"{holder.describe()}", file=sys.stderr)
 
 
 def _what_it_serves(path: str, config: Config) -> str:
@@ -223,11 +235,22 @@ def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -
             await app.stop()
             await app.metrics.stop()
 
+    lock = HostLock(config.host.plugin_dir)
+    try:
+        lock.acquire()
+    except LockHeld as error:
+        print(f"device-plugin-host: {error}", file=sys.stderr)
+        return EXIT_CONFIG
+    except OSError as error:  # a missing or read-only plugin dir is reported when serving
+        log.warning("cannot lock %s (%s): a second host on this plugin directory would not "
+                    "be stopped", lock.path, error.strerror or error)
     try:
         asyncio.run(serve())
     except ConfigError as error:  # found only with a scan: devices two resources claim
         print(f"device-plugin-host: invalid configuration: {error}", file=sys.stderr)
         return EXIT_CONFIG
+    finally:
+        lock.release()
     logging.shutdown()
     if DriverCalls.stuck_threads():
         # A driver call that never returned: Python would wait for its thread forever.
