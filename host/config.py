@@ -442,6 +442,45 @@ def _deepest(text: str) -> str:
     return "TOML syntax"
 
 
+def _duplicate_key(text: str, number: int) -> Optional[str]:
+    """The dotted key on line ``number`` that tomllib refused to overwrite, with the table
+    it is in ("host.log_level", "resource[1].selectors.vendor"); None if it cannot tell."""
+    lines = text.splitlines()
+    if not 1 <= number <= len(lines):
+        return None
+    arrays: Dict[str, int] = {}
+    table = ""
+
+    def qualified(name: str) -> str:
+        head, dot, rest = name.partition(".")
+        if head in arrays:
+            return f"{head}[{arrays[head] - 1}]{dot}{rest}"
+        return name
+
+    for line in lines[: number - 1]:
+        stripped = line.strip()
+        if stripped.startswith("[["):
+            name = _dotted(stripped[2:].split("]]", 1)[0])
+            arrays[name] = arrays.get(name, 0) + 1
+            table = qualified(name)
+        elif stripped.startswith("["):
+            table = qualified(_dotted(stripped[1:].split("]", 1)[0]))
+    here = lines[number - 1].strip()
+    if here.startswith("["):
+        return qualified(_dotted(here.strip("[]")))
+    if "=" not in here:
+        return None
+    key = _dotted(here.split("=", 1)[0])
+    return f"{table}.{key}" if table else key
+
+
+def _dotted(key: str) -> str:
+    """A TOML key as written (``a . "b c"``) in our messages' form (``a."b c"``)."""
+    parts = [part.strip() for part in key.split(".")]
+    return ".".join(_key(p[1:-1]) if len(p) > 1 and p[0] == p[-1] and p[0] in "\"'" else p
+                    for p in parts)
+
+
 def _parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config:
     if text.startswith("\ufeff"):
         text = text[1:]  # a byte-order mark from a Windows editor is harmless; TOML rejects it
@@ -453,6 +492,11 @@ def _parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config
         if match is None:
             raise ConfigError(file, "TOML syntax", message) from None
         position = f"line {match[1]}, column {match[2]}" if match[1] else "end of file"
+        if message.startswith("Cannot overwrite a value") and match[1]:
+            key = _duplicate_key(text, int(match[1]))
+            if key:
+                raise ConfigError(file, key, f"set twice (again at {position}); each key may "
+                                             "appear once in its table") from None
         raise ConfigError(file, position, f"invalid TOML: {message[: match.start()]}") from None
 
     for key in document:

@@ -776,3 +776,25 @@ def test_check_config_of_an_empty_file_says_it_means_the_builtin_defaults(tmp_pa
     result = _check_config(str(host_only))
     assert result.returncode == 0
     assert "no [[resource]]" in result.stdout and "built-in defaults" in result.stdout
+
+
+@pytest.mark.parametrize("text, key", [
+    ('[host]\nlog_level = "info"\nlog_level = "debug"\n', "host.log_level"),
+    ('[[resource]]\nname = "example.com/a"\ndriver = "gpu"\n'
+     '[[resource]]\nname = "example.com/b"\nname = "example.com/c"\n', "resource[1].name"),
+    ('[[resource]]\nname = "example.com/a"\ndriver = "gpu"\n[resource.selectors]\n'
+     'vendor = "0x10de"\nvendor = "0x1002"\n', "resource[0].selectors.vendor"),
+    ('[host]\n"log_level" = "info"\nlog_level = "info"\n', "host.log_level"),
+])
+def test_a_duplicate_key_names_the_key(text: str, key: str) -> None:
+    error = error_of(text)
+    assert error.key == key
+    assert "set twice (again at line " in error.reason
+
+
+def test_the_base_config_does_not_say_it_is_read_once() -> None:
+    """Live reload exists (README "Live reload"); the DaemonSet's config must not deny it."""
+    text = (REPO / "deploy" / "kubernetes" / "base" / "config.toml").read_text()
+    comments = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    assert "once, at start" not in comments and "only at start" not in comments
+    assert "reloads it live" in comments and "rejected" in comments
