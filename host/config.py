@@ -22,6 +22,7 @@ import math
 import os
 import posixpath
 import re
+import stat
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -147,6 +148,9 @@ _MAX_REPLICAS = 1024
 #: Each resource is a gRPC server, a socket and a kubelet registration; more than this is a
 #: generated file gone wrong (10,000 took a 23 s reload), not a node. See README.
 MAX_RESOURCES = 256
+#: 256 resources with long selector lists are well under 1 MiB; a bigger file is a mistake
+#: (a log or an image at the path), and must not be read into memory whole.
+MAX_CONFIG_BYTES = 4 * 2**20
 
 
 def _check_host_value(file: str, key: str, field_name: str, value: object) -> object:
@@ -560,8 +564,19 @@ def load_config(
             return default_config(drivers)
         path = default_path
     try:
-        with open(path, "rb") as stream:
-            data = stream.read()
+        # O_NONBLOCK: a FIFO at the path must not hang start-up waiting for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        with open(fd, "rb") as stream:
+            mode = os.fstat(stream.fileno()).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError
+            if not stat.S_ISREG(mode):
+                raise ConfigError(path, FILE_KEY, "is not a regular file (a device, FIFO or "
+                                                  "socket); give the path of a TOML file")
+            data = stream.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(path, FILE_KEY, f"is larger than {MAX_CONFIG_BYTES // 2**20} MiB;"
+                                              " no config file needs that much")
     except FileNotFoundError:
         raise ConfigError(path, FILE_KEY, "does not exist") from None
     except IsADirectoryError:

@@ -25,10 +25,11 @@ import hashlib
 import logging
 import os
 import signal
+import stat
 import time
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
-from host.config import FILE_KEY, Config, ConfigError, load_config, overlap_error
+from host.config import FILE_KEY, MAX_CONFIG_BYTES, Config, ConfigError, load_config, overlap_error
 from host.inotify import DirectoryWatch
 from host.plugins import DriverRegistry
 
@@ -77,9 +78,12 @@ class ConfigReloader:
     def _read(self) -> Optional[bytes]:
         if not self.path:
             return None
-        try:
-            with open(self.path, "rb") as handle:
-                return handle.read()
+        try:  # never block the loop on a FIFO, nor read a huge file whole (load_config says)
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            with open(fd, "rb") as handle:
+                if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                    return None
+                return handle.read(MAX_CONFIG_BYTES + 1)
         except OSError:
             return None
 
