@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from pathlib import Path
-from typing import List, Tuple
+from typing import Any, Callable, List, Tuple
 
 from benchmarks.core import Context, Figure, now, short_dir
 
@@ -58,6 +58,10 @@ class Ticker:
         return self.worst * 1000
 
 
+def _serving(count: int) -> Callable[[Any], bool]:
+    return lambda sim: sum(r.connected for r in sim.resources.values()) == count
+
+
 async def _measure(count: int, rounds: int) -> Tuple[List[float], List[float], List[float]]:
     from host.app import HostApp
     from host.config import load_config
@@ -91,9 +95,8 @@ async def _measure(count: int, rounds: int) -> Tuple[List[float], List[float], L
                     ticker.start()
                     started = now()
                     await reloader.reload(force=True)
-                    await sim.wait_for(
-                        lambda s, size=size: sum(r.connected for r in s.resources.values())
-                        == size, timeout=60, what=f"{size} resources served")
+                    await sim.wait_for(_serving(size), timeout=60,
+                                       what=f"{size} resources served")
                     durations.append(now() - started)
                     stalls.append(await ticker.stop())
                     ticker.start()

@@ -27,7 +27,7 @@ import os
 import signal
 import stat
 import time
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Mapping, Optional, Tuple
 
 from host.config import FILE_KEY, MAX_CONFIG_BYTES, Config, ConfigError, load_config, overlap_error
 from host.inotify import DirectoryWatch
@@ -53,7 +53,7 @@ class ConfigReloader:
     new file is rejected and the running set stays."""
 
     def __init__(self, app: HostApp, path: Optional[str], registry: DriverRegistry,
-                 overrides: Dict[str, Optional[str]], quiet_s: float = QUIET_S) -> None:
+                 overrides: Mapping[str, Optional[str]], quiet_s: float = QUIET_S) -> None:
         self.app = app
         self.path = path
         self.registry = registry

@@ -201,3 +201,32 @@ def test_is_empty():
     assert is_empty(b"") and is_empty(b"\n  \n# comment\n   # indented\n")
     assert is_empty("\ufeff# bom\n".encode())
     assert not is_empty(b"[host]\n") and not is_empty(b"# x\nresource = []\n")
+
+
+def test_a_reload_that_makes_two_resources_claim_one_gpu_is_rejected(
+        tmp_path, short_dir, run, caplog):
+    from host.testing import fake_gpu
+
+    root = tmp_path / "root"
+    tree = FakeTree(root)
+    tree.numa_nodes(1)
+    fake_gpu.add_nvidia_control_nodes(tree)
+    fake_gpu.add_nvidia_gpu(tree, "0000:18:00.0", minor=0, numa_node=0)
+    gpu = ('[[resource]]\nname = "{}"\ndriver = "gpu"\n[resource.selectors]\n'
+           'vendor = "0x10de"\n')
+    config = tmp_path / "config.toml"
+    config.write_text(gpu.format("nvidia.com/gpu"))
+
+    async def scenario():
+        async with reloading_host(config, root, short_dir) as (sim, app, reloader, _errors):
+            await sim.wait_for(lambda s: s.resources["nvidia.com/gpu"].allocatable == 1)
+            with caplog.at_level(logging.INFO, logger="host"):
+                config.write_text(gpu.format("nvidia.com/gpu") + gpu.format("example.com/gpu"))
+                assert await _outcome(reloader) == "rejected"
+            rejected = _rejections(caplog)
+            assert len(rejected) == 1
+            assert "resource[1] (example.com/gpu).selectors" in rejected[0]
+            assert "0000:18:00.0" in rejected[0]
+            assert app.served() == ["nvidia.com/gpu"]
+
+    run(scenario())
