@@ -115,8 +115,13 @@ class HostLock:
         self._fd: Optional[int] = None
 
     def acquire(self, environ: Mapping[str, str] = os.environ) -> None:
-        """Take the lock or raise LockHeld; OSError when the directory cannot hold one."""
-        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        """Take the lock or raise LockHeld; OSError when the directory cannot hold one
+        (missing, read-only, a file). The plugin directory itself is never created here:
+        it is the kubelet's, and serving reports its problems."""
+        try:
+            os.mkdir(os.path.dirname(self.path), 0o700)
+        except FileExistsError:
+            pass
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

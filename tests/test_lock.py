@@ -120,3 +120,14 @@ def test_a_second_run_exits_2_naming_the_first_and_discover_says_so(tmp_path, sh
             await sim.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_missing_plugin_dir_is_not_created_by_the_lock(tmp_path):
+    missing = tmp_path / "device-plugins"
+    try:
+        HostLock(str(missing)).acquire({})
+    except FileNotFoundError:
+        pass
+    else:
+        raise AssertionError("locked a directory that does not exist")
+    assert not missing.exists()
