@@ -70,6 +70,7 @@ class HostApp:
         self._cdi_watch: Optional[DirectoryWatch] = None
         self._cdi_retry: Optional[asyncio.TimerHandle] = None
         self._cdi_backoff = 1.0
+        self._rescans: Set[asyncio.Task] = set()
         self.events: Optional[EventSource] = None
         self.scheduler = RescanScheduler(self._drivers_for_subsystem, self.request_rescan)
         self.metrics = HostMetrics(pod_resources_socket=config.host.pod_resources_socket)
@@ -121,6 +122,8 @@ class HostApp:
             self._expiry.cancel()
         if self._rescan_task is not None:
             self._rescan_task.cancel()
+        for task in list(self._rescans):
+            task.cancel()
         await self.registrar.close()
         self.cdi.remove_all()
         self.calls.shutdown()
@@ -235,7 +238,16 @@ class HostApp:
     def request_rescan(self, drivers: Optional[Iterable[str]] = None) -> None:
         if self._stopped:
             return
-        asyncio.get_running_loop().create_task(self.rescan(drivers))
+        task = asyncio.get_running_loop().create_task(self.rescan(drivers))
+        self._rescans.add(task)  # owned: cancelled on stop, its failure logged, never lost
+        task.add_done_callback(self._rescan_done)
+
+    def _rescan_done(self, task: asyncio.Task) -> None:
+        self._rescans.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            error = task.exception()
+            log.error("rescan failed: %s: %s; the next event or safety rescan tries again",
+                      type(error).__name__, error, exc_info=error)
 
     # -- live reload ------------------------------------------------------------------------
     async def overlaps_in(self, config: Config) -> List[Overlap]:
