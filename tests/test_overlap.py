@@ -3,6 +3,7 @@ so, the first resource in file order where a hot-plug does."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -167,3 +168,16 @@ def test_same_pci_function_from_two_drivers_is_one_device(short_dir, run):
             assert sim.resources["example.com/gpu"].capacity == 1
 
     run(scenario())
+
+
+def test_discover_shows_an_overlapping_device_once_and_says_why(tmp_path):
+    root = tmp_path / "root"
+    _gpu_tree(root)
+    config = tmp_path / "c.toml"
+    config.write_text(TWO_NVIDIA.format(extra=""))
+    result = _cli("discover", "--json", "--config", str(config), "--host-root", str(root))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert sorted((r["resource"], r["id"]) for r in rows) == [
+        ("nvidia.com/gpu", "0000:18:00.0"), ("nvidia.com/gpu", "0000:3b:00.0")]
+    assert "also claimed by resource nvidia.com/gpu" in result.stderr
