@@ -9,14 +9,16 @@ later (a hot-plugged device matching both) gives the device to the first resourc
 order.
 
 A device is "the same" when the same driver reports the same id for it (ids are stable
-hardware identities: PCI address, serial), or when two devices carry the same
-``pci_address`` attribute, whichever drivers found them.
+hardware identities: PCI address, serial), or when two drivers report devices with the same
+``pci_address`` attribute (a GPU driver and a vfio one on one function). Within one driver a
+shared ``pci_address`` is not enough: MIG slices or partitions of one card carry their card's
+address, and two resources of different slice profiles on one GPU are a normal layout.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, List, Mapping, Sequence, Set, Tuple
+from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 from host.model import Device, ResourceConfig
 
@@ -86,19 +88,30 @@ def _resolve(
     overlaps: List[Overlap],
 ) -> FrozenSet[str]:
     """The slow path, only for a resource that does overlap an earlier one."""
-    owners: Dict[str, ResourceConfig] = {}
+    owners: Dict[str, List[ResourceConfig]] = {}
     for other in earlier:
         if may_share(other, resource):
             continue
         for key in keys.get(other.name, frozenset()):
-            owners.setdefault(key, other)
+            owners.setdefault(key, []).append(other)
+    rank = {other.name: index for index, other in enumerate(earlier)}
     dropped: Dict[str, List[str]] = {}
     for device in reported.get(resource.name, ()):
-        for key in claim_keys(resource.driver, device):
-            owner = owners.get(key)
-            if owner is not None:
-                dropped.setdefault(owner.name, []).append(device.id)
-                break
+        owner = _first_owner(resource, device, owners, rank)
+        if owner is not None:
+            dropped.setdefault(owner.name, []).append(device.id)
     for owner_name, ids in dropped.items():
         overlaps.append(Overlap(owner_name, resource.name, tuple(ids)))
     return frozenset(i for ids in dropped.values() for i in ids)
+
+
+def _first_owner(
+    resource: ResourceConfig, device: Device, owners: Mapping[str, List[ResourceConfig]],
+    rank: Mapping[str, int],
+) -> Optional[ResourceConfig]:
+    """The earliest resource in file order that already claims this device, if any."""
+    own, *pci = claim_keys(resource.driver, device)
+    candidates = list(owners.get(own, ()))
+    for key in pci:  # the PCI function counts only between different drivers
+        candidates += [o for o in owners.get(key, ()) if o.driver != resource.driver]
+    return min(candidates, key=lambda o: rank[o.name]) if candidates else None

@@ -181,3 +181,21 @@ def test_discover_shows_an_overlapping_device_once_and_says_why(tmp_path):
     assert sorted((r["resource"], r["id"]) for r in rows) == [
         ("nvidia.com/gpu", "0000:18:00.0"), ("nvidia.com/gpu", "0000:3b:00.0")]
     assert "also claimed by resource nvidia.com/gpu" in result.stderr
+
+
+def test_slices_of_one_card_in_two_resources_of_one_driver_are_not_an_overlap(short_dir, run):
+    """MIG-style: each slice has its own id and its card's pci_address; two profiles on one
+    GPU are two resources of one driver, and that is a normal layout."""
+    address = "0000:18:00.0"
+    small = [Device(id=f"MIG-a{i}", attributes={"pci_address": address}) for i in range(2)]
+    large = [Device(id="MIG-b0", attributes={"pci_address": address})]
+    driver = MemoryDriver("g", {"example.com/mig-1g": small, "example.com/mig-3g": large})
+    config = make_config(short_dir, [ResourceConfig("example.com/mig-1g", "g"),
+                                     ResourceConfig("example.com/mig-3g", "g")])
+
+    async def scenario():
+        async with kubelet_and_host(config, {"g": driver}) as (sim, _app):
+            assert sim.resources["example.com/mig-1g"].capacity == 2
+            assert sim.resources["example.com/mig-3g"].capacity == 1
+
+    run(scenario())
