@@ -20,6 +20,7 @@ from benchmarks import (
     events,
     listwatch,
     preferred,
+    reload,
     reregister,
     resources,
     rpc,
@@ -29,7 +30,7 @@ from benchmarks.core import Context, Figure
 
 #: Cheap, in-process families first; the idle-CPU window last.
 FAMILIES: Tuple[ModuleType, ...] = (
-    preferred, rpc, listwatch, reregister, discovery, startup, events, resources,
+    preferred, rpc, listwatch, reregister, discovery, startup, events, reload, resources,
 )
 
 

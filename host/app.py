@@ -15,8 +15,8 @@ import time
 from typing import Callable, Dict, Iterable, List, Optional, Set, Union
 
 from host import devinfo
-from host.cdi import CdiWriter
-from host.config import Config
+from host.cdi import FILE_PREFIX, CdiWriter
+from host.config import Config, overlap_error
 from host.drain import DrainError, read_drains
 from host.driver import Driver, UnavailableDriver
 from host.hostfs import HostFS
@@ -25,8 +25,9 @@ from host.inventory import Inventory
 from host.isolation import DriverCalls
 from host.liveness import RegistrationLiveness
 from host.metrics import HostMetrics
-from host.model import Device, ResourceConfig
+from host.model import Device, Health, ResourceConfig
 from host.nfd import FeatureFile
+from host.overlap import Overlap
 from host.podresources import PodResourcesClient, PodResourcesError, assignments
 from host.registration import Endpoint, Registrar
 from host.service import DevicePluginService
@@ -70,6 +71,10 @@ class HostApp:
         self._events_spec = events
         self._drain_watch: Optional[DirectoryWatch] = None
         self._health_timers: Dict[str, asyncio.TimerHandle] = {}
+        self._cdi_watch: Optional[DirectoryWatch] = None
+        self._cdi_retry: Optional[asyncio.TimerHandle] = None
+        self._cdi_backoff = 1.0
+        self._rescans: Set[asyncio.Task] = set()
         self.events: Optional[EventSource] = None
         self.scheduler = RescanScheduler(self._drivers_for_subsystem, self.request_rescan)
         self.metrics = HostMetrics(pod_resources_socket=config.host.pod_resources_socket)
@@ -89,12 +94,21 @@ class HostApp:
         self.registrar.start()
         self._start_events()  # before the first scan: nothing plugged in meanwhile is missed
         self._watch_drains()
+        self.inventory.warn_overlaps = self.config.is_default
         await self.inventory.scan()
+        self.inventory.warn_overlaps = True
+        if self.inventory.overlaps and not self.config.is_default:
+            # The operator's file makes two resources advertise one device: refuse to start
+            # (exit 2) rather than let two pods be given it. Built-in defaults that overlap
+            # are the drivers' doing; the first resource keeps the device (inventory).
+            raise overlap_error(self.config, self.inventory.overlaps[0])
         self.metrics.sync_drivers(self.inventory.status)
         for resource in self.config.resources:
             self._sync(resource)
         self.nfd.flush()
         self.devinfo.start()
+        self._watch_cdi()
+        self._arm_cdi_retry()
         self._arm_safety_rescan()
         self._arm_health_checks()
         self._arm_expiry()
@@ -110,6 +124,10 @@ class HostApp:
         self.scheduler.close()
         if self._drain_watch is not None:
             self._drain_watch.close()
+        if self._cdi_watch is not None:
+            self._cdi_watch.close()
+        if self._cdi_retry is not None:
+            self._cdi_retry.cancel()
         for timer in self._health_timers.values():
             timer.cancel()
         if self.events is not None:
@@ -120,6 +138,8 @@ class HostApp:
             self._expiry.cancel()
         if self._rescan_task is not None:
             self._rescan_task.cancel()
+        for task in list(self._rescans):
+            task.cancel()
         await self.registrar.close()
         self.cdi.remove_all()
         await self.devinfo.stop()
@@ -142,8 +162,8 @@ class HostApp:
             if not devices and not resource.register_when_empty:
                 return  # a built-in default with nothing on this node: not advertised
             snapshot = Snapshot()
+            devices = self._write_cdi(resource, devices)
             snapshot.update(devices)
-            self._write_cdi(resource, devices)
             driver = self.drivers.get(resource.driver) or UnavailableDriver(
                 resource.driver, "not installed"
             )
@@ -152,6 +172,7 @@ class HostApp:
                 snapshot, self.calls, allocate_timeout_s=self.config.host.allocate_timeout_s,
                 observer=self.metrics.allocate_observer,
             )
+            service.cdi_resolvable = self.cdi.resolvable
             self.snapshots[resource.name] = snapshot
             self.services[resource.name] = service
             self.registrar.add(service)
@@ -159,7 +180,7 @@ class HostApp:
             self.nfd.update(resource.name, devices)
             self.ready.clear()
             return
-        self._write_cdi(resource, devices)  # before the kubelet can ask for a new device
+        devices = self._write_cdi(resource, devices)  # before the kubelet can ask for one
         if snapshot.update(devices):
             log.info("resource %s: %d devices (%d healthy)", resource.name, len(devices),
                      sum(1 for d in devices if d.healthy))
@@ -180,9 +201,63 @@ class HostApp:
             return None
         return {(a.resource, d) for a in assignments(pods) for d in a.devices}
 
-    def _write_cdi(self, resource: ResourceConfig, devices: List[Device]) -> None:
-        if resource.cdi:
-            self.cdi.update(resource.name, devices)
+    def _write_cdi(self, resource: ResourceConfig, devices: List[Device]) -> List[Device]:
+        """Write the resource's CDI spec; the devices as they may be advertised.
+
+        A device whose CDI name is not in the spec on disk cannot be used by a runtime: it is
+        Unhealthy with the reason, unless ``cdi_fallback`` lets Allocate hand out its device
+        nodes instead (the service then leaves the CDI names out)."""
+        if not resource.cdi:
+            return devices
+        self.cdi.update(resource.name, devices)
+        if resource.cdi_fallback:
+            return devices
+        broken = self.cdi.unresolvable(resource.name, devices)
+        if not broken:
+            return devices
+        return [d.with_health(Health.UNHEALTHY, broken[d.id])
+                if d.id in broken and d.healthy else d for d in devices]
+
+    def _check_cdi(self) -> None:
+        """Write again every CDI spec that should be on disk and is not (a failed write, a
+        file deleted by hand); cheap when all are there (one stat each)."""
+        if self._stopped:
+            return
+        for resource in self.config.resources:
+            if resource.cdi and resource.name in self.snapshots and \
+                    self.cdi.retry(resource.name):
+                self._sync(resource)
+        self._arm_cdi_retry()
+
+    def _arm_cdi_retry(self) -> None:
+        """While a spec is missing, retry with backoff (1 s doubling to 30 s) besides the
+        rescans: freeing space elsewhere on the filesystem sends no event."""
+        if self._cdi_retry is not None:
+            self._cdi_retry.cancel()
+            self._cdi_retry = None
+        if not self.cdi.problems or self._stopped:
+            self._cdi_backoff = 1.0
+            return
+        self._cdi_retry = asyncio.get_running_loop().call_later(self._cdi_backoff,
+                                                                self._check_cdi)
+        self._cdi_backoff = min(self._cdi_backoff * 2, 30.0)
+
+    def _watch_cdi(self) -> None:
+        """Notice at once when someone deletes one of our spec files."""
+        if not any(r.cdi for r in self.config.resources):
+            return
+
+        def changed(names: Optional[List[str]]) -> None:
+            if names is None or any(n.startswith(FILE_PREFIX) for n in names):
+                self._check_cdi()
+
+        try:
+            self._cdi_watch = DirectoryWatch(self.cdi.directory, changed)
+            self._cdi_watch.start()
+        except OSError as error:
+            log.warning("cannot watch the CDI directory %s: %s; specs are checked at every "
+                        "rescan", self.cdi.directory, error)
+            self._cdi_watch = None
 
     async def rescan(self, drivers: Optional[Iterable[str]] = None) -> Set[str]:
         """Rescan drivers and push every changed resource to its streams."""
@@ -194,15 +269,36 @@ class HostApp:
                 self._sync(resource)
         if changed:
             self.nfd.schedule()
+        self._check_cdi()
         self._arm_expiry()
         return changed
 
     def request_rescan(self, drivers: Optional[Iterable[str]] = None) -> None:
         if self._stopped:
             return
-        asyncio.get_running_loop().create_task(self.rescan(drivers))
+        task = asyncio.get_running_loop().create_task(self.rescan(drivers))
+        self._rescans.add(task)  # owned: cancelled on stop, its failure logged, never lost
+        task.add_done_callback(self._rescan_done)
+
+    def _rescan_done(self, task: asyncio.Task) -> None:
+        self._rescans.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            error = task.exception()
+            log.error("rescan failed: %s: %s; the next event or safety rescan tries again",
+                      type(error).__name__, error, exc_info=error)
 
     # -- live reload ------------------------------------------------------------------------
+    async def overlaps_in(self, config: Config) -> List[Overlap]:
+        """Scan with a config's resources, without applying them, for devices two of them
+        claim: a reload that would double-advertise a device is rejected like a bad file."""
+        trial = Inventory(
+            self.host, self.drivers, config.resources, self.calls,
+            discover_timeout_s=config.host.discover_timeout_s, vanished_grace_s=0,
+        )
+        trial.warn_overlaps = False
+        await trial.scan()
+        return trial.overlaps
+
     async def reload(self, config: Config) -> None:
         """Apply a new, already validated config without a blip for unchanged resources.
 
@@ -220,16 +316,19 @@ class HostApp:
                             field)
         self.config = config
         self.inventory.set_resources(config.resources)
-        for name in set(old) - set(new):
+        removed = [name for name in old if name not in new]
+        for name in removed:
             log.info("reload: resource %s removed; it stops serving", name)
             self.cdi.remove(name)
             self.metrics.remove_resource(name)
             self.nfd.forget(name)
             if devinfo.enabled(old[name]):
                 self.devinfo.remove_resource(old[name])
-            await self.registrar.remove(name)
             self.snapshots.pop(name, None)
             self.services.pop(name, None)
+        # Together, not one after the other: each stop waits for its server's grace period
+        # (255 removals one by one took 13 s).
+        await asyncio.gather(*(self.registrar.remove(name) for name in removed))
         rescan: Set[str] = set()
         for name, resource in new.items():
             before = old.get(name)
@@ -259,9 +358,15 @@ class HostApp:
         await self.rescan(rescan)
         for resource in config.resources:
             self._sync(resource)
+            # Each new resource starts an endpoint task (server, socket, Register): let the
+            # loop run between them, so a reload to 256 resources never holds it for long.
+            await asyncio.sleep(0)
+        if self._cdi_watch is None:
+            self._watch_cdi()
         self.nfd.schedule()
         self.devinfo.start()
         self._arm_health_checks()
+        gc.freeze()  # as at start: the new services live on; keep full collections short
 
     # -- periodic health and operator drains ---------------------------------------------------
     def _arm_health_checks(self) -> None:

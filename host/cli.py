@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -16,7 +15,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from host import __version__
-from host.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
+from host.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, overlap_error
 from host.drain import (
     DEFAULT_REASON,
     DrainError,
@@ -27,13 +26,14 @@ from host.drain import (
 )
 from host.driver import Driver
 from host.hostfs import HostFS
-from host.inotify import DirectoryWatch
 from host.inventory import Inventory
 from host.isolation import DriverCalls
+from host.lock import HostLock, LockHeld, running_host
 from host.logs import setup_logging
 from host.model import Device, ResourceConfig
 from host.plugins import DriverRegistry, load_drivers
 from host.protocol import POD_RESOURCES_SOCKET
+from host.reload import ConfigReloader, is_empty
 from host.systemd import Notifier
 
 if TYPE_CHECKING:
@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
 
     check = add("check-config", help="validate a config file (exit 2 when invalid)")
     check.add_argument("file", help="the TOML file to check (nothing is served or changed)")
+    check.add_argument("--host-root", metavar="DIR",
+                       help="scan the devices under DIR (default: the [host] host_root, the "
+                            "live host) for devices two resources claim")
 
     demo = add("demo", help="run the real host against a sample tree and simulator")
     demo.add_argument("--keep", action="store_true", help="keep the temporary directory")
@@ -221,8 +224,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     try:
         if args.command == "check-config":
             config = load_config(args.file, registry.with_unavailable())
-            print(f"{args.file}: valid: {len(config.resources)} resources "
-                  f"({', '.join(r.name for r in config.resources) or 'none'})")
+            config = config.with_overrides(host_root=args.host_root)
+            _check_overlaps(config, registry)
+            print(f"{args.file}: valid: {_what_it_serves(args.file, config)}")
+            _note_running_host(config)
             return 0
         config = _load(args, registry)
         if args.command in ("discover", "run"):
@@ -231,11 +236,46 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"device-plugin-host: invalid configuration: {error}", file=sys.stderr)
         return EXIT_CONFIG
     if args.command == "discover":
+        _note_running_host(config)
         return _discover(config, registry, as_json=args.json)
     if args.command in ("drain", "undrain"):
         return _drain(args, config)
     setup_logging(config.host.log_level, config.host.log_format)
     return _run(config, registry, args.config)
+
+
+def _note_running_host(config: Config) -> None:
+    """check-config and discover say when a host already serves the plugin directory: its
+    view is what the kubelet sees, and `run` would refuse to start beside it."""
+    holder = running_host(config.host.plugin_dir)
+    if holder is not None:
+        print(f"note: a device-plugin-host already serves {config.host.plugin_dir}: "
+              f"{holder.describe()}", file=sys.stderr)
+
+
+def _what_it_serves(path: str, config: Config) -> str:
+    """check-config's summary; an empty file or one without [[resource]] is valid, but the
+    operator must be told that it means the built-in defaults."""
+    listed = ", ".join(r.name for r in config.resources) or "none"
+    names = f"{len(config.resources)} resources ({listed})"
+    if not config.is_default:
+        return names
+    try:
+        with open(path, "rb") as handle:
+            empty = is_empty(handle.read())
+    except OSError:
+        empty = False
+    why = "the file is empty" if empty else "the file has no [[resource]]"
+    return f"{why}, which means the built-in defaults: {names}"
+
+
+def _check_overlaps(config: Config, registry: DriverRegistry) -> None:
+    """A device two configured resources claim is a config error; only a scan shows it."""
+    if config.is_default:
+        return
+    inventory, _ = asyncio.run(_scan_once(config, registry.with_unavailable(), warn=False))
+    if inventory.overlaps:
+        raise overlap_error(config, inventory.overlaps[0])
 
 
 # -- run -------------------------------------------------------------------------------------
@@ -271,71 +311,6 @@ def _drain(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-class _ConfigReloader:
-    """Reload on SIGHUP or when the config file changes (a ConfigMap update swaps its
-    ``..data`` link); an invalid new file is rejected and the running set stays."""
-
-    def __init__(self, app: HostApp, path: Optional[str], registry: DriverRegistry,
-                 overrides: Dict[str, Optional[str]]) -> None:
-        self.app = app
-        self.path = path
-        self.registry = registry
-        self.overrides = overrides
-        self._digest = self._read_digest()
-        self._watch: Optional[DirectoryWatch] = None
-        self._pending: Optional[asyncio.TimerHandle] = None
-
-    def _read_digest(self) -> Optional[bytes]:
-        if not self.path:
-            return None
-        try:
-            with open(self.path, "rb") as handle:
-                return hashlib.sha256(handle.read()).digest()
-        except OSError:
-            return None
-
-    def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGHUP, lambda: self.schedule(force=True))
-        if self.path:
-            name = os.path.basename(self.path)
-
-            def changed(names: Optional[List[str]]) -> None:
-                if names is None or name in names or "..data" in names:
-                    self.schedule()
-
-            self._watch = DirectoryWatch(os.path.dirname(os.path.abspath(self.path)), changed)
-            self._watch.start()
-
-    def schedule(self, force: bool = False) -> None:
-        """Debounced: editors and ConfigMap updates write in several steps."""
-        if self._pending is not None:
-            self._pending.cancel()
-        self._pending = asyncio.get_running_loop().call_later(
-            0.05, lambda: asyncio.ensure_future(self.reload(force)))
-
-    async def reload(self, force: bool) -> None:
-        self._pending = None
-        digest = self._read_digest()
-        if not force and digest == self._digest:
-            return
-        self._digest = digest
-        try:
-            config = load_config(self.path, self.registry.with_unavailable())
-            config = config.with_overrides(**self.overrides)
-        except ConfigError as error:
-            log.error("reload rejected, still serving the previous configuration: %s", error)
-            return
-        log.info("reloading the configuration from %s", self.path or "built-in defaults")
-        await self.app.reload(config)
-
-    def close(self) -> None:
-        if self._watch is not None:
-            self._watch.close()
-        if self._pending is not None:
-            self._pending.cancel()
-
-
 async def _announce_ready(app: HostApp, notifier: Notifier, config: Config) -> None:
     """READY=1 once every resource is registered, but never held hostage by a kubelet that
     is not there yet: boot ordering (cloud-init running kubeadm join after
@@ -363,7 +338,7 @@ def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -
 
     async def serve() -> None:
         app = HostApp(config, drivers)
-        reloader = _ConfigReloader(app, config_path, registry, {
+        reloader = ConfigReloader(app, config_path, registry, {
             "plugin_dir": config.host.plugin_dir, "host_root": config.host.host_root})
         notifier = Notifier()
         app.on_ready.append(lambda: notifier.ready(
@@ -387,11 +362,26 @@ def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -
             notifier.stopping()
         finally:
             notifier.stop_watchdog()
-            reloader.close()
+            await reloader.aclose()
             await app.stop()
             await app.metrics.stop()
 
-    asyncio.run(serve())
+    lock = HostLock(config.host.plugin_dir)
+    try:
+        lock.acquire()
+    except LockHeld as error:
+        print(f"device-plugin-host: {error}", file=sys.stderr)
+        return EXIT_CONFIG
+    except OSError as error:  # a missing or read-only plugin dir is reported when serving
+        log.warning("cannot lock %s (%s): a second host on this plugin directory would not "
+                    "be stopped", lock.path, error.strerror or error)
+    try:
+        asyncio.run(serve())
+    except ConfigError as error:  # found only with a scan: devices two resources claim
+        print(f"device-plugin-host: invalid configuration: {error}", file=sys.stderr)
+        return EXIT_CONFIG
+    finally:
+        lock.release()
     logging.shutdown()
     if DriverCalls.stuck_threads():
         # A driver call that never returned: Python would wait for its thread forever.
@@ -460,14 +450,15 @@ def _resource_summary(config: Config, inventory: Inventory, empty: Dict[str, str
     return lines
 
 
-async def _scan_once(config: Config,
-                     drivers: Dict[str, Driver]) -> Tuple[Inventory, Dict[str, str]]:
+async def _scan_once(config: Config, drivers: Dict[str, Driver],
+                     warn: bool = True) -> Tuple[Inventory, Dict[str, str]]:
     """One scan, and for each resource that found nothing, why (while the pools exist)."""
     calls = DriverCalls()
     inventory = Inventory(
         HostFS(config.host.host_root), drivers, config.resources, calls,
         discover_timeout_s=config.host.discover_timeout_s, vanished_grace_s=0,
     )
+    inventory.warn_overlaps = warn
     try:
         await inventory.scan()
         empty = {}

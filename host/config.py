@@ -22,12 +22,14 @@ import math
 import os
 import posixpath
 import re
+import stat
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from host.cdi import kind_error
 from host.driver import Driver, SelectorError
 from host.model import ResourceConfig
+from host.overlap import Overlap
 from host.resource_name import resource_name_error
 
 try:
@@ -144,10 +146,16 @@ _HOST_KEYS = tuple(field.name for field in dataclasses.fields(HostSettings))
 _TOP_KEYS = ("host", "resource")
 _RESOURCE_KEYS = (
     "name", "driver", "selectors", "settings", "replicas", "replica_policy", "health_interval_s",
-    "cdi", "cdi_fallback",
+    "cdi", "cdi_fallback", "shared_with",
 )
 _REPLICA_POLICIES = ("pack", "spread")
 _MAX_REPLICAS = 1024
+#: Each resource is a gRPC server, a socket and a kubelet registration; more than this is a
+#: generated file gone wrong (10,000 took a 23 s reload), not a node. See README.
+MAX_RESOURCES = 256
+#: 256 resources with long selector lists are well under 1 MiB; a bigger file is a mistake
+#: (a log or an image at the path), and must not be read into memory whole.
+MAX_CONFIG_BYTES = 4 * 2**20
 
 
 def _check_host_value(file: str, key: str, field_name: str, value: object) -> object:
@@ -355,12 +363,60 @@ def _sharing_and_health(file: str, where: str, entry: Mapping[str, object]) -> D
         if problem:
             raise ConfigError(file, f"{where}.cdi", f"the resource name cannot be a CDI kind: "
                                                      f"{problem}")
+    if "shared_with" in entry:
+        out["shared_with"] = _check_shared_with(file, where, entry)
     if "health_interval_s" in entry:
         out["health_interval_s"] = _check_seconds(
             file, f"{where}.health_interval_s", _Range(0.1, False, 86400, zero_disables=True),
             entry["health_interval_s"],
         )
     return out
+
+
+def _check_shared_with(file: str, where: str, entry: Mapping[str, object]) -> Tuple[str, ...]:
+    """``shared_with = ["other/name", ...]``: resources that may advertise the same devices.
+    That the names are configured is checked once every resource is known."""
+    key = f"{where}.shared_with"
+    value = entry["shared_with"]
+    if not isinstance(value, list):
+        raise ConfigError(file, key, f"must be an array of resource names, got {_typed(value)}")
+    names: List[str] = []
+    for position, item in enumerate(value):
+        if not isinstance(item, str):
+            raise ConfigError(file, f"{key}[{position}]",
+                              f"must be a resource name (a string), got {_typed(item)}")
+        problem = resource_name_error(item)
+        if problem is not None:
+            raise ConfigError(file, f"{key}[{position}]",
+                              f"{_show(item)} is not a valid resource name: {problem}")
+        if item == entry.get("name"):
+            raise ConfigError(file, f"{key}[{position}]", "names the resource itself")
+        if item not in names:
+            names.append(item)
+    return tuple(names)
+
+
+def _check_shared_names(file: str, resources: Sequence[ResourceConfig]) -> None:
+    known = {r.name for r in resources}
+    for index, resource in enumerate(resources):
+        for position, other in enumerate(resource.shared_with):
+            if other not in known:
+                raise ConfigError(
+                    file, f"resource[{index}] ({resource.name}).shared_with[{position}]",
+                    f"{_show(other)} is not a configured resource{_hint(other, sorted(known))}")
+
+
+def overlap_error(config: Config, overlap: Overlap) -> ConfigError:
+    """A device claimed by two resources, as one config error naming both and the ids."""
+    index = {r.name: i for i, r in enumerate(config.resources)}
+    file = config.path or "built-in defaults"
+    first = f"resource[{index.get(overlap.first, '?')}] ({overlap.first})"
+    second = f"resource[{index.get(overlap.second, '?')}] ({overlap.second})"
+    return ConfigError(
+        file, f"{second}.selectors",
+        f"claims {overlap.describe()} that {first} also claims: two pods could be given one "
+        f"device; narrow the selectors, or set shared_with = [\"{overlap.first}\"] if the "
+        "two resources are meant to share them")
 
 
 def _unknown_resource_key(key: str, driver: Driver) -> str:
@@ -376,6 +432,72 @@ def _unknown_resource_key(key: str, driver: Driver) -> str:
 
 def parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config:
     """Parse and validate config text; ``file`` names it in errors. Raises ConfigError."""
+    try:
+        return _parse_config(text, file, drivers)
+    except RecursionError:
+        # tomllib recurses once per nesting level: thousands of "[" end here, not in a
+        # traceback (and a restart loop under systemd).
+        raise ConfigError(file, _deepest(text), "invalid TOML: arrays or tables nested too "
+                          "deeply to parse") from None
+
+
+def _deepest(text: str) -> str:
+    """Where nesting first gets absurd (the 100th open bracket), as "line L, column C"."""
+    depth = 0
+    line, column = 1, 0
+    for char in text:
+        column += 1
+        if char == "\n":
+            line, column = line + 1, 0
+        elif char in "[{":
+            depth += 1
+            if depth >= 100:
+                return f"line {line}, column {column}"
+        elif char in "]}":
+            depth = max(0, depth - 1)
+    return "TOML syntax"
+
+
+def _duplicate_key(text: str, number: int) -> Optional[str]:
+    """The dotted key on line ``number`` that tomllib refused to overwrite, with the table
+    it is in ("host.log_level", "resource[1].selectors.vendor"); None if it cannot tell."""
+    lines = text.splitlines()
+    if not 1 <= number <= len(lines):
+        return None
+    arrays: Dict[str, int] = {}
+    table = ""
+
+    def qualified(name: str) -> str:
+        head, dot, rest = name.partition(".")
+        if head in arrays:
+            return f"{head}[{arrays[head] - 1}]{dot}{rest}"
+        return name
+
+    for line in lines[: number - 1]:
+        stripped = line.strip()
+        if stripped.startswith("[["):
+            name = _dotted(stripped[2:].split("]]", 1)[0])
+            arrays[name] = arrays.get(name, 0) + 1
+            table = qualified(name)
+        elif stripped.startswith("["):
+            table = qualified(_dotted(stripped[1:].split("]", 1)[0]))
+    here = lines[number - 1].strip()
+    if here.startswith("["):
+        return qualified(_dotted(here.strip("[]")))
+    if "=" not in here:
+        return None
+    key = _dotted(here.split("=", 1)[0])
+    return f"{table}.{key}" if table else key
+
+
+def _dotted(key: str) -> str:
+    """A TOML key as written (``a . "b c"``) in our messages' form (``a."b c"``)."""
+    parts = [part.strip() for part in key.split(".")]
+    return ".".join(_key(p[1:-1]) if len(p) > 1 and p[0] == p[-1] and p[0] in "\"'" else p
+                    for p in parts)
+
+
+def _parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config:
     if text.startswith("\ufeff"):
         text = text[1:]  # a byte-order mark from a Windows editor is harmless; TOML rejects it
     try:
@@ -386,6 +508,11 @@ def parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config:
         if match is None:
             raise ConfigError(file, "TOML syntax", message) from None
         position = f"line {match[1]}, column {match[2]}" if match[1] else "end of file"
+        if message.startswith("Cannot overwrite a value") and match[1]:
+            key = _duplicate_key(text, int(match[1]))
+            if key:
+                raise ConfigError(file, key, f"set twice (again at {position}); each key may "
+                                             "appear once in its table") from None
         raise ConfigError(file, position, f"invalid TOML: {message[: match.start()]}") from None
 
     for key in document:
@@ -409,6 +536,11 @@ def parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config:
             " built-in defaults",
         )
 
+    if len(entries) > MAX_RESOURCES:
+        raise ConfigError(
+            file, "resource",
+            f"{len(entries)} resources; at most {MAX_RESOURCES} are supported (each one is a "
+            "gRPC server, a socket and a kubelet registration)")
     resources: List[ResourceConfig] = []
     first_index: Dict[str, int] = {}
     for index, entry in enumerate(entries):
@@ -422,6 +554,7 @@ def parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config:
             )
         first_index[resource.name] = index
         resources.append(resource)
+    _check_shared_names(file, resources)
     return Config(path=file, host=host, resources=tuple(resources), is_default=False)
 
 
@@ -443,8 +576,19 @@ def load_config(
             return default_config(drivers)
         path = default_path
     try:
-        with open(path, "rb") as stream:
-            data = stream.read()
+        # O_NONBLOCK: a FIFO at the path must not hang start-up waiting for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        with open(fd, "rb") as stream:
+            mode = os.fstat(stream.fileno()).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError
+            if not stat.S_ISREG(mode):
+                raise ConfigError(path, FILE_KEY, "is not a regular file (a device, FIFO or "
+                                                  "socket); give the path of a TOML file")
+            data = stream.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(path, FILE_KEY, f"is larger than {MAX_CONFIG_BYTES // 2**20} MiB;"
+                                              " no config file needs that much")
     except FileNotFoundError:
         raise ConfigError(path, FILE_KEY, "does not exist") from None
     except IsADirectoryError:

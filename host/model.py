@@ -126,3 +126,6 @@ class ResourceConfig:
     # without CDI support.
     cdi: bool = False
     cdi_fallback: bool = True
+    # Other resources allowed to advertise the same devices as this one (otherwise a device
+    # matched by two resources belongs to the first in file order: see host/overlap.py).
+    shared_with: Tuple[str, ...] = ()

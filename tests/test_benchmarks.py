@@ -26,7 +26,7 @@ CONTRACT_KEYS = {
     "discovery_ms_2048", "discovery_ms_sriov_1024", "discovery_ms_qat_256", "discovery_ms_cpx_64",
     "rss_mb_64r_10k", "idle_cpu_pct_64r", "preferred_ms_1024_8numa",
     "event_to_kubelet_p99_ms_1", "event_to_kubelet_p99_ms_16", "event_to_kubelet_p99_ms_64",
-    "idle_cpu_pct_watching",
+    "idle_cpu_pct_watching", "reload_max_stall_ms_256",
 }
 # An idle process can truly use no CPU in a short window; everything else takes time or memory.
 MAY_BE_ZERO = {"idle_cpu_pct_64r", "idle_cpu_pct_watching"}
