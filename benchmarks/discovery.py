@@ -259,6 +259,7 @@ def run(ctx: Context) -> List[Figure]:
             ], root, pfs * vfs)
             if ctx.tiny:
                 figure.notes.append(f"tiny run: {pfs * vfs} VFs")
+            figures.append(figure)
         if ctx.wants("discovery_ms_cpx_64"):
             gpus = 8 if not ctx.tiny else 1
             root = os.path.join(work, "cpx")

@@ -152,27 +152,28 @@ def test_cpx_partition_allocation_carries_its_render_node_and_kfd(tmp_path, shor
 
 def test_repartition_updates_the_advertisement_without_a_restart(tmp_path, short_dir, run):
     machine = _machine(tmp_path, [("SPX", "NPS1"), ("SPX", "NPS1")])
-    config = make_config(short_dir, [AMD_GPU, CPX_NPS4], host_root=machine.tree.root,
+    # ROCm's mixed strategy: one resource per mode, so no partition is advertised twice.
+    config = make_config(short_dir, [SPX_NPS1, CPX_NPS4], host_root=machine.tree.root,
                          rescan_interval_s=0, vanished_grace_s=0)
     source = InjectedSource()
 
     async def scenario():
         async with kubelet_and_host(config, load_drivers().drivers, events=source) as (sim, _):
-            await sim.wait_for(lambda s: s.resources["amd.com/gpu"].allocatable == 2)
+            await sim.wait_for(lambda s: s.resources["amd.com/spx_nps1"].allocatable == 2)
             assert sim.resources["amd.com/cpx_nps4"].capacity == 0
             machine.set_partition("0000:0c:00.0", "CPX", "NPS4")
             started = asyncio.get_running_loop().time()
             source.inject("pci")
-            await sim.wait_for(lambda s: s.resources["amd.com/gpu"].allocatable == 9
+            await sim.wait_for(lambda s: s.resources["amd.com/spx_nps1"].allocatable == 1
                                and s.resources["amd.com/cpx_nps4"].allocatable == 8,
                                timeout=3, what="the CPX partitions advertised")
             assert asyncio.get_running_loop().time() - started < 2.0
             assert "0000:0c:00.0" not in {
-                i for i, d in sim.resources["amd.com/gpu"].devices.items() if d.health == "Healthy"
+                i for i, d in sim.resources["amd.com/spx_nps1"].devices.items() if d.health == "Healthy"
             }
             machine.set_partition("0000:0c:00.0", "SPX", "NPS1")
             source.inject("drm")
-            await sim.wait_for(lambda s: s.resources["amd.com/gpu"].allocatable == 2
+            await sim.wait_for(lambda s: s.resources["amd.com/spx_nps1"].allocatable == 2
                                and s.resources["amd.com/cpx_nps4"].allocatable == 0,
                                timeout=3, what="back to SPX")
 
