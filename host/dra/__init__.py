@@ -1,0 +1,1 @@
+"""Dynamic Resource Allocation: serving configured resources to the kubelet's DRA manager."""
