@@ -1,1 +1,1 @@
-"""Dynamic Resource Allocation: serving configured resources to the kubelet's DRA manager."""
+"""Dynamic Resource Allocation: imported only when a resource is configured with api = "dra"."""
