@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Set, Tuple
 
 from host.cdi import cdi_kind, device_name
 from host.dra.atomic import write_atomic
@@ -52,8 +52,8 @@ def build_claim_spec(
     """(spec, {device id: fully qualified CDI id}) for one claim's devices of one resource."""
     vendor, klass = cdi_kind(resource)
     version = (0, 3, 0)
-    own_nodes = set()
-    own_mounts = set()
+    own_nodes: Set[str] = set()
+    own_mounts: Set[str] = set()
     entries: List[Dict[str, Any]] = []
     names: Dict[str, str] = {}
     for device in devices:
