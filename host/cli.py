@@ -261,7 +261,14 @@ def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -
             await app.stop()
             await app.metrics.stop()
 
-    asyncio.run(serve())
+    try:
+        asyncio.run(serve())
+    except Exception as error:
+        if type(error).__name__ != "DraStartError":  # host.dra loads only for DRA configs
+            raise
+        print(f"device-plugin-host: cannot serve DRA resources: {error}", file=sys.stderr)
+        logging.shutdown()
+        return EXIT_CONFIG
     logging.shutdown()
     if DriverCalls.stuck_threads():
         # A driver call that never returned: Python would wait for its thread forever.

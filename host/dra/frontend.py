@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from host.dra import naming
 from host.dra.checkpoint import Checkpoint
@@ -57,6 +57,7 @@ class DraFrontEnd:
         self.endpoints: Dict[str, PluginWatcherEndpoint] = {}
         self.pools: Dict[str, DraPool] = {}  # by resource name
         self._driver_of: Dict[str, str] = {}  # resource name -> DRA driver name
+        self.on_registered: Optional[Callable[[PluginWatcherEndpoint], None]] = None
 
     def driver_name(self, resource: ResourceConfig) -> str:
         return naming.driver_name(resource.name, resource.dra_driver_name)
@@ -124,6 +125,8 @@ class DraFrontEnd:
     def _registered(self, endpoint: PluginWatcherEndpoint) -> None:
         if self.publisher is not None:
             self.publisher.republish()
+        if self.on_registered is not None:
+            self.on_registered(endpoint)
 
     def all_registered(self) -> bool:
         return all(endpoint.registered for endpoint in self.endpoints.values())
