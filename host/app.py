@@ -373,7 +373,12 @@ class HostApp:
             await self.kube.close()
             self.kube = None
             raise
-        self.publisher = _slice_publisher(self.kube, self.config.host.node_name)
+        from host.dra.publisher import SlicePublisher
+
+        # Unhealthy devices are left out of the slices: device taints (KEP-5055) are off by
+        # default before 1.37, and a taint the server drops would advertise a broken device.
+        self.publisher = SlicePublisher(self.kube, self.config.host.node_name,
+                                        metrics=self.metrics, taint_unhealthy=False)
         host = self.config.host
         self.dra = DraFrontEnd(
             node_name=host.node_name, claims=self.kube, calls=self.calls,
@@ -457,13 +462,3 @@ class HostApp:
             for callback in self.on_ready:
                 callback()
 
-
-def _slice_publisher(client: Any, node_name: str) -> Optional[Any]:
-    """dra-api's SlicePublisher; None (logged) where this build has none yet."""
-    try:
-        from host.dra.publisher import SlicePublisher
-    except ImportError:
-        log.error("DRA: no ResourceSlice publisher in this build; devices are prepared but "
-                  "not published")
-        return None
-    return SlicePublisher(client, node_name)

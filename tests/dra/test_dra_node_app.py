@@ -3,6 +3,7 @@ side in one HostApp, start-up checks that exit 2, and plugin-watcher device plug
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import subprocess
@@ -16,7 +17,7 @@ from host.app import HostApp
 from host.dra import naming
 from host.dra.kube import KubeClient
 from host.dra.startup import DraStartError
-from host.model import ResourceConfig
+from host.model import Health, ResourceConfig
 from host.testing.apiserver import ApiServerStandIn, kube_api
 from host.testing.drivers import MemoryDriver, make_devices
 from host.testing.harness import make_config
@@ -76,6 +77,12 @@ def test_device_plugin_and_dra_side_by_side_in_one_process(short_dir, run, kube_
                 lambda w: bool(dra_kubelet.device_plugins[WATCHED.name].snapshots),
                 what="the plugin-watcher device plugin's stream")
             await app.ready.wait()
+            # the slices, read back from the API server
+            assert await app.publisher.wait_synced()
+            published = kube_api.devices(dra_driver, NODE)
+            assert sorted(published) == ["gpu0", "gpu1", "gpu2"]
+            [piece] = kube_api.resource_slices(dra_driver, NODE)
+            assert piece["spec"]["pool"]["name"] == naming.pool_name(DRA.name, NODE)
             # the DRA resource is not a device plugin, and vice versa
             assert DRA.name not in dp_kubelet.resources
             pod = str(uuid.uuid4())
@@ -90,11 +97,34 @@ def test_device_plugin_and_dra_side_by_side_in_one_process(short_dir, run, kube_
             [info] = await dra_kubelet.prepare(pod, [("default", "c")])
             assert info.devices[dra_driver][0].device_name == "gpu1"
             assert [c.uid for c in app.dra.prepared_claims()] == [claim["metadata"]["uid"]]
-            # a hot-plug reaches the DRA pool through the same inventory
+            # a hot-plug reaches the DRA pool and the slice through the same inventory
             driver.devices[DRA.name] = make_devices("gpu", 4)
             await app.rescan(["memory"])
             assert "gpu3" in app.dra.pools[DRA.name].by_name
+            assert await app.publisher.wait_synced()
+            assert sorted(kube_api.devices(dra_driver, NODE)) == ["gpu0", "gpu1", "gpu2", "gpu3"]
+            # health: an Unhealthy device leaves the slice, and comes back
+            sick = make_devices("gpu", 4)
+            sick[2] = sick[2].with_health(Health.UNHEALTHY, "link down")
+            driver.devices[DRA.name] = sick
+            await app.rescan(["memory"])
+            assert await app.publisher.wait_synced()
+            assert sorted(kube_api.devices(dra_driver, NODE)) == ["gpu0", "gpu1", "gpu3"]
+            driver.devices[DRA.name] = make_devices("gpu", 4)
+            await app.rescan(["memory"])
+            assert await app.publisher.wait_synced()
+            assert "gpu2" in kube_api.devices(dra_driver, NODE)
+            # a kubelet restart wipes the node's slices; our re-registration republishes
+            await dra_kubelet.restart(wipe_sockets=True)
+            assert kube_api.devices(dra_driver, NODE) == {}
+            await dra_kubelet.wait_registered(dra_driver)
+            await _until(lambda: app.dra.all_registered())
+            assert await app.publisher.wait_synced()
+            assert len(kube_api.devices(dra_driver, NODE)) == 4
+            [again] = await dra_kubelet.prepare(pod, [("default", "c")])
+            assert again.devices[dra_driver][0].device_name == "gpu1"
             await dra_kubelet.unprepare(pod)
+            assert app.dra.prepared_claims() == []
         finally:
             await app.stop()
             await dra_kubelet.stop()
@@ -148,3 +178,11 @@ def test_cli_exits_2_with_one_line_when_dra_cannot_start(short_dir, tmp_path):
     lines = [line for line in result.stderr.splitlines() if "cannot serve DRA" in line]
     assert len(lines) == 1 and "NODE_NAME" in lines[0]
     assert "Traceback" not in result.stderr
+
+
+async def _until(predicate, timeout: float = 5.0) -> None:
+    """For a state that arrives as a gRPC call on this loop (NotifyRegistrationStatus)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
