@@ -80,6 +80,7 @@ class HostApp:
         self.kube: Optional[Any] = None
         self.publisher: Optional[Any] = None
         self.watched: Dict[str, PluginWatcherEndpoint] = {}
+        self._dra_deferred: Set[str] = set()
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -200,7 +201,8 @@ class HostApp:
         old = {r.name: r for r in self.config.resources}
         new = {r.name: r for r in config.resources}
         for field in ("plugin_dir", "host_root", "pod_resources_socket", "drain_file",
-                      "cdi_dir", "metrics_address"):
+                      "cdi_dir", "metrics_address", "node_name", "kubeconfig",
+                      "plugins_registry_dir", "dra_plugins_dir", "dra_state_dir"):
             if getattr(config.host, field) != getattr(self.config.host, field):
                 log.warning("reload: [host] %s changed; it takes effect at the next restart",
                             field)
@@ -225,6 +227,9 @@ class HostApp:
                     await self._unserve(name)
                     self.snapshots.pop(name, None)
                     self.services.pop(name, None)
+                elif before.dra_driver_name != resource.dra_driver_name:
+                    log.info("reload: resource %s changed its DRA driver name", name)
+                    await self._unserve(name)  # the old driver's registration goes with it
                 continue  # served again (or its DRA pool updated) by _sync after the rescan
             service = self.services.get(name)
             if before is None or service is None:
@@ -399,8 +404,11 @@ class HostApp:
 
     def _sync_dra(self, resource: ResourceConfig, devices: List[Device]) -> None:
         if self.dra is None:
-            log.error("resource %s: api = \"dra\" was added by a reload; it takes effect at "
-                      "the next restart (the API client is set up at start)", resource.name)
+            if resource.name not in self._dra_deferred:
+                self._dra_deferred.add(resource.name)
+                log.error("resource %s: api = \"dra\" came with a reload; it takes effect "
+                          "at the next restart (the API client is set up at start)",
+                          resource.name)
             return
         driver = self.drivers.get(resource.driver) or UnavailableDriver(
             resource.driver, "not installed")

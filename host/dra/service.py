@@ -14,10 +14,21 @@ prepare failed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import (
+    Any,
+    AsyncIterator,
+    Callable,
+    Dict,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+)
 
 import grpc
 
@@ -82,7 +93,7 @@ class DraService:
         self.cdi_dir = cdi_dir
         self.allocate_timeout_s = allocate_timeout_s
         self.claim_get_timeout_s = claim_get_timeout_s
-        self._locks: Dict[str, asyncio.Lock] = {}
+        self._locks: Dict[str, Tuple[asyncio.Lock, int]] = {}  # claim uid -> (lock, users)
         self.prepared_calls = 0
         self.observer: Optional[Callable[[str, str, float], None]] = None
 
@@ -138,9 +149,8 @@ class DraService:
     ) -> Tuple[Sequence[PreparedDevice], str]:
         if not uid:
             return (), "claim has no uid"
-        lock = self._locks.setdefault(uid, asyncio.Lock())
         try:
-            async with lock:
+            async with self._claim_lock(uid):
                 done = self.checkpoint.get(uid)
                 if done is not None:
                     return done.devices, ""  # idempotent: the kubelet retried or restarted
@@ -154,9 +164,23 @@ class DraService:
             log.exception("driver %s: preparing claim %s/%s failed", self.driver_name,
                           namespace, name)
             return (), f"{namespace}/{name}: internal error: {type(error).__name__}: {error}"
+
+    @contextlib.asynccontextmanager
+    async def _claim_lock(self, uid: str) -> AsyncIterator[None]:
+        """One prepare or unprepare of a claim at a time: the kubelet retries a slow prepare
+        (45 s deadline) while the first one still runs; the retry then finds it checkpointed.
+        The lock lives while anyone holds or waits for it."""
+        lock, users = self._locks.get(uid) or (asyncio.Lock(), 0)
+        self._locks[uid] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
         finally:
-            if not lock.locked():
-                self._locks.pop(uid, None)
+            lock, users = self._locks[uid]
+            if users <= 1:
+                del self._locks[uid]
+            else:
+                self._locks[uid] = (lock, users - 1)
 
     async def _read_claim(self, namespace: str, name: str) -> Dict[str, Any]:
         try:
@@ -287,27 +311,22 @@ class DraService:
         return response
 
     async def _unprepare_one(self, uid: str) -> str:
-        lock = self._locks.setdefault(uid, asyncio.Lock())
-        try:
-            async with lock:
-                claim = self.checkpoint.get(uid)
-                if claim is None:
-                    return ""  # never prepared here (or already unprepared): nothing to undo
-                for path in claim.cdi_files:
-                    try:
-                        remove_file(path)
-                    except OSError as error:
-                        return f"cannot remove the CDI spec {path}: {error}"
+        async with self._claim_lock(uid):
+            claim = self.checkpoint.get(uid)
+            if claim is None:
+                return ""  # never prepared here (or already unprepared): nothing to undo
+            for path in claim.cdi_files:
                 try:
-                    self.checkpoint.remove(uid)
+                    remove_file(path)
                 except OSError as error:
-                    return f"cannot save the checkpoint {self.checkpoint.path}: {error}"
-                log.info("driver %s: unprepared claim %s/%s (%s)", self.driver_name,
-                         claim.namespace, claim.name, uid)
-                return ""
-        finally:
-            if not lock.locked():
-                self._locks.pop(uid, None)
+                    return f"cannot remove the CDI spec {path}: {error}"
+            try:
+                self.checkpoint.remove(uid)
+            except OSError as error:
+                return f"cannot save the checkpoint {self.checkpoint.path}: {error}"
+            log.info("driver %s: unprepared claim %s/%s (%s)", self.driver_name,
+                     claim.namespace, claim.name, uid)
+            return ""
 
     def _observe(self, what: str, started: float) -> None:
         if self.observer is not None:

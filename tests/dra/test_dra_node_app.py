@@ -186,3 +186,43 @@ async def _until(predicate, timeout: float = 5.0) -> None:
     while not predicate():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached"
         await asyncio.sleep(0.005)
+
+
+def test_reload_moves_a_resource_between_the_apis_and_renames_a_driver(short_dir, run,
+                                                                      kube_api):
+    kube_api.add_node(NODE)
+    config = _config(short_dir, kube_api, DP, DRA)
+    os.makedirs(config.host.plugin_dir)
+    old_driver = naming.driver_name(DRA.name, None)
+
+    async def body():
+        dp_kubelet = KubeletSimulator(config.host.plugin_dir)
+        await dp_kubelet.start()
+        client = KubeClient.from_settings(kube_api.kubeconfig_path)
+        dra_kubelet = DraKubeletSimulator(config.host.plugins_registry_dir,
+                                          get_claim=client.get_resource_claim, node_name=NODE)
+        await dra_kubelet.start()
+        app = HostApp(config, {"memory": _driver()}, events=None)
+        await app.start()
+        try:
+            await dra_kubelet.wait_registered(old_driver)
+            renamed = dataclasses.replace(DRA, dra_driver_name="gpu.example.com")
+            moved = dataclasses.replace(DP, api="dra")
+            await app.reload(dataclasses.replace(config, resources=(moved, renamed)))
+            await dra_kubelet.wait_registered("gpu.example.com",
+                                              naming.driver_name(DP.name, None))
+            await dra_kubelet.watcher.wait_for(lambda w: w.by_name("DRAPlugin", old_driver)
+                                               is None, what="the old driver deregistered")
+            assert app.served() == []
+            assert await app.publisher.wait_synced()
+            assert sorted(kube_api.devices("gpu.example.com", NODE)) == ["gpu0", "gpu1", "gpu2"]
+            assert kube_api.devices(old_driver, NODE) == {}
+            assert sorted(kube_api.devices(naming.driver_name(DP.name, None), NODE)) == [
+                "nic0", "nic1"]
+        finally:
+            await app.stop()
+            await dra_kubelet.stop()
+            await dp_kubelet.stop()
+            await client.close()
+
+    run(body())

@@ -4,6 +4,7 @@ kubelet simulator calling it as the kubelet's DRA manager does."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -272,5 +273,37 @@ def test_a_hanging_allocate_hook_fails_the_claim_not_the_host(short_dir, run, ku
             n.claim(["gpu2"], pod, name="fine")
             [info] = await n.kubelet.prepare(pod, [("default", "fine")])
             assert info.prepared
+
+    run(body())
+
+
+def test_a_retry_during_a_slow_prepare_gets_the_same_answer_and_one_hook_call(short_dir, run,
+                                                                                kube_api):
+    class Counting(SlowAllocateDriver):
+        calls = 0
+
+        def allocate(self, resource, devices, merged):
+            Counting.calls += 1
+            return super().allocate(resource, devices, merged)
+
+    async def body():
+        driver = Counting("memory", {RESOURCE.name: make_devices("gpu", 2)}, delay=0.5)
+        async with node(short_dir, kube_api, driver) as n:
+            pod = str(uuid.uuid4())
+            claim = n.claim(["gpu0"], pod)
+            uid = claim["metadata"]["uid"]
+            from host.dra.protocol import dra_v1
+            channel = n.kubelet._channel(n.kubelet.plugin(DRIVER))
+            prepare = channel.unary_unary(
+                "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
+                request_serializer=dra_v1.NodePrepareResourcesRequest.SerializeToString,
+                response_deserializer=dra_v1.NodePrepareResourcesResponse.FromString)
+            request = dra_v1.NodePrepareResourcesRequest(
+                claims=[dra_v1.Claim(namespace="default", name="claim-1", uid=uid)])
+            first, second = await asyncio.gather(prepare(request, timeout=45),
+                                                 prepare(request, timeout=45))
+            assert first == second and first.claims[uid].error == ""
+            assert Counting.calls == 1
+            assert n.front.services[DRIVER]._locks == {}
 
     run(body())
