@@ -21,7 +21,7 @@ from host.inotify import DirectoryWatch
 from host.inventory import Inventory
 from host.isolation import DriverCalls
 from host.logs import setup_logging
-from host.model import Device
+from host.model import Device, ResourceConfig
 from host.plugins import DriverRegistry, load_drivers
 from host.protocol import POD_RESOURCES_SOCKET
 from host.systemd import Notifier
@@ -285,6 +285,8 @@ def _discover(config: Config, registry: DriverRegistry, *, as_json: bool) -> int
     for resource in config.resources:
         for device in inventory.devices.get(resource.name, []):
             rows.append(device_record(resource.name, resource.driver, device))
+            if resource.api == "dra":
+                rows[-1]["dra"] = _dra_record(resource, device, config.host.node_name)
     if as_json:
         json.dump(rows, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -339,6 +341,23 @@ def device_record(resource: str, driver: str, device: Device) -> Dict[str, Any]:
     }
 
 
+def _dra_record(resource: ResourceConfig, device: Device, node_name: str) -> Dict[str, Any]:
+    """How a DRA resource's device appears in its ResourceSlice (names, attributes)."""
+    from host.dra import naming, slices
+
+    try:
+        pool: Optional[str] = naming.pool_name(resource.name, node_name) if node_name else None
+    except ValueError:
+        pool = None
+    return {
+        "driver": naming.driver_name(resource.name, resource.dra_driver_name),
+        "pool": pool,
+        "device_name": naming.dra_device_name(device.id),
+        "attributes": slices.device_attributes(device),
+        "capacity": slices.device_capacity(device),
+    }
+
+
 def _print_table(rows: List[Dict[str, Any]]) -> None:
     headers = ("RESOURCE", "ID", "HEALTH", "NUMA", "DEVICE NODES", "DETAILS")
     table = []
@@ -347,6 +366,8 @@ def _print_table(rows: List[Dict[str, Any]]) -> None:
         details = " ".join(
             f"{k}={attrs[k]}" for k in ("vendor", "device", "kernel_driver", "model") if k in attrs
         )
+        if "dra" in row:
+            details = f"dra={row['dra']['device_name']} {details}".strip()
         if row["health"] != "Healthy" and row["health_reason"]:
             details = f"({row['health_reason']}) {details}".strip()
         table.append((

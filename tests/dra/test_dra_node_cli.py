@@ -1,0 +1,51 @@
+"""The CLI for DRA resources: discover shows each device's DRA name and slice attributes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from host.dra import naming
+from host.testing import fake_gpu
+from host.testing.tree import FakeTree
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cli(*args: str, env_extra=None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "NODE_NAME"}
+    env["PYTHONPATH"] = str(REPO)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "host", *args], capture_output=True, text=True,
+                          timeout=60, env=env, cwd=REPO)
+
+
+def test_discover_json_shows_dra_names_and_attributes(tmp_path):
+    tree = FakeTree(tmp_path / "root")
+    tree.numa_nodes(2)
+    fake_gpu.add_nvidia_control_nodes(tree)
+    fake_gpu.add_nvidia_gpu(tree, "0000:18:00.0", minor=0, numa_node=0)
+    fake_gpu.add_nvidia_gpu(tree, "0000:86:00.0", minor=1, numa_node=-1)
+    config = tmp_path / "config.toml"
+    config.write_text('[[resource]]\nname = "nvidia.com/gpu"\ndriver = "gpu"\napi = "dra"\n'
+                      '[resource.selectors]\nvendor = "0x10de"\n')
+    result = _cli("discover", "--config", str(config), "--host-root", str(tmp_path / "root"),
+                  "--json", env_extra={"NODE_NAME": "worker-7"})
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [r["id"] for r in rows] == ["0000:18:00.0", "0000:86:00.0"]
+    for row in rows:
+        dra = row["dra"]
+        assert dra["device_name"] == naming.dra_device_name(row["id"])
+        assert naming.is_dns_label(dra["device_name"])
+        assert dra["driver"] == naming.driver_name("nvidia.com/gpu", None)
+        assert dra["pool"] == naming.pool_name("nvidia.com/gpu", "worker-7")
+        assert dra["attributes"]  # the slice's attribute map, upstream's JSON shape
+        for value in dra["attributes"].values():
+            assert len(value) == 1 and set(value) <= {"int", "bool", "string", "version"}
+    table = _cli("discover", "--config", str(config), "--host-root", str(tmp_path / "root"))
+    assert table.returncode == 0, table.stderr
+    assert f"dra={rows[0]['dra']['device_name']}" in table.stdout
