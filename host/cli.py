@@ -72,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
                       help=f"the kubelet's pod-resources socket (default {POD_RESOURCES_SOCKET})")
     pods.add_argument("--resource", help="only this resource name (or a pattern: 'nvidia.com/*')")
     pods.add_argument("--json", action="store_true", help="a JSON array, one object a row")
+    pods.add_argument("--claims", action="store_true",
+                      help="the DRA claims this host prepared (from its checkpoint) instead")
+    pods.add_argument("--dra-state-dir", default="/var/lib/device-plugin-host/dra",
+                      help="where the host keeps its prepared-claims checkpoint")
 
     capture = sub.add_parser("capture", help="write this machine's device tree as a .tree file")
     capture.add_argument("--host-root", default="/")
@@ -104,7 +108,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "pods":
         from host.podresources import pods_main
 
-        return pods_main(args.socket, args.resource, args.json)
+        if args.claims:
+            return _claims(args)
+        code = pods_main(args.socket, args.resource, args.json)
+        if not args.json and os.path.isdir(args.dra_state_dir):
+            _claims(args, quiet=True)
+        return code
     registry = load_drivers()
     try:
         if args.command == "check-config":
@@ -122,6 +131,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _drain(args, config)
     setup_logging(config.host.log_level, config.host.log_format)
     return _run(config, registry, args.config)
+
+
+def _claims(args: argparse.Namespace, quiet: bool = False) -> int:
+    """Prepared DRA claims; ``quiet``: the section after the PodResources table, if any."""
+    from host.dra.claims_view import claim_rows, format_claims
+
+    try:
+        rows = claim_rows(args.dra_state_dir, args.resource)
+    except (OSError, ValueError) as error:
+        print(f"device-plugin-host pods: cannot read the DRA checkpoint in "
+              f"{args.dra_state_dir}: {error}", file=sys.stderr)
+        return 1
+    if args.json and not quiet:
+        json.dump(rows, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    if rows:
+        if quiet:
+            print("\nprepared DRA claims:")
+        for line in format_claims(rows):
+            print(line)
+    elif not quiet:
+        print("no prepared DRA claims", file=sys.stderr)
+    return 0
 
 
 # -- run -------------------------------------------------------------------------------------

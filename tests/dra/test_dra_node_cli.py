@@ -49,3 +49,29 @@ def test_discover_json_shows_dra_names_and_attributes(tmp_path):
     table = _cli("discover", "--config", str(config), "--host-root", str(tmp_path / "root"))
     assert table.returncode == 0, table.stderr
     assert f"dra={rows[0]['dra']['device_name']}" in table.stdout
+
+
+def test_pods_shows_the_claims_this_host_prepared(tmp_path):
+    from host.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
+
+    state = tmp_path / "state"
+    checkpoint = Checkpoint(str(state))
+    checkpoint.put(PreparedClaim(
+        uid="1f0c", namespace="ml", name="train-gpu",
+        devices=(PreparedDevice(("gpu",), "worker-7/nvidia.com/gpu", "gpu-0000-18-00-0",
+                                ("nvidia.com/gpu=claim-1f0c-0000_18_00.0",), "nvidia.com/gpu",
+                                "0000:18:00.0"),),
+        pod_uids=("pod-1",)))
+    result = _cli("pods", "--claims", "--dra-state-dir", str(state), "--json")
+    assert result.returncode == 0, result.stderr
+    [row] = json.loads(result.stdout)
+    assert row["claim"] == "train-gpu" and row["device_id"] == "0000:18:00.0"
+    assert row["cdi_device_ids"] == ["nvidia.com/gpu=claim-1f0c-0000_18_00.0"]
+    table = _cli("pods", "--claims", "--dra-state-dir", str(state))
+    assert "ml/train-gpu" in table.stdout and "gpu-0000-18-00-0" in table.stdout
+    other = _cli("pods", "--claims", "--dra-state-dir", str(state), "--resource", "amd.com/*")
+    assert other.stdout == "" and "no prepared DRA claims" in other.stderr
+    (state / "prepared-claims.json").write_text("{not json")
+    broken = _cli("pods", "--claims", "--dra-state-dir", str(state))
+    assert broken.returncode == 1 and "Traceback" not in broken.stderr
+    assert (state / "prepared-claims.json").exists()  # a viewer never moves it aside
