@@ -75,3 +75,13 @@ def test_pods_shows_the_claims_this_host_prepared(tmp_path):
     broken = _cli("pods", "--claims", "--dra-state-dir", str(state))
     assert broken.returncode == 1 and "Traceback" not in broken.stderr
     assert (state / "prepared-claims.json").exists()  # a viewer never moves it aside
+
+
+def test_demo_shows_one_dra_resource_end_to_end():
+    result = _cli("demo")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "amd.com/gpu through DRA" in out and "v1.DRAPlugin" in out
+    assert "ResourceSlice " in out and "NodePrepareResources for claim" in out
+    assert "amd.com/gpu=claim-" in out and "/dev/kfd" in out
+    assert "claim spec removed (0 claim specs left)" in out
