@@ -182,23 +182,16 @@ def test_refusals_are_per_claim_errors(short_dir, run, kube_api):
             sick[2] = sick[2].with_health(Health.UNHEALTHY, "ECC errors")
             n.front.sync(RESOURCE, driver, sick)
             n.claim(["gpu2"], pod, name="unhealthy")
-            client = n.kubelet
-            call = client._channel(client.plugin(DRIVER))
-            from host.dra.protocol import dra_v1
-            prepare = call.unary_unary(
-                "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
-                request_serializer=dra_v1.NodePrepareResourcesRequest.SerializeToString,
-                response_deserializer=dra_v1.NodePrepareResourcesResponse.FromString)
             claims = {}
             for name in ("good", "unknown-device", "other-pool", "unhealthy"):
                 obj = await n.client.get_resource_claim("default", name)
                 claims[name] = obj["metadata"]["uid"]
             wrong_uid = str(uuid.uuid4())
-            response = await prepare(dra_v1.NodePrepareResourcesRequest(claims=[
-                *(dra_v1.Claim(namespace="default", name=k, uid=v) for k, v in claims.items()),
-                dra_v1.Claim(namespace="default", name="good", uid=wrong_uid),
-                dra_v1.Claim(namespace="default", name="missing", uid=str(uuid.uuid4())),
-            ]), timeout=45)
+            response = await n.kubelet.node_prepare(DRIVER, [
+                *(("default", k, v) for k, v in claims.items()),
+                ("default", "good", wrong_uid),
+                ("default", "missing", str(uuid.uuid4())),
+            ])
             errors = {k: response.claims[v].error for k, v in claims.items()}
             assert errors["good"] == "" and len(response.claims[claims["good"]].devices) == 1
             assert "not in pool" in errors["unknown-device"]
@@ -237,16 +230,21 @@ def test_kubelet_pre_checks(short_dir, run, kube_api):
 def test_unprepare_of_an_unknown_claim_succeeds_and_v1beta1_works(short_dir, run, kube_api):
     async def body():
         async with node(short_dir, kube_api, _driver()) as n:
-            from host.dra.protocol import dra_v1beta1
-            channel = n.kubelet._channel(n.kubelet.plugin(DRIVER))
-            unprepare = channel.unary_unary(
-                "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodeUnprepareResources",
-                request_serializer=dra_v1beta1.NodeUnprepareResourcesRequest.SerializeToString,
-                response_deserializer=dra_v1beta1.NodeUnprepareResourcesResponse.FromString)
             uid = str(uuid.uuid4())
-            response = await unprepare(dra_v1beta1.NodeUnprepareResourcesRequest(
-                claims=[dra_v1beta1.Claim(namespace="default", name="x", uid=uid)]), timeout=5)
+            response = await n.kubelet.node_unprepare(DRIVER, [("default", "x", uid)],
+                                                      service="v1beta1.DRAPlugin")
             assert uid in response.claims and response.claims[uid].error == ""
+            # and a whole cycle on v1beta1
+            pod = str(uuid.uuid4())
+            claim = n.claim(["gpu1"], pod)
+            cuid = claim["metadata"]["uid"]
+            prepared = await n.kubelet.node_prepare(
+                DRIVER, [("default", "claim-1", cuid)], service="v1beta1.DRAPlugin")
+            assert type(prepared).__module__.endswith("dra_v1beta1_pb2")
+            assert [d.device_name for d in prepared.claims[cuid].devices] == ["gpu1"]
+            await n.kubelet.node_unprepare(DRIVER, [("default", "claim-1", cuid)],
+                                           service="v1beta1.DRAPlugin")
+            assert _specs(n.cdi) == []
 
     run(body())
 
@@ -292,16 +290,9 @@ def test_a_retry_during_a_slow_prepare_gets_the_same_answer_and_one_hook_call(sh
             pod = str(uuid.uuid4())
             claim = n.claim(["gpu0"], pod)
             uid = claim["metadata"]["uid"]
-            from host.dra.protocol import dra_v1
-            channel = n.kubelet._channel(n.kubelet.plugin(DRIVER))
-            prepare = channel.unary_unary(
-                "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
-                request_serializer=dra_v1.NodePrepareResourcesRequest.SerializeToString,
-                response_deserializer=dra_v1.NodePrepareResourcesResponse.FromString)
-            request = dra_v1.NodePrepareResourcesRequest(
-                claims=[dra_v1.Claim(namespace="default", name="claim-1", uid=uid)])
-            first, second = await asyncio.gather(prepare(request, timeout=45),
-                                                 prepare(request, timeout=45))
+            claims = [("default", "claim-1", uid)]
+            first, second = await asyncio.gather(n.kubelet.node_prepare(DRIVER, claims),
+                                                 n.kubelet.node_prepare(DRIVER, claims))
             assert first == second and first.claims[uid].error == ""
             assert Counting.calls == 1
             assert n.front.services[DRIVER]._locks == {}
