@@ -17,6 +17,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from benchmarks import (
     discovery,
+    draslices,
     events,
     listwatch,
     preferred,
@@ -29,7 +30,7 @@ from benchmarks.core import Context, Figure
 
 #: Cheap, in-process families first; the idle-CPU window last.
 FAMILIES: Tuple[ModuleType, ...] = (
-    preferred, rpc, listwatch, reregister, discovery, startup, events, resources,
+    preferred, rpc, listwatch, reregister, discovery, startup, events, draslices, resources,
 )
 
 
