@@ -38,6 +38,19 @@ TOKEN_REREAD_S = 60.0
 DEFAULT_TIMEOUT_S = 10.0
 
 
+# Every (verb, API group, resource) KubeClient calls: the DaemonSet's RBAC must grant these
+# (tests/test_deploy_dra.py holds the dra overlay's ClusterRole to it).
+API_ACCESS = (
+    ("get", "", "nodes"),
+    ("get", "resource.k8s.io", "resourceclaims"),
+    ("list", "resource.k8s.io", "resourceslices"),
+    ("get", "resource.k8s.io", "resourceslices"),
+    ("create", "resource.k8s.io", "resourceslices"),
+    ("update", "resource.k8s.io", "resourceslices"),
+    ("delete", "resource.k8s.io", "resourceslices"),
+)
+
+
 class KubeConfigError(Exception):
     """No usable API access configuration: one line for the operator, exit 2 at start-up."""
 

@@ -43,7 +43,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from host.testing.resource_validation import (
@@ -172,6 +172,9 @@ class ApiServerStandIn:
         self.kubeconfig_path = os.path.join(self._tmpdir, "kubeconfig")
         self._changed = threading.Condition(self._lock)
         self._writes = 0
+        # Called from the server's thread after each successful write with (verb, object):
+        # lets a benchmark timestamp the moment the server holds a change.
+        self.on_write: Optional[Callable[[str, Dict[str, Any]], None]] = None
 
     # -- life cycle ---------------------------------------------------------------------------
 
@@ -429,9 +432,13 @@ class ApiServerStandIn:
                         result = _bad_request(f"ResourceSlice in version \"v1\" cannot be "
                                               f"handled as a ResourceSlice: {err}")
             self.request_log.append((method, path, result[0]))
-            if result[0] < 300 and verb in ("create", "update", "delete"):
+            wrote = result[0] < 300 and verb in ("create", "update", "delete")
+            if wrote:
                 self._notify()
-            return result
+        hook = self.on_write
+        if wrote and hook is not None:
+            hook(verb, result[1])
+        return result
 
     def _take_failure(self, verb: str) -> Optional[_Failure]:
         for failure in self._failures:
