@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import (
@@ -153,7 +154,15 @@ class DraService:
             async with self._claim_lock(uid):
                 done = self.checkpoint.get(uid)
                 if done is not None:
-                    return done.devices, ""  # idempotent: the kubelet retried or restarted
+                    missing = [f for f in done.cdi_files if not os.path.exists(f)]
+                    if not missing:
+                        return done.devices, ""  # idempotent: the kubelet retried/restarted
+                    # A reboot emptied /var/run/cdi (a tmpfs) and the kubelet prepares its
+                    # restored claims again: answering from the checkpoint alone would hand
+                    # out CDI ids no spec defines, so the claim is prepared anew.
+                    log.warning("driver %s: claim %s/%s (%s) was prepared but its CDI spec "
+                                "%s is gone; preparing it again", self.driver_name, namespace,
+                                name, uid, missing[0])
                 prepared = await self._prepare_new(namespace, name, uid)
                 return prepared.devices, ""
         except ClaimError as error:

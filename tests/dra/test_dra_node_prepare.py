@@ -298,3 +298,25 @@ def test_a_retry_during_a_slow_prepare_gets_the_same_answer_and_one_hook_call(sh
             assert n.front.services[DRIVER]._locks == {}
 
     run(body())
+
+
+def test_prepare_again_after_a_reboot_emptied_the_cdi_dir_rewrites_the_spec(short_dir, run,
+                                                                            kube_api):
+    async def body():
+        async with node(short_dir, kube_api, _driver()) as n:
+            pod = str(uuid.uuid4())
+            n.claim(["gpu1"], pod)
+            [first] = await n.kubelet.prepare(pod, [("default", "claim-1")])
+            for name in _specs(n.cdi):  # /var/run/cdi is a tmpfs: a reboot empties it
+                os.unlink(os.path.join(n.cdi, name))
+            await n.kubelet.restart(wipe_sockets=True)
+            await n.kubelet.wait_registered(DRIVER)
+            [again] = await n.kubelet.prepare(pod, [("default", "claim-1")])
+            ids = again.cdi_devices()
+            assert ids == first.cdi_devices()
+            [spec_file] = _specs(n.cdi)
+            with open(os.path.join(n.cdi, spec_file)) as stream:
+                spec = json.load(stream)
+            assert {f"{spec['kind']}={d['name']}" for d in spec["devices"]} == set(ids)
+
+    run(body())
