@@ -365,6 +365,7 @@ class HostApp:
     async def _start_dra(self) -> None:
         from host.dra.frontend import DraFrontEnd
         from host.dra.kube import KubeClient, KubeConfigError
+        from host.dra.metrics import DraMetrics
         from host.dra.startup import DraStartError, check_cluster, check_settings
 
         check_settings(self.config)
@@ -389,7 +390,8 @@ class HostApp:
             node_name=host.node_name, claims=self.kube, calls=self.calls,
             registry_dir=host.plugins_registry_dir, plugins_dir=host.dra_plugins_dir,
             state_dir=host.dra_state_dir, cdi_dir=host.cdi_dir,
-            allocate_timeout_s=host.allocate_timeout_s, publisher=self.publisher)
+            allocate_timeout_s=host.allocate_timeout_s, publisher=self.publisher,
+            metrics=DraMetrics(self.metrics.registry))
         self.dra.on_registered = self._dra_registered
         if self.publisher is not None:
             await self.publisher.start()

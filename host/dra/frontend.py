@@ -42,6 +42,7 @@ class DraFrontEnd:
         cdi_dir: str,
         allocate_timeout_s: float,
         publisher: Optional[Any] = None,
+        metrics: Optional[Any] = None,
     ) -> None:
         self.node_name = node_name
         self.claims = claims
@@ -51,6 +52,7 @@ class DraFrontEnd:
         self.cdi_dir = cdi_dir
         self.allocate_timeout_s = allocate_timeout_s
         self.publisher = publisher  # SlicePublisher: set_pool / remove_pool / republish
+        self.metrics = metrics  # DraMetrics, or None (tests)
         self.checkpoint = Checkpoint(state_dir)
         self.checkpoint.load()
         self.services: Dict[str, DraService] = {}  # by DRA driver name
@@ -90,6 +92,7 @@ class DraFrontEnd:
         if service is None:
             service = DraService(dra_driver, {}, self.claims, self.checkpoint, self.calls,
                                  self.cdi_dir, allocate_timeout_s=self.allocate_timeout_s)
+            service.metrics = self.metrics
             self.services[dra_driver] = service
             info = dra_plugin_info(dra_driver, self.socket_path(dra_driver), DRA_SERVICES)
             endpoint = PluginWatcherEndpoint(info, self.registry_dir, service.handlers,

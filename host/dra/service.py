@@ -96,7 +96,7 @@ class DraService:
         self.claim_get_timeout_s = claim_get_timeout_s
         self._locks: Dict[str, Tuple[asyncio.Lock, int]] = {}  # claim uid -> (lock, users)
         self.prepared_calls = 0
-        self.observer: Optional[Callable[[str, str, float], None]] = None
+        self.metrics: Optional[Any] = None  # host.dra.metrics.DraMetrics
 
     # -- gRPC plumbing --------------------------------------------------------------------
     def handlers(self, tag: object = None) -> List[grpc.GenericRpcHandler]:
@@ -156,6 +156,7 @@ class DraService:
                 if done is not None:
                     missing = [f for f in done.cdi_files if not os.path.exists(f)]
                     if not missing:
+                        self._count("again")
                         return done.devices, ""  # idempotent: the kubelet retried/restarted
                     # A reboot emptied /var/run/cdi (a tmpfs) and the kubelet prepares its
                     # restored claims again: answering from the checkpoint alone would hand
@@ -164,12 +165,15 @@ class DraService:
                                 "%s is gone; preparing it again", self.driver_name, namespace,
                                 name, uid, missing[0])
                 prepared = await self._prepare_new(namespace, name, uid)
+                self._count("prepared")
                 return prepared.devices, ""
         except ClaimError as error:
+            self._count("failed")
             log.warning("driver %s: cannot prepare claim %s/%s (%s): %s", self.driver_name,
                         namespace, name, uid, error)
             return (), f"{namespace}/{name}: {error}"
         except Exception as error:  # a bug must cost one claim, never the call
+            self._count("failed")
             log.exception("driver %s: preparing claim %s/%s failed", self.driver_name,
                           namespace, name)
             return (), f"{namespace}/{name}: internal error: {type(error).__name__}: {error}"
@@ -328,21 +332,32 @@ class DraService:
                 try:
                     remove_file(path)
                 except OSError as error:
+                    self._count("unprepare_failed")
                     return f"cannot remove the CDI spec {path}: {error}"
             try:
                 self.checkpoint.remove(uid)
             except OSError as error:
+                self._count("unprepare_failed")
                 return f"cannot save the checkpoint {self.checkpoint.path}: {error}"
+            self._count("unprepared")
             log.info("driver %s: unprepared claim %s/%s (%s)", self.driver_name,
                      claim.namespace, claim.name, uid)
             return ""
 
     def _observe(self, what: str, started: float) -> None:
-        if self.observer is not None:
+        if self.metrics is not None:
             try:
-                self.observer(self.driver_name, what, time.perf_counter() - started)
+                self.metrics.call(self.driver_name, what, time.perf_counter() - started,
+                                  len(self.checkpoint.claims))
+            except Exception:  # metrics must never break an RPC
+                log.exception("DRA metrics failed")
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            try:
+                self.metrics.claim(self.driver_name, outcome)
             except Exception:
-                log.exception("observer failed")
+                log.exception("DRA metrics failed")
 
 
 def _request_names(request: str) -> Tuple[str, ...]:

@@ -97,6 +97,12 @@ def test_device_plugin_and_dra_side_by_side_in_one_process(short_dir, run, kube_
             [info] = await dra_kubelet.prepare(pod, [("default", "c")])
             assert info.devices[dra_driver][0].device_name == "gpu1"
             assert [c.uid for c in app.dra.prepared_claims()] == [claim["metadata"]["uid"]]
+            sample = app.metrics.registry.get_sample_value
+            labels = {"driver": dra_driver, "outcome": "prepared"}
+            assert sample("device_plugin_host_dra_claims_total", labels) == 1
+            assert sample("device_plugin_host_dra_prepared_claims") == 1
+            assert sample("device_plugin_host_dra_call_duration_seconds_count",
+                          {"driver": dra_driver, "call": "prepare"}) == 1
             # a hot-plug reaches the DRA pool and the slice through the same inventory
             driver.devices[DRA.name] = make_devices("gpu", 4)
             await app.rescan(["memory"])
