@@ -8,10 +8,13 @@ case is a ``DraStartError``; the CLI prints it and exits 2, like a bad config fi
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, Iterable
 
 from host.config import Config
 from host.model import ResourceConfig
+
+log = logging.getLogger(__name__)
 
 
 class DraStartError(Exception):
@@ -45,8 +48,14 @@ def check_settings(config: Config) -> None:
 
 
 async def check_cluster(client: Any, config: Config) -> None:
-    """The API server answers for our Node, and no device plugin on the node serves the same
-    name as one of our DRA resources (one node must not serve a name through both APIs)."""
+    """The API server lets us read our Node, and no device plugin on the node serves the same
+    name as one of our DRA resources (one node must not serve a name through both APIs).
+
+    Refusals (401, 403, no such Node) are the operator's to fix: DraStartError. An API server
+    that does not answer (connection refused, timeout, 5xx, 429) is an outage, not a
+    misconfiguration: the host starts anyway, since the device plugin resources and claims
+    already prepared must keep working, and the slice publisher retries until it returns.
+    """
     node_name = config.host.node_name
     try:
         node = await client.get_node(node_name)
@@ -56,9 +65,16 @@ async def check_cluster(client: Any, config: Config) -> None:
         if status == 404:
             raise DraStartError(f"the API server has no Node named {node_name!r}: check "
                                 "[host] node_name / NODE_NAME") from None
-        where = f"HTTP {status} " if status else ""
-        raise DraStartError(f"no API access for DRA (reading Node {node_name}): "
-                            f"{where}{reason}".rstrip()) from None
+        if status in (401, 403):
+            raise DraStartError(f"no API access for DRA (reading Node {node_name}): HTTP "
+                                f"{status} {reason}: check the service account / kubeconfig "
+                                "and the RBAC of the dra overlay") from None
+        if status == 0 or status is None or status == 429 or status >= 500:
+            log.warning("DRA: the API server does not answer (%s); starting anyway, slices "
+                        "are published once it does", reason)
+            return
+        raise DraStartError(f"no API access for DRA (reading Node {node_name}): HTTP "
+                            f"{status} {reason}") from None
     capacity = (node.get("status") or {}).get("capacity") or {}
     for resource in dra_resources(config):
         amount = str(capacity.get(resource.name, "0"))

@@ -162,11 +162,34 @@ def test_start_up_checks_fail_before_serving(short_dir, run, monkeypatch):
         api._state.nodes[NODE]["status"]["capacity"] = {DRA.name: "3"}  # a device plugin's
         with pytest.raises(DraStartError, match="both APIs"):
             run(start(config))
-        api.stop()
-        with pytest.raises(DraStartError, match="no API access"):
+        api._state.nodes[NODE]["status"]["capacity"] = {}
+        api.fail_next(403, verbs={"get"})
+        with pytest.raises(DraStartError, match=r"no API access.*403"):
             run(start(config))
         assert not os.path.exists(config.host.plugins_registry_dir) or not os.listdir(
             config.host.plugins_registry_dir)
+
+
+def test_an_api_server_outage_at_start_is_not_fatal(short_dir, run):
+    """Down at start: the host serves anyway; the slices arrive once the server answers."""
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+        config = _config(short_dir, api, DRA)
+        dra_driver = naming.driver_name(DRA.name, None)
+        api.stop()
+
+        async def body():
+            app = HostApp(config, {"memory": _driver()}, events=None)
+            await app.start()
+            try:
+                assert DRA.name in app.dra.pools
+                api.start()
+                assert await app.publisher.wait_synced(timeout_s=20)
+                assert sorted(api.devices(dra_driver, NODE)) == ["gpu0", "gpu1", "gpu2"]
+            finally:
+                await app.stop()
+
+        run(body())
 
 
 def test_cli_exits_2_with_one_line_when_dra_cannot_start(short_dir, tmp_path):
