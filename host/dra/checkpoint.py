@@ -11,12 +11,14 @@ blocked, and the moved file keeps the evidence.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from host.dra.atomic import write_atomic
 
@@ -50,11 +52,34 @@ class PreparedClaim:
 
 
 class Checkpoint:
-    """In memory, mirrored to ``<state_dir>/prepared-claims.json`` on every change."""
+    """In memory, mirrored to ``<state_dir>/prepared-claims.json`` on every change.
+
+    ``put``/``remove`` write synchronously; the DRA service uses ``aput``/``aremove``, which
+    run the fsynced write on one worker thread of the checkpoint's own, so the event loop
+    (every other resource's gRPC traffic) never waits on the disk and writes never race.
+    """
 
     def __init__(self, state_dir: str) -> None:
         self.path = os.path.join(state_dir, FILE_NAME)
         self.claims: Dict[str, PreparedClaim] = {}
+        self._io: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+    async def aput(self, claim: PreparedClaim) -> None:
+        await self._off_loop(self.put, claim)
+
+    async def aremove(self, uid: str) -> None:
+        await self._off_loop(self.remove, uid)
+
+    async def _off_loop(self, fn: Callable[[Any], None], arg: Any) -> None:
+        if self._io is None:
+            self._io = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="dra-checkpoint")
+        await asyncio.get_running_loop().run_in_executor(self._io, fn, arg)
+
+    def close(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
 
     def load(self) -> None:
         try:

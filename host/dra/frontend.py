@@ -143,3 +143,4 @@ class DraFrontEnd:
             await endpoint.close()
         self.endpoints.clear()
         self.services.clear()
+        self.checkpoint.close()

@@ -239,8 +239,9 @@ class DraService:
                 merged = await self._hooks(pool, devices)
                 spec, ids = claim_cdi.build_claim_spec(uid, pool.resource.name, devices, merged)
                 path = claim_cdi.spec_path(self.cdi_dir, uid, pool.resource.name)
-                try:
-                    claim_cdi.write_claim_spec(path, spec)
+                try:  # fsynced: off the loop, which serves every other resource meanwhile
+                    await asyncio.get_running_loop().run_in_executor(
+                        None, claim_cdi.write_claim_spec, path, spec)
                 except OSError as error:
                     raise ClaimError(f"cannot write the CDI spec {path}: {error}") from None
                 files.append(path)
@@ -256,7 +257,7 @@ class DraService:
                                    devices=tuple(prepared), cdi_files=tuple(files),
                                    pod_uids=tuple(str(p.get("uid", "")) for p in pods))
             try:
-                self.checkpoint.put(record)
+                await self.checkpoint.aput(record)
             except OSError as error:
                 raise ClaimError(f"cannot save the checkpoint {self.checkpoint.path}: "
                                  f"{error}") from None
@@ -335,7 +336,7 @@ class DraService:
                     self._count("unprepare_failed")
                     return f"cannot remove the CDI spec {path}: {error}"
             try:
-                self.checkpoint.remove(uid)
+                await self.checkpoint.aremove(uid)
             except OSError as error:
                 self._count("unprepare_failed")
                 return f"cannot save the checkpoint {self.checkpoint.path}: {error}"
