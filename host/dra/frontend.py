@@ -84,6 +84,7 @@ class DraFrontEnd:
             service.pools[pool.pool_name] = pool
         pool.resource, pool.driver = resource, driver
         pool.set_devices(devices)
+        self.services[dra_driver].devices_changed()
         if self.publisher is not None:
             self.publisher.set_pool(dra_driver, pool.pool_name, list(devices))
 
@@ -110,6 +111,7 @@ class DraFrontEnd:
         service = self.services.get(dra_driver)
         if service is not None:
             service.pools.pop(pool.pool_name, None)
+            service.devices_changed()
         if self.publisher is not None:
             self.publisher.remove_pool(dra_driver, pool.pool_name)
         return dra_driver

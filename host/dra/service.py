@@ -37,7 +37,7 @@ from host import allocation
 from host.dra import claim_cdi
 from host.dra.atomic import remove_file
 from host.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
-from host.dra.protocol import DRA_WIRE_SERVICES, dra_v1, dra_v1beta1
+from host.dra.protocol import DRA_HEALTH_SERVICE, DRA_WIRE_SERVICES, dra_health, dra_v1, dra_v1beta1
 from host.driver import Driver, implements
 from host.isolation import DriverCallError, DriverCalls
 from host.model import ContainerAllocation, Device, ResourceConfig
@@ -45,6 +45,12 @@ from host.model import ContainerAllocation, Device, ResourceConfig
 log = logging.getLogger(__name__)
 
 CLAIM_GET_TIMEOUT_S = 10.0  # well inside the kubelet's 45 s NodePrepareResources deadline
+# The kubelet stamps each reported device on receipt and shows it Unknown once older than the
+# device's timeout (cm/dra/healthinfo.go, default 30 s): so the full list is sent on every
+# change and again every HEALTH_RESEND_S, well inside the timeout we state.
+HEALTH_TIMEOUT_S = 60
+HEALTH_RESEND_S = 20.0
+HEALTH_MESSAGE_MAX = 1024
 PRE_START_TIMEOUT_S = 28.0
 MAX_CLAIMS_PER_CALL = 10_000
 
@@ -97,12 +103,65 @@ class DraService:
         self._locks: Dict[str, Tuple[asyncio.Lock, int]] = {}  # claim uid -> (lock, users)
         self.prepared_calls = 0
         self.metrics: Optional[Any] = None  # host.dra.metrics.DraMetrics
+        self._health_version = 0
+        self._health_wake: Optional[asyncio.Future] = None
+        self.health_streams = 0  # open NodeWatchResources streams
 
     # -- gRPC plumbing --------------------------------------------------------------------
     def handlers(self, tag: object = None) -> List[grpc.GenericRpcHandler]:
         """Both API versions on one server; the kubelet picks one at registration."""
         return [self._handler("v1.DRAPlugin", dra_v1),
-                self._handler("v1beta1.DRAPlugin", dra_v1beta1)]
+                self._handler("v1beta1.DRAPlugin", dra_v1beta1),
+                grpc.method_handlers_generic_handler(DRA_HEALTH_SERVICE, {
+                    "NodeWatchResources": grpc.unary_stream_rpc_method_handler(
+                        self._watch_health,
+                        request_deserializer=dra_health.NodeWatchResourcesRequest.FromString,
+                        response_serializer=(
+                            dra_health.NodeWatchResourcesResponse.SerializeToString)),
+                })]
+
+    # -- DRAResourceHealth -----------------------------------------------------------------
+    def devices_changed(self) -> None:
+        """A pool's devices (or their health) changed: every health stream sends anew."""
+        self._health_version += 1
+        wake, self._health_wake = self._health_wake, None
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def _watch_health(self, request: Any, context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[Any]:
+        """The complete list of the driver's devices now, then on every change and every
+        HEALTH_RESEND_S; never ends on its own (the kubelet reconnects every 5 s if it does)."""
+        seen = -1
+        self.health_streams += 1
+        try:
+            while True:
+                if self._health_version == seen:
+                    await self._health_changed(HEALTH_RESEND_S)
+                seen = self._health_version
+                yield self._health_response()
+        finally:
+            self.health_streams -= 1
+
+    async def _health_changed(self, timeout: float) -> None:
+        if self._health_wake is None:
+            self._health_wake = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._health_wake), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def _health_response(self) -> Any:
+        now = int(time.time())
+        response = dra_health.NodeWatchResourcesResponse()
+        for pool_name, pool in self.pools.items():
+            for name, device in pool.by_name.items():
+                response.devices.add(
+                    device=dra_health.DeviceIdentifier(pool_name=pool_name, device_name=name),
+                    health=dra_health.HEALTHY if device.healthy else dra_health.UNHEALTHY,
+                    last_updated_time=now, health_check_timeout_seconds=HEALTH_TIMEOUT_S,
+                    message=device.health_reason[:HEALTH_MESSAGE_MAX])
+        return response
 
     def _handler(self, short: str, api: Any) -> grpc.GenericRpcHandler:
         async def prepare(request: Any, context: grpc.aio.ServicerContext) -> Any:

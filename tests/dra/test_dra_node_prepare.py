@@ -320,3 +320,34 @@ def test_prepare_again_after_a_reboot_emptied_the_cdi_dir_rewrites_the_spec(shor
             assert {f"{spec['kind']}={d['name']}" for d in spec["devices"]} == set(ids)
 
     run(body())
+
+
+def test_device_health_streams_to_the_kubelet(short_dir, run, kube_api):
+    """DRAResourceHealth/NodeWatchResources: the full list at once, again on every change."""
+    async def body():
+        driver = _driver(3)
+        async with node(short_dir, kube_api, driver) as n:
+            kubelet = n.kubelet
+            await kubelet.watcher.wait_for(lambda w: kubelet.health_messages >= 1,
+                                           what="the first health message")
+            assert [kubelet.health(DRIVER, POOL, f"gpu{i}") for i in range(3)] == [
+                ("Healthy", "")] * 3
+            sick = make_devices("gpu", 3)
+            sick[1] = sick[1].with_health(Health.UNHEALTHY, "ECC errors")
+            n.front.sync(RESOURCE, driver, sick)
+            await kubelet.watcher.wait_for(
+                lambda w: kubelet.health(DRIVER, POOL, "gpu1")[0] == "Unhealthy",
+                what="the Unhealthy device streamed")
+            assert kubelet.health(DRIVER, POOL, "gpu1") == ("Unhealthy", "ECC errors")
+            n.front.sync(RESOURCE, driver, make_devices("gpu", 3))
+            await kubelet.watcher.wait_for(
+                lambda w: kubelet.health(DRIVER, POOL, "gpu1")[0] == "Healthy",
+                what="healthy again")
+            before = kubelet.health_messages
+            await kubelet.restart(wipe_sockets=True)  # a new stream with the new plugin
+            await kubelet.wait_registered(DRIVER)
+            await kubelet.watcher.wait_for(lambda w: kubelet.health_messages > before,
+                                           what="the stream after a kubelet restart")
+            assert n.front.services[DRIVER].health_streams == 1  # the old one is gone
+
+    run(body())

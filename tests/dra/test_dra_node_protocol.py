@@ -52,3 +52,21 @@ def test_registration_wire_contract():
         "type": 1, "name": 2, "endpoint": 3, "supported_versions": 4}
     assert {f.name: f.number for f in registration.RegistrationStatus.DESCRIPTOR.fields} == {
         "plugin_registered": 1, "error": 2}
+
+
+def test_dra_health_wire_contract():
+    """kubernetes/kubelet pkg/apis/dra-health/v1alpha1 (as the 1.36 kubelet calls it)."""
+    from host.dra.protocol import dra_health
+
+    file = dra_health.DESCRIPTOR
+    assert file.package == "v1alpha1"
+    service = file.services_by_name["DRAResourceHealth"]
+    [method] = service.methods
+    assert method.name == "NodeWatchResources" and method.server_streaming
+    assert {f.name: f.number for f in dra_health.DeviceIdentifier.DESCRIPTOR.fields} == {
+        "pool_name": 1, "device_name": 2}
+    assert {f.name: f.number for f in dra_health.DeviceHealth.DESCRIPTOR.fields} == {
+        "device": 1, "health": 2, "last_updated_time": 3, "health_check_timeout_seconds": 4,
+        "message": 5}
+    assert dict(dra_health.HealthStatus.items()) == {"UNKNOWN": 0, "HEALTHY": 1,
+                                                     "UNHEALTHY": 2}

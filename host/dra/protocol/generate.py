@@ -18,7 +18,8 @@ from typing import Dict
 from host.protocol.generate import _without_version_gates
 
 HERE = Path(__file__).resolve().parent
-PROTOS = ("dra_v1.proto", "dra_v1beta1.proto", "pluginregistration_v1.proto")
+PROTOS = ("dra_v1.proto", "dra_v1beta1.proto", "dra_health_v1alpha1.proto",
+          "pluginregistration_v1.proto")
 
 
 def generate() -> Dict[str, str]:

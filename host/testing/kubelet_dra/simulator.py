@@ -24,13 +24,15 @@ from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Set
 
 import grpc
 
-from host.dra.protocol import DRA_WIRE_SERVICES, dra_v1, dra_v1beta1
+from host.dra.protocol import DRA_HEALTH_SERVICE, DRA_WIRE_SERVICES, dra_health, dra_v1, dra_v1beta1
 from host.protocol import api as dp_api
 from host.testing.kubelet_dra.watcher import PluginWatcher, RegisteredPlugin
 
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 45.0  # cm/dra/plugin: defaultClientCallTimeout
+HEALTH_RETRY_S = 5.0  # dra_plugin_manager.go: wait.UntilWithContext(..., 5*time.Second)
+HEALTH_DEFAULT_TIMEOUT_S = 30.0  # cm/dra/healthinfo.go DefaultHealthTimeout
 _MODULES = {"v1.DRAPlugin": dra_v1, "v1beta1.DRAPlugin": dra_v1beta1}
 
 ClaimGetter = Callable[[str, str], Awaitable[Dict[str, Any]]]
@@ -70,6 +72,16 @@ class ClaimInfo:
 
 
 @dataclass
+class DeviceHealth:
+    """What the kubelet's healthInfoCache holds for one device (stamped on receipt)."""
+
+    health: str  # "Healthy", "Unhealthy", "Unknown"
+    message: str
+    received: float  # loop time
+    timeout_s: float
+
+
+@dataclass
 class _DevicePluginConnection:
     channel: grpc.aio.Channel
     task: asyncio.Task
@@ -106,6 +118,13 @@ class DraKubeletSimulator:
         self._closing: Set[asyncio.Task] = set()
         self.device_plugins: Dict[str, _DevicePluginConnection] = {}
         self.prepare_calls = 0
+        # DRAResourceHealth (ResourceHealthStatus on, the 1.36 default): per driver, per
+        # "pool/device"; the stream errors the kubelet would log every 5 s.
+        self.watch_health = True
+        self.device_health: Dict[str, Dict[str, DeviceHealth]] = {}
+        self.health_errors: List[str] = []
+        self.health_messages = 0
+        self._health_tasks: Dict[str, asyncio.Task] = {}
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -123,6 +142,10 @@ class DraKubeletSimulator:
         if self.watcher is not None:
             await self.watcher.stop()
             self.watcher = None
+        health, self._health_tasks = list(self._health_tasks.values()), {}
+        for task in health:
+            task.cancel()
+        await asyncio.gather(*health, return_exceptions=True)
         for connection in self.device_plugins.values():
             connection.task.cancel()
         await asyncio.gather(*(c.task for c in self.device_plugins.values()),
@@ -176,11 +199,20 @@ class DraKubeletSimulator:
                 # grpc.NewClient + Connect(): created once, connects on demand.
                 self._channels[plugin.endpoint] = grpc.aio.insecure_channel(
                     f"unix://{plugin.endpoint}", options=[("grpc.enable_http_proxy", 0)])
+            if self.watch_health:
+                old = self._health_tasks.pop(plugin.name, None)
+                if old is not None:
+                    old.cancel()
+                self._health_tasks[plugin.name] = asyncio.get_running_loop().create_task(
+                    self._health_stream(plugin))
         elif plugin.type == "DevicePlugin":
             self._connect_device_plugin(plugin)
 
     def _deregistered(self, plugin: RegisteredPlugin) -> None:
         if plugin.type == "DRAPlugin":
+            task = self._health_tasks.pop(plugin.name, None)
+            if task is not None:
+                task.cancel()
             channel = self._channels.pop(plugin.endpoint, None)
             if channel is not None:
                 self._closing.add(asyncio.ensure_future(channel.close()))
@@ -222,6 +254,57 @@ class DraKubeletSimulator:
                     self.watcher._changed.set()
         except grpc.aio.AioRpcError as error:
             log.info("device plugin %s: stream ended: %s", name, error.code().name)
+
+    # -- DRAResourceHealth ----------------------------------------------------------------------
+    async def _health_stream(self, plugin: RegisteredPlugin) -> None:
+        """dra_plugin_manager.go: open NodeWatchResources, feed every message to the health
+        cache, and when the stream fails or ends, try again 5 s later, for as long as the
+        plugin is registered."""
+        while True:
+            call = self._channel(plugin).unary_stream(
+                f"/{DRA_HEALTH_SERVICE}/NodeWatchResources",
+                request_serializer=dra_health.NodeWatchResourcesRequest.SerializeToString,
+                response_deserializer=dra_health.NodeWatchResourcesResponse.FromString)
+            try:
+                async for response in call(dra_health.NodeWatchResourcesRequest()):
+                    self._update_health(plugin.name, response)
+                self.health_errors.append(f"{plugin.name}: WatchResources stream ended")
+            except grpc.aio.AioRpcError as error:
+                self.health_errors.append(f"{plugin.name}: {error.code().name}: "
+                                          f"{error.details()}")
+            if self.watcher is not None:
+                self.watcher._changed.set()
+            await asyncio.sleep(HEALTH_RETRY_S)
+
+    def _update_health(self, driver: str, response: Any) -> None:
+        """healthinfo.go updateHealthInfo: reported devices stamped now; unreported ones turn
+        Unknown once their timeout passed."""
+        now = asyncio.get_running_loop().time()
+        cache = self.device_health.setdefault(driver, {})
+        names = {0: "Unknown", 1: "Healthy", 2: "Unhealthy"}
+        reported = set()
+        for device in response.devices:
+            key = f"{device.device.pool_name}/{device.device.device_name}"
+            reported.add(key)
+            timeout = device.health_check_timeout_seconds
+            cache[key] = DeviceHealth(names.get(device.health, "Unknown"), device.message[:1024],
+                                      now, float(timeout) if timeout > 0
+                                      else HEALTH_DEFAULT_TIMEOUT_S)
+        for key, known in cache.items():
+            if key not in reported and now - known.received > known.timeout_s:
+                cache[key] = DeviceHealth("Unknown", "", now, known.timeout_s)
+        self.health_messages += 1
+        if self.watcher is not None:
+            self.watcher._changed.set()
+
+    def health(self, driver: str, pool: str, device: str) -> Tuple[str, str]:
+        """healthinfo.go getHealthInfo: (health, message) as pod status would show it."""
+        known = self.device_health.get(driver, {}).get(f"{pool}/{device}")
+        if known is None:
+            return "Unknown", ""
+        if asyncio.get_running_loop().time() - known.received > known.timeout_s:
+            return "Unknown", ""
+        return known.health, known.message
 
     # -- the DRA manager ---------------------------------------------------------------------
     async def prepare(self, pod_uid: str, claims: Sequence[Tuple[str, str]]) -> List[ClaimInfo]:
