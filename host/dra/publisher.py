@@ -48,7 +48,16 @@ class _Pool:
 
 
 class _Metrics:
-    """Counters on the host's registry (host/metrics.py HostMetrics.registry)."""
+    """Counters on the host's registry (host/metrics.py HostMetrics.registry), made once per
+    registry: a publisher rebuilt on reload must not register the names twice."""
+
+    @classmethod
+    def of(cls, metrics: Any) -> _Metrics:
+        made = getattr(metrics, "_dra_publisher_metrics", None)
+        if made is None:
+            made = cls(metrics)
+            metrics._dra_publisher_metrics = made
+        return made
 
     def __init__(self, metrics: Any) -> None:
         from prometheus_client import Counter
@@ -83,7 +92,7 @@ class SlicePublisher:
         self._idle: Optional[asyncio.Event] = None
         self._node_uid: Optional[str] = None
         self._node_warned = False
-        self._metrics = _Metrics(metrics) if metrics is not None else None
+        self._metrics = _Metrics.of(metrics) if metrics is not None else None
         self.requests = 0  # API requests sent, for the benchmarks
         self.last_error: Optional[KubeError] = None
 
