@@ -63,7 +63,7 @@ class Checkpoint:
         except FileNotFoundError:
             return
         try:
-            self.claims = _decode(text)
+            self.claims = decode_claims(text)
         except (ValueError, KeyError, TypeError) as error:
             aside = f"{self.path}.corrupt-{int(time.time())}"
             log.error("DRA checkpoint %s is damaged (%s); moved to %s, starting with no "
@@ -98,7 +98,7 @@ class Checkpoint:
         write_atomic(self.path, json.dumps(document, indent=1, sort_keys=True) + "\n", 0o600)
 
 
-def _decode(text: str) -> Dict[str, PreparedClaim]:
+def decode_claims(text: str) -> Dict[str, PreparedClaim]:
     document = json.loads(text)
     if not isinstance(document, dict) or document.get("version") != FORMAT_VERSION:
         raise ValueError(f"not a version {FORMAT_VERSION} checkpoint")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from host.dra import naming
 from host.dra.checkpoint import Checkpoint
@@ -42,6 +42,7 @@ class DraFrontEnd:
         cdi_dir: str,
         allocate_timeout_s: float,
         publisher: Optional[Any] = None,
+        metrics: Optional[Any] = None,
     ) -> None:
         self.node_name = node_name
         self.claims = claims
@@ -51,12 +52,14 @@ class DraFrontEnd:
         self.cdi_dir = cdi_dir
         self.allocate_timeout_s = allocate_timeout_s
         self.publisher = publisher  # SlicePublisher: set_pool / remove_pool / republish
+        self.metrics = metrics  # DraMetrics, or None (tests)
         self.checkpoint = Checkpoint(state_dir)
         self.checkpoint.load()
         self.services: Dict[str, DraService] = {}  # by DRA driver name
         self.endpoints: Dict[str, PluginWatcherEndpoint] = {}
         self.pools: Dict[str, DraPool] = {}  # by resource name
         self._driver_of: Dict[str, str] = {}  # resource name -> DRA driver name
+        self.on_registered: Optional[Callable[[PluginWatcherEndpoint], None]] = None
 
     def driver_name(self, resource: ResourceConfig) -> str:
         return naming.driver_name(resource.name, resource.dra_driver_name)
@@ -89,6 +92,7 @@ class DraFrontEnd:
         if service is None:
             service = DraService(dra_driver, {}, self.claims, self.checkpoint, self.calls,
                                  self.cdi_dir, allocate_timeout_s=self.allocate_timeout_s)
+            service.metrics = self.metrics
             self.services[dra_driver] = service
             info = dra_plugin_info(dra_driver, self.socket_path(dra_driver), DRA_SERVICES)
             endpoint = PluginWatcherEndpoint(info, self.registry_dir, service.handlers,
@@ -124,6 +128,8 @@ class DraFrontEnd:
     def _registered(self, endpoint: PluginWatcherEndpoint) -> None:
         if self.publisher is not None:
             self.publisher.republish()
+        if self.on_registered is not None:
+            self.on_registered(endpoint)
 
     def all_registered(self) -> bool:
         return all(endpoint.registered for endpoint in self.endpoints.values())

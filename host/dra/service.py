@@ -14,10 +14,22 @@ prepare failed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import (
+    Any,
+    AsyncIterator,
+    Callable,
+    Dict,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+)
 
 import grpc
 
@@ -82,9 +94,9 @@ class DraService:
         self.cdi_dir = cdi_dir
         self.allocate_timeout_s = allocate_timeout_s
         self.claim_get_timeout_s = claim_get_timeout_s
-        self._locks: Dict[str, asyncio.Lock] = {}
+        self._locks: Dict[str, Tuple[asyncio.Lock, int]] = {}  # claim uid -> (lock, users)
         self.prepared_calls = 0
-        self.observer: Optional[Callable[[str, str, float], None]] = None
+        self.metrics: Optional[Any] = None  # host.dra.metrics.DraMetrics
 
     # -- gRPC plumbing --------------------------------------------------------------------
     def handlers(self, tag: object = None) -> List[grpc.GenericRpcHandler]:
@@ -138,25 +150,50 @@ class DraService:
     ) -> Tuple[Sequence[PreparedDevice], str]:
         if not uid:
             return (), "claim has no uid"
-        lock = self._locks.setdefault(uid, asyncio.Lock())
         try:
-            async with lock:
+            async with self._claim_lock(uid):
                 done = self.checkpoint.get(uid)
                 if done is not None:
-                    return done.devices, ""  # idempotent: the kubelet retried or restarted
+                    missing = [f for f in done.cdi_files if not os.path.exists(f)]
+                    if not missing:
+                        self._count("again")
+                        return done.devices, ""  # idempotent: the kubelet retried/restarted
+                    # A reboot emptied /var/run/cdi (a tmpfs) and the kubelet prepares its
+                    # restored claims again: answering from the checkpoint alone would hand
+                    # out CDI ids no spec defines, so the claim is prepared anew.
+                    log.warning("driver %s: claim %s/%s (%s) was prepared but its CDI spec "
+                                "%s is gone; preparing it again", self.driver_name, namespace,
+                                name, uid, missing[0])
                 prepared = await self._prepare_new(namespace, name, uid)
+                self._count("prepared")
                 return prepared.devices, ""
         except ClaimError as error:
+            self._count("failed")
             log.warning("driver %s: cannot prepare claim %s/%s (%s): %s", self.driver_name,
                         namespace, name, uid, error)
             return (), f"{namespace}/{name}: {error}"
         except Exception as error:  # a bug must cost one claim, never the call
+            self._count("failed")
             log.exception("driver %s: preparing claim %s/%s failed", self.driver_name,
                           namespace, name)
             return (), f"{namespace}/{name}: internal error: {type(error).__name__}: {error}"
+
+    @contextlib.asynccontextmanager
+    async def _claim_lock(self, uid: str) -> AsyncIterator[None]:
+        """One prepare or unprepare of a claim at a time: the kubelet retries a slow prepare
+        (45 s deadline) while the first one still runs; the retry then finds it checkpointed.
+        The lock lives while anyone holds or waits for it."""
+        lock, users = self._locks.get(uid) or (asyncio.Lock(), 0)
+        self._locks[uid] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
         finally:
-            if not lock.locked():
-                self._locks.pop(uid, None)
+            lock, users = self._locks[uid]
+            if users <= 1:
+                del self._locks[uid]
+            else:
+                self._locks[uid] = (lock, users - 1)
 
     async def _read_claim(self, namespace: str, name: str) -> Dict[str, Any]:
         try:
@@ -287,34 +324,40 @@ class DraService:
         return response
 
     async def _unprepare_one(self, uid: str) -> str:
-        lock = self._locks.setdefault(uid, asyncio.Lock())
-        try:
-            async with lock:
-                claim = self.checkpoint.get(uid)
-                if claim is None:
-                    return ""  # never prepared here (or already unprepared): nothing to undo
-                for path in claim.cdi_files:
-                    try:
-                        remove_file(path)
-                    except OSError as error:
-                        return f"cannot remove the CDI spec {path}: {error}"
+        async with self._claim_lock(uid):
+            claim = self.checkpoint.get(uid)
+            if claim is None:
+                return ""  # never prepared here (or already unprepared): nothing to undo
+            for path in claim.cdi_files:
                 try:
-                    self.checkpoint.remove(uid)
+                    remove_file(path)
                 except OSError as error:
-                    return f"cannot save the checkpoint {self.checkpoint.path}: {error}"
-                log.info("driver %s: unprepared claim %s/%s (%s)", self.driver_name,
-                         claim.namespace, claim.name, uid)
-                return ""
-        finally:
-            if not lock.locked():
-                self._locks.pop(uid, None)
+                    self._count("unprepare_failed")
+                    return f"cannot remove the CDI spec {path}: {error}"
+            try:
+                self.checkpoint.remove(uid)
+            except OSError as error:
+                self._count("unprepare_failed")
+                return f"cannot save the checkpoint {self.checkpoint.path}: {error}"
+            self._count("unprepared")
+            log.info("driver %s: unprepared claim %s/%s (%s)", self.driver_name,
+                     claim.namespace, claim.name, uid)
+            return ""
 
     def _observe(self, what: str, started: float) -> None:
-        if self.observer is not None:
+        if self.metrics is not None:
             try:
-                self.observer(self.driver_name, what, time.perf_counter() - started)
+                self.metrics.call(self.driver_name, what, time.perf_counter() - started,
+                                  len(self.checkpoint.claims))
+            except Exception:  # metrics must never break an RPC
+                log.exception("DRA metrics failed")
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            try:
+                self.metrics.claim(self.driver_name, outcome)
             except Exception:
-                log.exception("observer failed")
+                log.exception("DRA metrics failed")
 
 
 def _request_names(request: str) -> Tuple[str, ...]:

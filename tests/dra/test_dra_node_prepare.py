@@ -4,6 +4,7 @@ kubelet simulator calling it as the kubelet's DRA manager does."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -181,23 +182,16 @@ def test_refusals_are_per_claim_errors(short_dir, run, kube_api):
             sick[2] = sick[2].with_health(Health.UNHEALTHY, "ECC errors")
             n.front.sync(RESOURCE, driver, sick)
             n.claim(["gpu2"], pod, name="unhealthy")
-            client = n.kubelet
-            call = client._channel(client.plugin(DRIVER))
-            from host.dra.protocol import dra_v1
-            prepare = call.unary_unary(
-                "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
-                request_serializer=dra_v1.NodePrepareResourcesRequest.SerializeToString,
-                response_deserializer=dra_v1.NodePrepareResourcesResponse.FromString)
             claims = {}
             for name in ("good", "unknown-device", "other-pool", "unhealthy"):
                 obj = await n.client.get_resource_claim("default", name)
                 claims[name] = obj["metadata"]["uid"]
             wrong_uid = str(uuid.uuid4())
-            response = await prepare(dra_v1.NodePrepareResourcesRequest(claims=[
-                *(dra_v1.Claim(namespace="default", name=k, uid=v) for k, v in claims.items()),
-                dra_v1.Claim(namespace="default", name="good", uid=wrong_uid),
-                dra_v1.Claim(namespace="default", name="missing", uid=str(uuid.uuid4())),
-            ]), timeout=45)
+            response = await n.kubelet.node_prepare(DRIVER, [
+                *(("default", k, v) for k, v in claims.items()),
+                ("default", "good", wrong_uid),
+                ("default", "missing", str(uuid.uuid4())),
+            ])
             errors = {k: response.claims[v].error for k, v in claims.items()}
             assert errors["good"] == "" and len(response.claims[claims["good"]].devices) == 1
             assert "not in pool" in errors["unknown-device"]
@@ -236,16 +230,21 @@ def test_kubelet_pre_checks(short_dir, run, kube_api):
 def test_unprepare_of_an_unknown_claim_succeeds_and_v1beta1_works(short_dir, run, kube_api):
     async def body():
         async with node(short_dir, kube_api, _driver()) as n:
-            from host.dra.protocol import dra_v1beta1
-            channel = n.kubelet._channel(n.kubelet.plugin(DRIVER))
-            unprepare = channel.unary_unary(
-                "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodeUnprepareResources",
-                request_serializer=dra_v1beta1.NodeUnprepareResourcesRequest.SerializeToString,
-                response_deserializer=dra_v1beta1.NodeUnprepareResourcesResponse.FromString)
             uid = str(uuid.uuid4())
-            response = await unprepare(dra_v1beta1.NodeUnprepareResourcesRequest(
-                claims=[dra_v1beta1.Claim(namespace="default", name="x", uid=uid)]), timeout=5)
+            response = await n.kubelet.node_unprepare(DRIVER, [("default", "x", uid)],
+                                                      service="v1beta1.DRAPlugin")
             assert uid in response.claims and response.claims[uid].error == ""
+            # and a whole cycle on v1beta1
+            pod = str(uuid.uuid4())
+            claim = n.claim(["gpu1"], pod)
+            cuid = claim["metadata"]["uid"]
+            prepared = await n.kubelet.node_prepare(
+                DRIVER, [("default", "claim-1", cuid)], service="v1beta1.DRAPlugin")
+            assert type(prepared).__module__.endswith("dra_v1beta1_pb2")
+            assert [d.device_name for d in prepared.claims[cuid].devices] == ["gpu1"]
+            await n.kubelet.node_unprepare(DRIVER, [("default", "claim-1", cuid)],
+                                           service="v1beta1.DRAPlugin")
+            assert _specs(n.cdi) == []
 
     run(body())
 
@@ -272,5 +271,52 @@ def test_a_hanging_allocate_hook_fails_the_claim_not_the_host(short_dir, run, ku
             n.claim(["gpu2"], pod, name="fine")
             [info] = await n.kubelet.prepare(pod, [("default", "fine")])
             assert info.prepared
+
+    run(body())
+
+
+def test_a_retry_during_a_slow_prepare_gets_the_same_answer_and_one_hook_call(short_dir, run,
+                                                                                kube_api):
+    class Counting(SlowAllocateDriver):
+        calls = 0
+
+        def allocate(self, resource, devices, merged):
+            Counting.calls += 1
+            return super().allocate(resource, devices, merged)
+
+    async def body():
+        driver = Counting("memory", {RESOURCE.name: make_devices("gpu", 2)}, delay=0.5)
+        async with node(short_dir, kube_api, driver) as n:
+            pod = str(uuid.uuid4())
+            claim = n.claim(["gpu0"], pod)
+            uid = claim["metadata"]["uid"]
+            claims = [("default", "claim-1", uid)]
+            first, second = await asyncio.gather(n.kubelet.node_prepare(DRIVER, claims),
+                                                 n.kubelet.node_prepare(DRIVER, claims))
+            assert first == second and first.claims[uid].error == ""
+            assert Counting.calls == 1
+            assert n.front.services[DRIVER]._locks == {}
+
+    run(body())
+
+
+def test_prepare_again_after_a_reboot_emptied_the_cdi_dir_rewrites_the_spec(short_dir, run,
+                                                                            kube_api):
+    async def body():
+        async with node(short_dir, kube_api, _driver()) as n:
+            pod = str(uuid.uuid4())
+            n.claim(["gpu1"], pod)
+            [first] = await n.kubelet.prepare(pod, [("default", "claim-1")])
+            for name in _specs(n.cdi):  # /var/run/cdi is a tmpfs: a reboot empties it
+                os.unlink(os.path.join(n.cdi, name))
+            await n.kubelet.restart(wipe_sockets=True)
+            await n.kubelet.wait_registered(DRIVER)
+            [again] = await n.kubelet.prepare(pod, [("default", "claim-1")])
+            ids = again.cdi_devices()
+            assert ids == first.cdi_devices()
+            [spec_file] = _specs(n.cdi)
+            with open(os.path.join(n.cdi, spec_file)) as stream:
+                spec = json.load(stream)
+            assert {f"{spec['kind']}={d['name']}" for d in spec["devices"]} == set(ids)
 
     run(body())

@@ -261,17 +261,38 @@ class DraKubeletSimulator:
                 info.prepared = True
         return [info for _, info in read]
 
-    async def _prepare_with(self, plugin: RegisteredPlugin, infos: List[ClaimInfo]) -> None:
-        api = _MODULES[plugin.chosen_service]
+    async def node_prepare(self, driver: str, claims: Sequence[Tuple[str, str, str]],
+                           service: Optional[str] = None) -> Any:
+        """The bare RPC (no pre-checks) on the driver's chosen service or ``service``;
+        claims are (namespace, name, uid). Raises grpc.aio.AioRpcError."""
+        return await self._raw(driver, "NodePrepareResources", claims, service)
+
+    async def node_unprepare(self, driver: str, claims: Sequence[Tuple[str, str, str]],
+                             service: Optional[str] = None) -> Any:
+        return await self._raw(driver, "NodeUnprepareResources", claims, service)
+
+    async def _raw(self, driver: str, method: str, claims: Sequence[Tuple[str, str, str]],
+                   service: Optional[str]) -> Any:
+        plugin = self.plugin(driver)
+        if plugin is None:
+            raise PrepareError(f"DRA driver {driver} is not registered")
+        chosen = service or plugin.chosen_service
+        api = _MODULES[chosen]
+        request_type = getattr(api, f"{method}Request")
+        response_type = getattr(api, f"{method}Response")
         call = self._channel(plugin).unary_unary(
-            f"/{DRA_WIRE_SERVICES[plugin.chosen_service]}/NodePrepareResources",
-            request_serializer=api.NodePrepareResourcesRequest.SerializeToString,
-            response_deserializer=api.NodePrepareResourcesResponse.FromString)
-        request = api.NodePrepareResourcesRequest(claims=[
-            api.Claim(namespace=i.namespace, uid=i.uid, name=i.name) for i in infos])
+            f"/{DRA_WIRE_SERVICES[chosen]}/{method}",
+            request_serializer=request_type.SerializeToString,
+            response_deserializer=response_type.FromString)
+        request = request_type(claims=[api.Claim(namespace=ns, name=name, uid=uid)
+                                       for ns, name, uid in claims])
+        return await call(request, timeout=self.call_timeout_s)
+
+    async def _prepare_with(self, plugin: RegisteredPlugin, infos: List[ClaimInfo]) -> None:
         self.prepare_calls += 1
         try:
-            response = await call(request, timeout=self.call_timeout_s)
+            response = await self.node_prepare(
+                plugin.name, [(i.namespace, i.name, i.uid) for i in infos])
         except grpc.aio.AioRpcError as error:
             raise PrepareError(f"NodePrepareResources failed: rpc error: code = "
                                f"{_go_code(error.code())} desc = {error.details()}") from None
@@ -309,15 +330,9 @@ class DraKubeletSimulator:
             if plugin is None:
                 raise PrepareError(f"unprepare dynamic resources: DRA driver {driver} is not "
                                    f"registered")
-            api = _MODULES[plugin.chosen_service]
-            call = self._channel(plugin).unary_unary(
-                f"/{DRA_WIRE_SERVICES[plugin.chosen_service]}/NodeUnprepareResources",
-                request_serializer=api.NodeUnprepareResourcesRequest.SerializeToString,
-                response_deserializer=api.NodeUnprepareResourcesResponse.FromString)
-            request = api.NodeUnprepareResourcesRequest(claims=[
-                api.Claim(namespace=i.namespace, uid=i.uid, name=i.name) for i in infos])
             try:
-                response = await call(request, timeout=self.call_timeout_s)
+                response = await self.node_unprepare(
+                    driver, [(i.namespace, i.name, i.uid) for i in infos])
             except grpc.aio.AioRpcError as error:
                 raise PrepareError(f"NodeUnprepareResources failed: rpc error: code = "
                                    f"{_go_code(error.code())} desc = {error.details()}") from None
