@@ -94,6 +94,7 @@ class SlicePublisher:
         self._node_warned = False
         self._metrics = _Metrics.of(metrics) if metrics is not None else None
         self.requests = 0  # API requests sent, for the benchmarks
+        self.failures = 0  # reconcile rounds that ended in a retry
         self.last_error: Optional[KubeError] = None
 
     # -- the event side -----------------------------------------------------------------------
@@ -191,6 +192,7 @@ class SlicePublisher:
                 if not self.pending():
                     self._idle.set()
                 continue
+            self.failures += 1
             self._retry_count(failed.reason)
             delay = backoff * random.uniform(0.8, 1.2)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
