@@ -8,10 +8,11 @@ returned, and lists the pool again only when that view may be stale (first sync,
 ``republish()`` after a kubelet start deleted the node's slices).
 
 Failures: no answer or 5xx/429 -> retry with exponential backoff (0.05 s doubling to 30 s,
-jittered) with whatever is desired by then, so nothing is lost while the API server is away;
-409 -> re-read and retry at once (bounded, then backoff); 422 -> the server's reason logged once
-per distinct reason and counted in ``device_plugin_host_dra_slice_rejections_total``, and not
-retried until the pool's devices change (the same content would be rejected again).
+jittered, never sooner than the server's Retry-After) with whatever is desired by then, so
+nothing is lost while the API server is away; 409 -> re-read and retry at once (bounded, then
+backoff); 422 -> the server's reason logged once per distinct reason and counted in
+``device_plugin_host_dra_slice_rejections_total``, and not retried until the pool's devices
+change (the same content would be rejected again).
 """
 
 from __future__ import annotations
@@ -195,6 +196,8 @@ class SlicePublisher:
             self.failures += 1
             self._retry_count(failed.reason)
             delay = backoff * random.uniform(0.8, 1.2)
+            if failed.retry_after_s:
+                delay = max(delay, min(failed.retry_after_s, BACKOFF_MAX_S))
             backoff = min(backoff * 2, BACKOFF_MAX_S)
             log.debug("DRA: API request failed (%s); retrying in %.2f s", failed, delay)
             try:

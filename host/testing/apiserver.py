@@ -421,10 +421,12 @@ class ApiServerStandIn:
                 status, payload = self._handle(method, target, body,
                                                headers.get("authorization", ""))
                 data = json.dumps(payload, separators=(",", ":")).encode()
+                # API Priority and Fairness answers 429 with Retry-After: 1.
+                extra = "Retry-After: 1\r\n" if status == 429 else ""
                 writer.write(
                     f"HTTP/1.1 {status} {_REASONS.get(status, 'OK') if status >= 400 else 'OK'}"
                     f"\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
-                    f"Audit-Id: {uuid.uuid4()}\r\n\r\n".encode("latin-1") + data)
+                    f"Audit-Id: {uuid.uuid4()}\r\n{extra}\r\n".encode("latin-1") + data)
                 await writer.drain()
                 if headers.get("connection", "").lower() == "close":
                     return

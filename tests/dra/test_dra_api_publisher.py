@@ -308,3 +308,25 @@ def test_one_request_per_changed_slice(run, count):
         slices_before = -(-count // 128)
         assert sum(first.values()) == slices_before  # one PUT per slice, no list, no get
         assert sum(api.requests.values()) == sum(first.values())  # no change: no request
+
+
+def test_too_many_requests_waits_the_servers_retry_after(run):
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            api.fail_next(429, count=1, verbs={"update"})
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            publisher.set_pool(DRIVER, POOL, [gpu(0), gpu(1)])
+            assert await publisher.wait_synced()
+            return loop.time() - start
+
+        took = run(publishing(api, [gpu(0)], body))
+        assert took >= 1.0  # Retry-After: 1, not the 0.05 s first backoff
+        assert publisher_error_kinds(api) == [("PUT", 429), ("PUT", 200)]
+
+
+def publisher_error_kinds(api):
+    return [(m, code) for m, _p, code in api.request_log if m != "GET"][-2:]
