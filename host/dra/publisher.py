@@ -184,15 +184,26 @@ class SlicePublisher:
     async def _run(self) -> None:
         assert self._wake is not None and self._idle is not None
         backoff = BACKOFF_MIN_S
+        streak = 0
         while True:
             await self._wake.wait()
             self._wake.clear()
             failed = await self._reconcile_all()
             if failed is None:
-                backoff = BACKOFF_MIN_S
+                if streak:
+                    log.info("DRA: ResourceSlices published again after %d failed attempts",
+                             streak)
+                streak, backoff = 0, BACKOFF_MIN_S
                 if not self.pending():
                     self._idle.set()
                 continue
+            if streak == 0:
+                # Once an outage (or a refusal: 403 from RBAC or the admission policy), not
+                # once a retry; the next line is the recovery.
+                log.warning("DRA: cannot publish ResourceSlices (%s %s: %s); retrying with "
+                            "backoff", failed.status or "no answer", failed.reason,
+                            failed.message)
+            streak += 1
             self.failures += 1
             self._retry_count(failed.reason)
             delay = backoff * random.uniform(0.8, 1.2)

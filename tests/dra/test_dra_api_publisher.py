@@ -133,8 +133,8 @@ def test_taints_dropped_by_the_server_fall_back_to_leaving_out(run):
         assert sorted(api.devices(DRIVER, NODE)) == [dra_device_name(gpu(0).id)]
 
 
-def test_api_server_down_during_a_change_then_back(run):
-    with ApiServerStandIn() as api:
+def test_api_server_down_during_a_change_then_back(run, caplog):
+    with ApiServerStandIn() as api, caplog.at_level(logging.INFO, logger="host.dra.publisher"):
         api.add_node(NODE)
 
         async def body(publisher):
@@ -152,6 +152,9 @@ def test_api_server_down_during_a_change_then_back(run):
 
         run(publishing(api, [gpu(0)], body))
         assert len(api.devices(DRIVER, NODE)) == 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert len([m for m in lines if "cannot publish" in m]) == 1  # once, not once a retry
+    assert len([m for m in lines if "published again" in m]) == 1
 
 
 def test_a_rejected_slice_is_logged_once_and_counted(run, caplog):
