@@ -291,7 +291,7 @@ class KubeClient:
                                                     params=params, headers=headers)
             except httpx.TimeoutException as err:
                 raise KubeError(0, "Timeout", f"{method} {path}: {err!r}") from err
-            except httpx.TransportError as err:
+            except httpx.RequestError as err:  # transport, decoding, redirects
                 raise KubeError(0, "Unavailable", f"{method} {path}: {err!r}") from err
             if response.status_code == 401 and attempt == 0 and self._token.rereadable:
                 continue  # the kubelet may just have rotated the projected token
