@@ -63,12 +63,15 @@ class KubeError(Exception):
     """
 
     def __init__(self, status: int, reason: str, message: str = "",
-                 causes: Optional[List[Dict[str, Any]]] = None) -> None:
+                 causes: Optional[List[Dict[str, Any]]] = None,
+                 retry_after_s: Optional[float] = None) -> None:
         super().__init__(f"{status} {reason}: {message}" if message else f"{status} {reason}")
         self.status = status
         self.reason = reason
         self.message = message
         self.causes = causes or []
+        # The server's Retry-After (429 from API Priority and Fairness, some 5xx), seconds.
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -244,7 +247,11 @@ def _error_from(response: httpx.Response) -> KubeError:
         message = str(body.get("message") or message)
         details = body.get("details") or {}
         causes = list(details.get("causes") or [])
-    return KubeError(response.status_code, reason, message, causes)
+    retry_after: Optional[float] = None
+    header = response.headers.get("retry-after")
+    if header and header.strip().isdigit():
+        retry_after = float(header.strip())
+    return KubeError(response.status_code, reason, message, causes, retry_after)
 
 
 class KubeClient:
@@ -284,7 +291,7 @@ class KubeClient:
                                                     params=params, headers=headers)
             except httpx.TimeoutException as err:
                 raise KubeError(0, "Timeout", f"{method} {path}: {err!r}") from err
-            except httpx.TransportError as err:
+            except httpx.RequestError as err:  # transport, decoding, redirects
                 raise KubeError(0, "Unavailable", f"{method} {path}: {err!r}") from err
             if response.status_code == 401 and attempt == 0 and self._token.rereadable:
                 continue  # the kubelet may just have rotated the projected token

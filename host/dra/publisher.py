@@ -8,10 +8,11 @@ returned, and lists the pool again only when that view may be stale (first sync,
 ``republish()`` after a kubelet start deleted the node's slices).
 
 Failures: no answer or 5xx/429 -> retry with exponential backoff (0.05 s doubling to 30 s,
-jittered) with whatever is desired by then, so nothing is lost while the API server is away;
-409 -> re-read and retry at once (bounded, then backoff); 422 -> the server's reason logged once
-per distinct reason and counted in ``device_plugin_host_dra_slice_rejections_total``, and not
-retried until the pool's devices change (the same content would be rejected again).
+jittered, never sooner than the server's Retry-After) with whatever is desired by then, so
+nothing is lost while the API server is away; 409 -> re-read and retry at once (bounded, then
+backoff); 422 -> the server's reason logged once per distinct reason and counted in
+``device_plugin_host_dra_slice_rejections_total``, and not retried until the pool's devices
+change (the same content would be rejected again).
 """
 
 from __future__ import annotations
@@ -48,7 +49,16 @@ class _Pool:
 
 
 class _Metrics:
-    """Counters on the host's registry (host/metrics.py HostMetrics.registry)."""
+    """Counters on the host's registry (host/metrics.py HostMetrics.registry), made once per
+    registry: a publisher rebuilt on reload must not register the names twice."""
+
+    @classmethod
+    def of(cls, metrics: Any) -> _Metrics:
+        made = getattr(metrics, "_dra_publisher_metrics", None)
+        if made is None:
+            made = cls(metrics)
+            metrics._dra_publisher_metrics = made
+        return made
 
     def __init__(self, metrics: Any) -> None:
         from prometheus_client import Counter
@@ -83,8 +93,9 @@ class SlicePublisher:
         self._idle: Optional[asyncio.Event] = None
         self._node_uid: Optional[str] = None
         self._node_warned = False
-        self._metrics = _Metrics(metrics) if metrics is not None else None
+        self._metrics = _Metrics.of(metrics) if metrics is not None else None
         self.requests = 0  # API requests sent, for the benchmarks
+        self.failures = 0  # reconcile rounds that ended in a retry
         self.last_error: Optional[KubeError] = None
 
     # -- the event side -----------------------------------------------------------------------
@@ -173,17 +184,31 @@ class SlicePublisher:
     async def _run(self) -> None:
         assert self._wake is not None and self._idle is not None
         backoff = BACKOFF_MIN_S
+        streak = 0
         while True:
             await self._wake.wait()
             self._wake.clear()
             failed = await self._reconcile_all()
             if failed is None:
-                backoff = BACKOFF_MIN_S
+                if streak:
+                    log.info("DRA: ResourceSlices published again after %d failed attempts",
+                             streak)
+                streak, backoff = 0, BACKOFF_MIN_S
                 if not self.pending():
                     self._idle.set()
                 continue
+            if streak == 0:
+                # Once an outage (or a refusal: 403 from RBAC or the admission policy), not
+                # once a retry; the next line is the recovery.
+                log.warning("DRA: cannot publish ResourceSlices (%s %s: %s); retrying with "
+                            "backoff", failed.status or "no answer", failed.reason,
+                            failed.message)
+            streak += 1
+            self.failures += 1
             self._retry_count(failed.reason)
             delay = backoff * random.uniform(0.8, 1.2)
+            if failed.retry_after_s:
+                delay = max(delay, min(failed.retry_after_s, BACKOFF_MAX_S))
             backoff = min(backoff * 2, BACKOFF_MAX_S)
             log.debug("DRA: API request failed (%s); retrying in %.2f s", failed, delay)
             try:

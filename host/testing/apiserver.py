@@ -154,9 +154,16 @@ def _slice_field(obj: Dict[str, Any], name: str) -> str:
 class ApiServerStandIn:
     """See the module docstring. All helper methods are thread-safe and synchronous."""
 
-    def __init__(self, device_taints: bool = False, latency_s: float = 0.0) -> None:
+    TOKEN = "standin-token"
+
+    def __init__(self, device_taints: bool = False, latency_s: float = 0.0,
+                 tls: bool = False) -> None:
         self.device_taints = device_taints
         self.latency_s = latency_s
+        self.tls = tls
+        # Bearer tokens the server accepts (401 otherwise); a test rotates by replacing it.
+        self.tokens: Set[str] = {self.TOKEN}
+        self._ssl: Optional[ssl.SSLContext] = None
         self.host = "127.0.0.1"
         self.port = 0
         self.requests: Counter = Counter()  # by verb: create/update/delete/list/get
@@ -170,6 +177,7 @@ class ApiServerStandIn:
         self._writers: Set[asyncio.StreamWriter] = set()
         self._tmpdir = tempfile.mkdtemp(prefix="dph-apiserver-")
         self.kubeconfig_path = os.path.join(self._tmpdir, "kubeconfig")
+        self.ca_path = os.path.join(self._tmpdir, "ca.crt")
         self._changed = threading.Condition(self._lock)
         self._writes = 0
         # Called from the server's thread after each successful write with (verb, object):
@@ -187,7 +195,26 @@ class ApiServerStandIn:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
+
+    def write_service_account(self, directory: str, token: Optional[str] = None) -> None:
+        """What the kubelet mounts at /var/run/secrets/kubernetes.io/serviceaccount."""
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "token"), "w", encoding="utf-8") as handle:
+            handle.write(token or self.TOKEN)
+        if self.tls:
+            shutil.copyfile(self.ca_path, os.path.join(directory, "ca.crt"))
+
+    def _make_certificate(self) -> ssl.SSLContext:
+        """A self-signed serving certificate for 127.0.0.1 (the openssl CLI)."""
+        key = os.path.join(self._tmpdir, "tls.key")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes",
+                        "-keyout", key, "-out", self.ca_path, "-days", "2",
+                        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                       check=True, capture_output=True)
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.ca_path, key)
+        return ctx
 
     @property
     def running(self) -> bool:
@@ -237,7 +264,9 @@ class ApiServerStandIn:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
-        self._server = await asyncio.start_server(self._serve, sock=sock)
+        if self.tls and self._ssl is None:
+            self._ssl = self._make_certificate()
+        self._server = await asyncio.start_server(self._serve, sock=sock, ssl=self._ssl)
 
     async def _shutdown(self) -> None:
         server, self._server = self._server, None
@@ -253,10 +282,12 @@ class ApiServerStandIn:
     def _write_kubeconfig(self) -> None:
         config = {
             "apiVersion": "v1", "kind": "Config", "current-context": "standin",
-            "clusters": [{"name": "standin", "cluster": {"server": self.url}}],
+            "clusters": [{"name": "standin", "cluster": dict(
+                {"server": self.url}, **({"certificate-authority": self.ca_path}
+                                         if self.tls else {}))}],
             "contexts": [{"name": "standin", "context": {"cluster": "standin",
                                                          "user": "standin"}}],
-            "users": [{"name": "standin", "user": {"token": "standin-token"}}],
+            "users": [{"name": "standin", "user": {"token": self.TOKEN}}],
         }
         with open(self.kubeconfig_path, "w", encoding="utf-8") as handle:
             json.dump(config, handle)  # JSON is YAML
@@ -387,12 +418,15 @@ class ApiServerStandIn:
                 body = await reader.readexactly(length) if length else b""
                 if self.latency_s:
                     await asyncio.sleep(self.latency_s)
-                status, payload = self._handle(method, target, body)
+                status, payload = self._handle(method, target, body,
+                                               headers.get("authorization", ""))
                 data = json.dumps(payload, separators=(",", ":")).encode()
+                # API Priority and Fairness answers 429 with Retry-After: 1.
+                extra = "Retry-After: 1\r\n" if status == 429 else ""
                 writer.write(
                     f"HTTP/1.1 {status} {_REASONS.get(status, 'OK') if status >= 400 else 'OK'}"
                     f"\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
-                    f"Audit-Id: {uuid.uuid4()}\r\n\r\n".encode("latin-1") + data)
+                    f"Audit-Id: {uuid.uuid4()}\r\n{extra}\r\n".encode("latin-1") + data)
                 await writer.drain()
                 if headers.get("connection", "").lower() == "close":
                     return
@@ -405,15 +439,19 @@ class ApiServerStandIn:
             except RuntimeError:
                 pass
 
-    def _handle(self, method: str, target: str, body: bytes) -> Tuple[int, Any]:
+    def _handle(self, method: str, target: str, body: bytes,
+                authorization: str = "") -> Tuple[int, Any]:
         parts = urlsplit(target)
         path = unquote(parts.path).rstrip("/")
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
         verb, handler, args = self._route(method, path)
+        token = authorization[7:] if authorization.startswith("Bearer ") else None
         with self._lock:
             self.requests[verb] += 1
             failure = self._take_failure(verb)
-            if failure is not None:
+            if token not in self.tokens:
+                result = 401, status_body(401, "Unauthorized", "Unauthorized")
+            elif failure is not None:
                 result = failure.status, status_body(failure.status, failure.reason,
                                                      failure.message)
             elif handler is None:
@@ -631,9 +669,10 @@ def _free_port() -> int:
 class RealApiServer:
     """etcd + kube-apiserver from KUBEBUILDER_ASSETS, with the stand-in's helper methods.
 
-    Authentication is a static token in group system:masters (--token-auth-file), so no
-    certificates need generating beyond the serving one kube-apiserver makes itself in
-    --cert-dir; the service-account signing key is made with the ``openssl`` CLI. ``stop()``
+    Authentication is a static token in group system:masters (--token-auth-file); the
+    serving certificate (for 127.0.0.1) and the service-account signing key are made with the
+    ``openssl`` CLI, as envtest's own flags (--advertise-address 127.0.0.1, a service range)
+    are given. ``stop()``
     stops kube-apiserver only (etcd keeps the data), as a control-plane restart does.
     Counters and failure injection exist only in the stand-in.
     """
@@ -684,6 +723,16 @@ class RealApiServer:
         if not os.path.exists(key):
             subprocess.run(["openssl", "genrsa", "-out", key, "2048"], check=True,
                            capture_output=True)
+        # Our own serving certificate: the one --cert-dir makes names the advertise address
+        # and "localhost", which need not include 127.0.0.1.
+        serving_key = os.path.join(certs, "serving.key")
+        self.ca_path = os.path.join(certs, "serving.crt")
+        if not os.path.exists(self.ca_path):
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes",
+                            "-keyout", serving_key, "-out", self.ca_path, "-days", "2",
+                            "-subj", "/CN=127.0.0.1",
+                            "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                           check=True, capture_output=True)
         tokens = os.path.join(self._dir, "tokens.csv")
         with open(tokens, "w", encoding="utf-8") as handle:
             handle.write(f'{self.TOKEN},admin,admin-uid,"system:masters"\n')
@@ -691,7 +740,9 @@ class RealApiServer:
         args = [os.path.join(self.assets, "kube-apiserver"),
                 "--etcd-servers", f"http://127.0.0.1:{self._etcd_port}",
                 "--secure-port", str(self.port), "--bind-address", "127.0.0.1",
-                "--cert-dir", certs, "--token-auth-file", tokens,
+                "--advertise-address", "127.0.0.1",
+                "--tls-cert-file", self.ca_path, "--tls-private-key-file", serving_key,
+                "--token-auth-file", tokens,
                 "--authorization-mode", "RBAC",
                 "--service-account-issuer", "https://kubernetes.default.svc",
                 "--service-account-key-file", key,
@@ -719,8 +770,7 @@ class RealApiServer:
         config = {
             "apiVersion": "v1", "kind": "Config", "current-context": "envtest",
             "clusters": [{"name": "envtest", "cluster": {
-                "server": self.url, "certificate-authority": os.path.join(certs,
-                                                                          "apiserver.crt")}}],
+                "server": self.url, "certificate-authority": self.ca_path}}],
             "contexts": [{"name": "envtest", "context": {"cluster": "envtest",
                                                          "user": "admin"}}],
             "users": [{"name": "admin", "user": {"token": self.TOKEN}}],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -175,7 +176,8 @@ def test_unsupported_field_selector_is_a_400():
 
     with ApiServerStandIn() as api:
         conn = http.client.HTTPConnection(api.host, api.port, timeout=5)
-        conn.request("GET", "/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.pool=x")
+        conn.request("GET", "/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.pool=x",
+                     headers={"Authorization": f"Bearer {api.TOKEN}"})
         response = conn.getresponse()
         body = json.loads(response.read())
         conn.close()
@@ -269,7 +271,6 @@ def test_kubeconfig_errors_are_one_line(tmp_path):
 
 def test_kubeconfig_with_inline_ca_and_client_certificate(tmp_path):
     """certificate-authority-data and client-*-data load through files that vanish at once."""
-    import shutil
     import subprocess
 
     if shutil.which("openssl") is None:
@@ -303,3 +304,86 @@ def test_in_cluster_configuration(tmp_path):
     access = in_cluster_access(env=env, sa_dir=str(tmp_path))
     assert access.server == "https://[fd00::1]:443"
     assert access.token_file == str(tmp_path / "token")
+
+
+needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None,
+                                   reason="needs the openssl CLI for a serving certificate")
+
+
+@needs_openssl
+def test_in_cluster_over_tls_with_a_rotated_token(tmp_path, run):
+    """The DaemonSet's path end to end: service env, the mounted token and CA, HTTPS; the
+    kubelet rotates the token file and the server stops taking the old one."""
+    with ApiServerStandIn(tls=True) as api:
+        api.add_node("node-a")
+        sa = tmp_path / "serviceaccount"
+        api.write_service_account(str(sa), token="first")
+        api.tokens = {"first"}
+        env = {"KUBERNETES_SERVICE_HOST": api.host, "KUBERNETES_SERVICE_PORT": str(api.port)}
+
+        async def scenario():
+            client = KubeClient(in_cluster_access(env=env, sa_dir=str(sa)))
+            try:
+                await client.get_node("node-a")
+                (sa / "token").write_text("second")
+                api.tokens = {"second"}
+                await client.get_node("node-a")  # 401, re-read, retried
+                api.tokens = {"third"}  # a token the file does not hold: the 401 stays
+                with pytest.raises(KubeError) as err:
+                    await client.get_node("node-a")
+                assert err.value.status == 401
+            finally:
+                await client.close()
+
+        run(scenario())
+        assert api.requests["get"] == 5
+
+
+@needs_openssl
+def test_a_server_certificate_from_another_ca_is_refused(tmp_path, run):
+    with ApiServerStandIn(tls=True) as api, ApiServerStandIn(tls=True) as other:
+        sa = tmp_path / "sa"
+        other.write_service_account(str(sa))  # the other server's CA
+        env = {"KUBERNETES_SERVICE_HOST": api.host, "KUBERNETES_SERVICE_PORT": str(api.port)}
+
+        async def scenario():
+            client = KubeClient(in_cluster_access(env=env, sa_dir=str(sa)))
+            try:
+                with pytest.raises(KubeError) as err:
+                    await client.get_node("node-a")
+                return err.value
+            finally:
+                await client.close()
+
+        error = run(scenario())
+        assert error.status == 0 and "CERTIFICATE_VERIFY_FAILED" in error.message
+        assert api.requests["get"] == 0
+
+
+@needs_openssl
+def test_kubeconfig_with_a_certificate_authority_file(run):
+    with ApiServerStandIn(tls=True) as api:
+        api.add_node("node-a")
+
+        async def scenario():
+            client = KubeClient.from_settings(api.kubeconfig_path)
+            try:
+                return await client.get_node("node-a")
+            finally:
+                await client.close()
+
+        assert run(scenario())["metadata"]["name"] == "node-a"
+
+
+def test_kubebuilder_assets_must_hold_both_binaries(tmp_path, monkeypatch):
+    from host.testing.apiserver import kubebuilder_assets
+
+    monkeypatch.setenv("KUBEBUILDER_ASSETS", str(tmp_path))
+    assert kubebuilder_assets() is None
+    for name in ("kube-apiserver", "etcd"):
+        path = tmp_path / name
+        path.write_text("#!/bin/sh\n")
+        path.chmod(0o755)
+    assert kubebuilder_assets() == str(tmp_path)
+    monkeypatch.delenv("KUBEBUILDER_ASSETS")
+    assert kubebuilder_assets() is None

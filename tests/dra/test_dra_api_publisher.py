@@ -133,15 +133,18 @@ def test_taints_dropped_by_the_server_fall_back_to_leaving_out(run):
         assert sorted(api.devices(DRIVER, NODE)) == [dra_device_name(gpu(0).id)]
 
 
-def test_api_server_down_during_a_change_then_back(run):
-    with ApiServerStandIn() as api:
+def test_api_server_down_during_a_change_then_back(run, caplog):
+    with ApiServerStandIn() as api, caplog.at_level(logging.INFO, logger="host.dra.publisher"):
         api.add_node(NODE)
 
         async def body(publisher):
             assert await publisher.wait_synced()
             api.stop()
             publisher.set_pool(DRIVER, POOL, [gpu(0), gpu(1)])  # never blocks, never raises
-            await asyncio.sleep(0.3)  # a few failed retries while it is away
+            deadline = asyncio.get_running_loop().time() + 10
+            while publisher.failures < 3:  # a few retries with backoff while it is away
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
             assert publisher.last_error is not None and publisher.last_error.status == 0
             assert not await publisher.wait_synced(0.05)
             api.start()
@@ -149,6 +152,9 @@ def test_api_server_down_during_a_change_then_back(run):
 
         run(publishing(api, [gpu(0)], body))
         assert len(api.devices(DRIVER, NODE)) == 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert len([m for m in lines if "cannot publish" in m]) == 1  # once, not once a retry
+    assert len([m for m in lines if "published again" in m]) == 1
 
 
 def test_a_rejected_slice_is_logged_once_and_counted(run, caplog):
@@ -305,3 +311,25 @@ def test_one_request_per_changed_slice(run, count):
         slices_before = -(-count // 128)
         assert sum(first.values()) == slices_before  # one PUT per slice, no list, no get
         assert sum(api.requests.values()) == sum(first.values())  # no change: no request
+
+
+def test_too_many_requests_waits_the_servers_retry_after(run):
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            api.fail_next(429, count=1, verbs={"update"})
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            publisher.set_pool(DRIVER, POOL, [gpu(0), gpu(1)])
+            assert await publisher.wait_synced()
+            return loop.time() - start
+
+        took = run(publishing(api, [gpu(0)], body))
+        assert took >= 1.0  # Retry-After: 1, not the 0.05 s first backoff
+        assert publisher_error_kinds(api) == [("PUT", 429), ("PUT", 200)]
+
+
+def publisher_error_kinds(api):
+    return [(m, code) for m, _p, code in api.request_log if m != "GET"][-2:]

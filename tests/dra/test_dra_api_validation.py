@@ -126,7 +126,8 @@ def _request(api, method, path, body=None):
     conn = http.client.HTTPConnection(api.host, api.port, timeout=5)
     try:
         conn.request(method, path, body=json.dumps(body) if body is not None else None,
-                     headers={"Content-Type": "application/json"})
+                     headers={"Content-Type": "application/json",
+                              "Authorization": f"Bearer {api.TOKEN}"})
         response = conn.getresponse()
         return response.status, json.loads(response.read())
     finally:
