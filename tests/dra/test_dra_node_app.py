@@ -255,3 +255,51 @@ def test_reload_moves_a_resource_between_the_apis_and_renames_a_driver(short_dir
             await client.close()
 
     run(body())
+
+
+def test_slices_wiped_after_the_host_went_away_come_back_with_it(short_dir, run, kube_api):
+    """The kubelet deletes a driver's slices wipingDelay after its last plugin is gone (the
+    host stopped for longer than that); the host publishes them again when it returns, and
+    one that returns in time keeps them."""
+    kube_api.add_node(NODE)
+    config = _config(short_dir, kube_api, DRA)
+    dra_driver = naming.driver_name(DRA.name, None)
+
+    async def body():
+        client = KubeClient.from_settings(kube_api.kubeconfig_path)
+        kubelet = DraKubeletSimulator(
+            config.host.plugins_registry_dir, get_claim=client.get_resource_claim,
+            node_name=NODE, kube=client, wiping_delay_s=0.0)
+        await kubelet.start()
+        try:
+            app = HostApp(config, {"memory": _driver()}, events=None)
+            await app.start()
+            await kubelet.wait_registered(dra_driver)
+            assert await app.publisher.wait_synced()
+            assert len(kube_api.devices(dra_driver, NODE)) == 3
+            await app.stop()  # its registration socket goes: deregistered, wiped
+            await kubelet.watcher.wait_for(lambda w: kubelet.wiped_drivers == [dra_driver],
+                                           what="the driver's slices wiped")
+            assert kube_api.devices(dra_driver, NODE) == {}
+            kubelet.wiping_delay_s = 30.0  # now a restart that comes back in time
+            app = HostApp(config, {"memory": _driver()}, events=None)
+            await app.start()
+            try:
+                await kubelet.wait_registered(dra_driver)
+                assert await app.publisher.wait_synced()
+                assert len(kube_api.devices(dra_driver, NODE)) == 3
+            finally:
+                await app.stop()
+            app = HostApp(config, {"memory": _driver()}, events=None)
+            await app.start()
+            try:
+                await kubelet.wait_registered(dra_driver)
+                assert kubelet.wiped_drivers == [dra_driver]  # the pending wipe was cancelled
+                assert len(kube_api.devices(dra_driver, NODE)) == 3
+            finally:
+                await app.stop()
+        finally:
+            await kubelet.stop()
+            await client.close()
+
+    run(body())

@@ -31,6 +31,7 @@ from host.testing.kubelet_dra.watcher import PluginWatcher, RegisteredPlugin
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 45.0  # cm/dra/plugin: defaultClientCallTimeout
+WIPING_DELAY_S = 30.0  # kubelet: the DRA plugin manager's wipingDelay
 HEALTH_RETRY_S = 5.0  # dra_plugin_manager.go: wait.UntilWithContext(..., 5*time.Second)
 HEALTH_DEFAULT_TIMEOUT_S = 30.0  # cm/dra/healthinfo.go DefaultHealthTimeout
 _MODULES = {"v1.DRAPlugin": dra_v1, "v1beta1.DRAPlugin": dra_v1beta1}
@@ -103,6 +104,8 @@ class DraKubeletSimulator:
         plugins_dir: Optional[str] = None,
         get_info_timeout_s: float = 1.0,
         call_timeout_s: float = CALL_TIMEOUT_S,
+        kube: Optional[Any] = None,
+        wiping_delay_s: float = WIPING_DELAY_S,
     ) -> None:
         self.registry_dir = registry_dir
         self.plugins_dir = plugins_dir
@@ -111,6 +114,12 @@ class DraKubeletSimulator:
         self._wipe_slices = wipe_slices
         self.get_info_timeout_s = get_info_timeout_s
         self.call_timeout_s = call_timeout_s
+        # With a KubeClient: the DRA plugin manager's delayed wipe of a driver's slices once
+        # its last plugin is gone (cancelled when one registers again).
+        self._kube = kube
+        self.wiping_delay_s = wiping_delay_s
+        self._wipes: Dict[str, asyncio.Task] = {}
+        self.wiped_drivers: List[str] = []
         self.claims: Dict[str, ClaimInfo] = {}
         self.restarts = 0
         self.watcher: Optional[PluginWatcher] = None
@@ -143,6 +152,8 @@ class DraKubeletSimulator:
             await self.watcher.stop()
             self.watcher = None
         health, self._health_tasks = list(self._health_tasks.values()), {}
+        health += list(self._wipes.values())
+        self._wipes.clear()
         for task in health:
             task.cancel()
         await asyncio.gather(*health, return_exceptions=True)
@@ -195,6 +206,9 @@ class DraKubeletSimulator:
 
     def _registered(self, plugin: RegisteredPlugin) -> None:
         if plugin.type == "DRAPlugin":
+            wipe = self._wipes.pop(plugin.name, None)
+            if wipe is not None:
+                wipe.cancel()  # the driver came back in time
             if plugin.endpoint not in self._channels:
                 # grpc.NewClient + Connect(): created once, connects on demand.
                 self._channels[plugin.endpoint] = grpc.aio.insecure_channel(
@@ -213,6 +227,10 @@ class DraKubeletSimulator:
             task = self._health_tasks.pop(plugin.name, None)
             if task is not None:
                 task.cancel()
+            if (self._kube is not None and not self.registered(plugin.name)
+                    and plugin.name not in self._wipes):
+                self._wipes[plugin.name] = asyncio.get_running_loop().create_task(
+                    self._wipe_later(plugin.name))
             channel = self._channels.pop(plugin.endpoint, None)
             if channel is not None:
                 self._closing.add(asyncio.ensure_future(channel.close()))
@@ -254,6 +272,23 @@ class DraKubeletSimulator:
                     self.watcher._changed.set()
         except grpc.aio.AioRpcError as error:
             log.info("device plugin %s: stream ended: %s", name, error.code().name)
+
+    async def _wipe_later(self, driver: str) -> None:
+        """dra_plugin_manager.go sync/wipeResourceSlices: DeleteCollection of the driver's
+        slices on this node once it was unusable for wipingDelay."""
+        await asyncio.sleep(self.wiping_delay_s)
+        assert self._kube is not None
+        for piece in await self._kube.list_resource_slices(driver, self.node_name):
+            meta = piece["metadata"]
+            try:
+                await self._kube.delete_resource_slice(meta["name"], None)
+            except Exception as error:  # deleted meanwhile: fine, as DeleteCollection
+                if getattr(error, "status", None) != 404:
+                    raise
+        self.wiped_drivers.append(driver)
+        self._wipes.pop(driver, None)
+        if self.watcher is not None:
+            self.watcher._changed.set()
 
     # -- DRAResourceHealth ----------------------------------------------------------------------
     async def _health_stream(self, plugin: RegisteredPlugin) -> None:
