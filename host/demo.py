@@ -147,6 +147,7 @@ async def _dra_demo(app, api, config) -> None:  # type: ignore[no-untyped-def]
         await kubelet.start()
         await kubelet.wait_registered(driver)
         plugin = kubelet.plugin(driver)
+        assert plugin is not None  # wait_registered returned
         print(f"\n{DRA_RESOURCE} through DRA: driver {driver} registered with the plugin "
               f"watcher in {(time.monotonic() - started) * 1000:.0f} ms "
               f"({plugin.chosen_service}, {plugin.endpoint})")
