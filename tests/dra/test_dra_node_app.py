@@ -303,3 +303,48 @@ def test_slices_wiped_after_the_host_went_away_come_back_with_it(short_dir, run,
             await client.close()
 
     run(body())
+
+
+def test_host_process_restart_keeps_prepared_claims_and_their_cdi_specs(short_dir, run,
+                                                                        kube_api):
+    kube_api.add_node(NODE)
+    config = _config(short_dir, kube_api, DRA)
+    dra_driver = naming.driver_name(DRA.name, None)
+
+    async def body():
+        client = KubeClient.from_settings(kube_api.kubeconfig_path)
+        kubelet = DraKubeletSimulator(config.host.plugins_registry_dir,
+                                      get_claim=client.get_resource_claim, node_name=NODE)
+        await kubelet.start()
+        try:
+            app = HostApp(config, {"memory": _driver()}, events=None)
+            await app.start()
+            pod = str(uuid.uuid4())
+            kube_api.put_resource_claim({
+                "metadata": {"name": "c", "namespace": "default"},
+                "spec": {"devices": {"requests": [
+                    {"name": "gpu", "exactly": {"deviceClassName": "gpu"}}]}},
+                "status": {"allocation": {"devices": {"results": [
+                    {"request": "gpu", "driver": dra_driver,
+                     "pool": naming.pool_name(DRA.name, NODE), "device": "gpu0"}]}},
+                    "reservedFor": [{"resource": "pods", "name": "p", "uid": pod}]}})
+            try:
+                await kubelet.wait_registered(dra_driver)
+                await kubelet.prepare(pod, [("default", "c")])
+            finally:
+                await app.stop()  # a running container still needs its claim's CDI spec
+            specs = os.listdir(config.host.cdi_dir)
+            assert len(specs) == 1 and specs[0].startswith("device-plugin-host-claim_")
+            app = HostApp(config, {"memory": _driver()}, events=None)
+            await app.start()
+            try:
+                await kubelet.wait_registered(dra_driver)
+                await kubelet.unprepare(pod)
+                assert os.listdir(config.host.cdi_dir) == []
+            finally:
+                await app.stop()
+        finally:
+            await kubelet.stop()
+            await client.close()
+
+    run(body())
