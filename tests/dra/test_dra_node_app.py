@@ -22,7 +22,7 @@ from host.testing.apiserver import ApiServerStandIn, kube_api
 from host.testing.drivers import MemoryDriver, make_devices
 from host.testing.harness import make_config
 from host.testing.kubelet import KubeletSimulator
-from host.testing.kubelet_dra import DraKubeletSimulator
+from host.testing.kubelet_dra import DraKubeletSimulator, PrepareError
 
 __all__ = ["kube_api"]
 
@@ -344,6 +344,57 @@ def test_host_process_restart_keeps_prepared_claims_and_their_cdi_specs(short_di
             finally:
                 await app.stop()
         finally:
+            await kubelet.stop()
+            await client.close()
+
+    run(body())
+
+
+def test_an_operator_drain_reaches_the_slice_the_health_stream_and_prepare(short_dir, run,
+                                                                           kube_api):
+    from host.drain import update_drains
+
+    kube_api.add_node(NODE)
+    config = _config(short_dir, kube_api, DRA)
+    dra_driver = naming.driver_name(DRA.name, None)
+    pool = naming.pool_name(DRA.name, NODE)
+
+    async def body():
+        client = KubeClient.from_settings(kube_api.kubeconfig_path)
+        kubelet = DraKubeletSimulator(config.host.plugins_registry_dir,
+                                      get_claim=client.get_resource_claim, node_name=NODE)
+        await kubelet.start()
+        app = HostApp(config, {"memory": _driver()}, events=None)
+        await app.start()
+        try:
+            await kubelet.wait_registered(dra_driver)
+            update_drains(config.host.drain_file, (DRA.name, "gpu1"), "RMA ticket 42")
+            await kubelet.watcher.wait_for(
+                lambda w: kubelet.health(dra_driver, pool, "gpu1")[0] == "Unhealthy",
+                what="the drain in the health stream")
+            assert kubelet.health(dra_driver, pool, "gpu1")[1].endswith("RMA ticket 42")
+            assert await app.publisher.wait_synced()
+            assert sorted(kube_api.devices(dra_driver, NODE)) == ["gpu0", "gpu2"]
+            pod = str(uuid.uuid4())
+            kube_api.put_resource_claim({
+                "metadata": {"name": "c", "namespace": "default"},
+                "spec": {"devices": {"requests": [
+                    {"name": "gpu", "exactly": {"deviceClassName": "gpu"}}]}},
+                "status": {"allocation": {"devices": {"results": [
+                    {"request": "gpu", "driver": dra_driver, "pool": pool,
+                     "device": "gpu1"}]}},
+                    "reservedFor": [{"resource": "pods", "name": "p", "uid": pod}]}})
+            with pytest.raises(PrepareError, match="RMA ticket 42"):
+                await kubelet.prepare(pod, [("default", "c")])
+            update_drains(config.host.drain_file, (DRA.name, "gpu1"), None)
+            await kubelet.watcher.wait_for(
+                lambda w: kubelet.health(dra_driver, pool, "gpu1")[0] == "Healthy",
+                what="the undrain in the health stream")
+            [info] = await kubelet.prepare(pod, [("default", "c")])
+            assert info.prepared
+            await kubelet.unprepare(pod)
+        finally:
+            await app.stop()
             await kubelet.stop()
             await client.close()
 
