@@ -199,6 +199,15 @@ def kubeconfig_access(path: str) -> ClusterAccess:
     user: Dict[str, Any] = {}
     if context.get("user"):
         user = _named(doc.get("users"), context["user"], "user", path)
+    for plugin in ("exec", "auth-provider"):
+        if user.get(plugin) and not (user.get("token") or user.get("tokenFile")
+                                     or user.get("client-certificate")
+                                     or user.get("client-certificate-data")):
+            # Running a credential plugin (cloud CLIs) is not something a node agent should
+            # do; say so rather than sending no credentials and failing with a 401.
+            raise KubeConfigError(
+                f"{path}: user {context['user']!r} uses an {plugin} credential plugin, which "
+                "the host does not run; give it a token, tokenFile or client certificate")
     server = str(cluster.get("server") or "").rstrip("/")
     if not server.startswith(("https://", "http://")):
         raise KubeConfigError(f"{path}: cluster {context.get('cluster')!r}: server "

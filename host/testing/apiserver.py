@@ -17,6 +17,10 @@ get, Node get. Like the real server it
   * goes away on ``stop()``: the listening socket closes (connections refused) and open
     keep-alive connections are cut, as when the process dies; ``start()`` comes back on the
     same port.
+  * answers 401 without one of ``tokens`` as bearer token, and serves HTTPS with ``tls=True``
+    (a self-signed certificate for 127.0.0.1; ``write_service_account`` lays out the token
+    and CA as the kubelet mounts them, for the in-cluster path);
+  * sends Retry-After: 1 with a 429, as API Priority and Fairness does.
 Failure injection (``fail_next``) answers the next N matching requests with a given status,
 with the Status body the real server would send.
 

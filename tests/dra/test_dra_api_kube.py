@@ -267,6 +267,12 @@ def test_kubeconfig_errors_are_one_line(tmp_path):
                    "clusters: [{name: k, cluster: {server: 'ftp://x'}}]\n")
     with pytest.raises(KubeConfigError, match="not an http"):
         KubeClient.from_settings(str(ftp))
+    plugin = tmp_path / "exec"
+    plugin.write_text("current-context: c\ncontexts: [{name: c, context: {cluster: k, user: u}}]\n"
+                      "clusters: [{name: k, cluster: {server: 'https://x'}}]\n"
+                      "users: [{name: u, user: {exec: {command: aws}}}]\n")
+    with pytest.raises(KubeConfigError, match="exec credential plugin"):
+        KubeClient.from_settings(str(plugin))
 
 
 def test_kubeconfig_with_inline_ca_and_client_certificate(tmp_path):
