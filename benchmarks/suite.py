@@ -17,6 +17,8 @@ from typing import Dict, List, Sequence, Tuple
 
 from benchmarks import (
     discovery,
+    dra_prepare,
+    draslices,
     events,
     listwatch,
     preferred,
@@ -30,7 +32,8 @@ from benchmarks.core import Context, Figure
 
 #: Cheap, in-process families first; the idle-CPU window last.
 FAMILIES: Tuple[ModuleType, ...] = (
-    preferred, rpc, listwatch, reregister, discovery, startup, events, reload, resources,
+    preferred, rpc, dra_prepare, listwatch, reregister, discovery, startup, events, draslices,
+    reload, resources,
 )
 
 

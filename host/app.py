@@ -12,7 +12,7 @@ import gc
 import logging
 import os
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Set, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Set, Union
 
 from host import devinfo
 from host.cdi import FILE_PREFIX, CdiWriter
@@ -33,6 +33,10 @@ from host.registration import Endpoint, Registrar
 from host.service import DevicePluginService
 from host.snapshot import Snapshot
 from host.watch import EventSource, RescanScheduler, UdevSource
+
+if TYPE_CHECKING:  # host.dra is imported only when a resource needs it
+    from host.dra.frontend import DraFrontEnd
+    from host.dra.registrar import PluginWatcherEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +88,24 @@ class HostApp:
             self._held_devices)
         self._pod_client: Optional[PodResourcesClient] = None
         self.nfd = FeatureFile(config.host.nfd_features_file)
+        # Resources with api = "dra", and device plugins registered through the plugin
+        # watcher: built at start only when configured, so the device-plugin-only path never
+        # imports host.dra (nor the API client).
+        self.dra: Optional[DraFrontEnd] = None
+        self.kube: Optional[Any] = None
+        self.publisher: Optional[Any] = None
+        self.watched: Dict[str, PluginWatcherEndpoint] = {}
+        self._dra_deferred: Set[str] = set()
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
+        """Raises DraStartError (before serving anything) when DRA cannot work here."""
         self.metrics.liveness = RegistrationLiveness(
             lambda: {name: ep.registered for name, ep in self.registrar.endpoints.items()},
             lambda: self.config.host.plugin_dir, lambda: self.config.host.liveness_grace_s,
         ).problems
+        if any(r.api == "dra" for r in self.config.resources):
+            await self._start_dra()
         self.registrar.start()
         self._start_events()  # before the first scan: nothing plugged in meanwhile is missed
         self._watch_drains()
@@ -141,6 +156,10 @@ class HostApp:
         for task in list(self._rescans):
             task.cancel()
         await self.registrar.close()
+        for endpoint in list(self.watched.values()):
+            await endpoint.close()
+        self.watched.clear()
+        await self._stop_dra()
         self.cdi.remove_all()
         await self.devinfo.stop()
         if self._pod_client is not None:
@@ -157,6 +176,9 @@ class HostApp:
 
     def _sync(self, resource: ResourceConfig) -> None:
         devices = self.inventory.devices.get(resource.name, [])
+        if resource.api == "dra":
+            self._sync_dra(resource, devices)
+            return
         snapshot = self.snapshots.get(resource.name)
         if snapshot is None:
             if not devices and not resource.register_when_empty:
@@ -175,7 +197,10 @@ class HostApp:
             service.cdi_resolvable = self.cdi.resolvable
             self.snapshots[resource.name] = snapshot
             self.services[resource.name] = service
-            self.registrar.add(service)
+            if resource.registration == "plugin-watcher":
+                self._watch_register(service)
+            else:
+                self.registrar.add(service)
             self.metrics.set_devices(resource.name, devices)
             self.nfd.update(resource.name, devices)
             self.ready.clear()
@@ -310,7 +335,8 @@ class HostApp:
         old = {r.name: r for r in self.config.resources}
         new = {r.name: r for r in config.resources}
         for field in ("plugin_dir", "host_root", "pod_resources_socket", "drain_file",
-                      "cdi_dir", "metrics_address", "nfd_features_file"):
+                      "cdi_dir", "metrics_address", "nfd_features_file", "node_name",
+                      "kubeconfig", "plugins_registry_dir", "dra_plugins_dir", "dra_state_dir"):
             if getattr(config.host, field) != getattr(self.config.host, field):
                 log.warning("reload: [host] %s changed; it takes effect at the next restart",
                             field)
@@ -328,13 +354,23 @@ class HostApp:
             self.services.pop(name, None)
         # Together, not one after the other: each stop waits for its server's grace period
         # (255 removals one by one took 13 s).
-        await asyncio.gather(*(self.registrar.remove(name) for name in removed))
+        await asyncio.gather(*(self._unserve(name) for name in removed))
         rescan: Set[str] = set()
         for name, resource in new.items():
             before = old.get(name)
             if before == resource:
                 continue
             rescan.add(resource.driver)
+            if before is not None and (before.api != resource.api or before.api == "dra"):
+                if before.api != resource.api:
+                    log.info("reload: resource %s moves to api = %r", name, resource.api)
+                    await self._unserve(name)
+                    self.snapshots.pop(name, None)
+                    self.services.pop(name, None)
+                elif before.dra_driver_name != resource.dra_driver_name:
+                    log.info("reload: resource %s changed its DRA driver name", name)
+                    await self._unserve(name)  # the old driver's registration goes with it
+                continue  # served again (or its DRA pool updated) by _sync after the rescan
             service = self.services.get(name)
             if before is None or service is None:
                 log.info("reload: resource %s added", name)
@@ -342,10 +378,10 @@ class HostApp:
             driver = self.drivers.get(resource.driver) or UnavailableDriver(
                 resource.driver, "not installed")
             if before.driver != resource.driver or service.needs_options_change(
-                    resource, driver):
+                    resource, driver) or before.registration != resource.registration:
                 log.info("reload: resource %s changed its driver or options; re-registering",
                          name)
-                await self.registrar.remove(name)
+                await self._unserve(name)
                 self.snapshots.pop(name, None)
                 self.services.pop(name, None)
             else:
@@ -479,15 +515,114 @@ class HostApp:
             )
 
     # -- readiness -----------------------------------------------------------------------
+    # -- DRA and plugin-watcher registration ----------------------------------------------------
+    async def _start_dra(self) -> None:
+        from host.dra.frontend import DraFrontEnd
+        from host.dra.kube import KubeClient, KubeConfigError
+        from host.dra.metrics import DraMetrics
+        from host.dra.startup import DraStartError, check_cluster, check_settings
+
+        check_settings(self.config)
+        try:
+            self.kube = KubeClient.from_settings(self.config.host.kubeconfig)
+        except KubeConfigError as error:
+            raise DraStartError(f"no API access for DRA: {error}") from None
+        try:
+            await check_cluster(self.kube, self.config)
+        except BaseException:
+            await self.kube.close()
+            self.kube = None
+            raise
+        from host.dra.publisher import SlicePublisher
+
+        # Unhealthy devices are left out of the slices: device taints (KEP-5055) are off by
+        # default before 1.37, and a taint the server drops would advertise a broken device.
+        self.publisher = SlicePublisher(self.kube, self.config.host.node_name,
+                                        metrics=self.metrics, taint_unhealthy=False)
+        host = self.config.host
+        self.dra = DraFrontEnd(
+            node_name=host.node_name, claims=self.kube, calls=self.calls,
+            registry_dir=host.plugins_registry_dir, plugins_dir=host.dra_plugins_dir,
+            state_dir=host.dra_state_dir, cdi_dir=host.cdi_dir,
+            allocate_timeout_s=host.allocate_timeout_s, publisher=self.publisher,
+            metrics=DraMetrics(self.metrics.registry))
+        self.dra.on_registered = self._dra_registered
+        if self.publisher is not None:
+            await self.publisher.start()
+
+    async def _stop_dra(self) -> None:
+        if self.dra is not None:
+            await self.dra.close()
+        if self.publisher is not None:
+            await self.publisher.stop(delete=False)  # the kubelet wipes them if we stay away
+        if self.kube is not None:
+            await self.kube.close()
+
+    def _sync_dra(self, resource: ResourceConfig, devices: List[Device]) -> None:
+        if self.dra is None:
+            if resource.name not in self._dra_deferred:
+                self._dra_deferred.add(resource.name)
+                log.error("resource %s: api = \"dra\" came with a reload; it takes effect "
+                          "at the next restart (the API client is set up at start)",
+                          resource.name)
+            return
+        driver = self.drivers.get(resource.driver) or UnavailableDriver(
+            resource.driver, "not installed")
+        self.dra.sync(resource, driver, devices)
+        self.metrics.set_devices(resource.name, devices)
+        if not self.dra.all_registered():
+            self.ready.clear()
+
+    def _watch_register(self, service: DevicePluginService) -> None:
+        """A device plugin registered through the plugin watcher instead of kubelet.sock."""
+        from host.dra.registrar import (
+            PluginWatcherEndpoint,
+            device_plugin_info,
+            registration_socket_name,
+        )
+        from host.protocol import VERSION
+
+        name = service.resource.name
+        host = self.config.host
+        folder = registration_socket_name(name)[: -len("-reg.sock")]
+        socket = os.path.join(host.dra_plugins_dir, folder, "device-plugin.sock")
+        endpoint = PluginWatcherEndpoint(
+            device_plugin_info(name, socket, VERSION), host.plugins_registry_dir,
+            lambda generation: (service.handler(generation),),
+            label=f"resource {name}", on_registered=self._watched_registered)
+        self.watched[name] = endpoint
+        endpoint.start()
+
+    async def _unserve(self, name: str) -> None:
+        await self.registrar.remove(name)
+        endpoint = self.watched.pop(name, None)
+        if endpoint is not None:
+            await endpoint.close()
+        if self.dra is not None and name in self.dra.pools:
+            await self.dra.remove(name)
+
+    def _watched_registered(self, endpoint: Any) -> None:
+        self.metrics.registered(endpoint.name)
+        self._check_ready()
+
+    def _dra_registered(self, endpoint: Any) -> None:
+        self._check_ready()
+
+    def _all_registered(self) -> bool:
+        return (self.registrar.all_registered()
+                and all(ep.registered for ep in self.watched.values())
+                and (self.dra is None or self.dra.all_registered()))
+
     def _endpoint_registered(self, endpoint: Endpoint) -> None:
         self.metrics.registered(endpoint.name)
         self.metrics.kubelet_restarts_seen(self.registrar.link.restarts_seen)
         self._check_ready()
 
     def _check_ready(self) -> None:
-        if self.registrar.all_registered() and not self.ready.is_set():
+        if self._all_registered() and not self.ready.is_set():
             self.ready.set()
             log.info("all %d resources registered, %.0f ms after start",
                      len(self.registrar.endpoints), (time.monotonic() - self.started_at) * 1000)
             for callback in self.on_ready:
                 callback()
+

@@ -104,6 +104,10 @@ def _parser() -> argparse.ArgumentParser:
                       help=f"the kubelet's pod-resources socket (default {POD_RESOURCES_SOCKET})")
     pods.add_argument("--resource", help="only this resource name (or a pattern: 'nvidia.com/*')")
     pods.add_argument("--json", action="store_true", help="a JSON array, one object a row")
+    pods.add_argument("--claims", action="store_true",
+                      help="the DRA claims this host prepared (from its checkpoint) instead")
+    pods.add_argument("--dra-state-dir", default="/var/lib/device-plugin-host/dra",
+                      help="where the host keeps its prepared-claims checkpoint")
 
     capture = add("capture", help="write this machine's device tree as a .tree file")
     capture.add_argument("--host-root", default="/", metavar="DIR",
@@ -219,7 +223,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "pods":
         from host.podresources import pods_main
 
-        return pods_main(args.socket, args.resource, args.json)
+        if args.claims:
+            return _claims(args)
+        code = pods_main(args.socket, args.resource, args.json)
+        if not args.json and os.path.isdir(args.dra_state_dir):
+            _claims(args, quiet=True)
+        return code
     registry = load_drivers()
     try:
         if args.command == "check-config":
@@ -276,6 +285,30 @@ def _check_overlaps(config: Config, registry: DriverRegistry) -> None:
     inventory, _ = asyncio.run(_scan_once(config, registry.with_unavailable(), warn=False))
     if inventory.overlaps:
         raise overlap_error(config, inventory.overlaps[0])
+
+
+def _claims(args: argparse.Namespace, quiet: bool = False) -> int:
+    """Prepared DRA claims; ``quiet``: the section after the PodResources table, if any."""
+    from host.dra.claims_view import claim_rows, format_claims
+
+    try:
+        rows = claim_rows(args.dra_state_dir, args.resource)
+    except (OSError, ValueError) as error:
+        print(f"device-plugin-host pods: cannot read the DRA checkpoint in "
+              f"{args.dra_state_dir}: {error}", file=sys.stderr)
+        return 1
+    if args.json and not quiet:
+        json.dump(rows, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    if rows:
+        if quiet:
+            print("\nprepared DRA claims:")
+        for line in format_claims(rows):
+            print(line)
+    elif not quiet:
+        print("no prepared DRA claims", file=sys.stderr)
+    return 0
 
 
 # -- run -------------------------------------------------------------------------------------
@@ -380,6 +413,12 @@ def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -
     except ConfigError as error:  # found only with a scan: devices two resources claim
         print(f"device-plugin-host: invalid configuration: {error}", file=sys.stderr)
         return EXIT_CONFIG
+    except Exception as error:
+        if type(error).__name__ != "DraStartError":  # host.dra loads only for DRA configs
+            raise
+        print(f"device-plugin-host: cannot serve DRA resources: {error}", file=sys.stderr)
+        logging.shutdown()
+        return EXIT_CONFIG
     finally:
         lock.release()
     logging.shutdown()
@@ -398,6 +437,8 @@ def _discover(config: Config, registry: DriverRegistry, *, as_json: bool) -> int
     for resource in config.resources:
         for device in inventory.devices.get(resource.name, []):
             rows.append(device_record(resource.name, resource.driver, device))
+            if resource.api == "dra":
+                rows[-1]["dra"] = _dra_record(resource, device, config.host.node_name)
     summary = _resource_summary(config, inventory, empty)
     if as_json:
         # stdout stays the documented array of devices; what has none is told on stderr.
@@ -526,6 +567,23 @@ def device_record(resource: str, driver: str, device: Device) -> Dict[str, Any]:
     }
 
 
+def _dra_record(resource: ResourceConfig, device: Device, node_name: str) -> Dict[str, Any]:
+    """How a DRA resource's device appears in its ResourceSlice (names, attributes)."""
+    from host.dra import naming, slices
+
+    try:
+        pool: Optional[str] = naming.pool_name(resource.name, node_name) if node_name else None
+    except ValueError:
+        pool = None
+    return {
+        "driver": naming.driver_name(resource.name, resource.dra_driver_name),
+        "pool": pool,
+        "device_name": naming.dra_device_name(device.id),
+        "attributes": slices.device_attributes(device),
+        "capacity": slices.device_capacity(device),
+    }
+
+
 def _print_table(rows: List[Dict[str, Any]]) -> None:
     headers = ("RESOURCE", "ID", "HEALTH", "NUMA", "DEVICE NODES", "DETAILS")
     table = []
@@ -534,6 +592,8 @@ def _print_table(rows: List[Dict[str, Any]]) -> None:
         details = " ".join(
             f"{k}={attrs[k]}" for k in ("vendor", "device", "kernel_driver", "model") if k in attrs
         )
+        if "dra" in row:
+            details = f"dra={row['dra']['device_name']} {details}".strip()
         if row["health"] != "Healthy" and row["health_reason"]:
             details = f"({row['health_reason']}) {details}".strip()
         table.append((

@@ -83,6 +83,14 @@ class HostSettings:
     metrics_address: str = "127.0.0.1:9400"  # Prometheus endpoint; "" disables it
     # Node labels through NFD's local source (host/nfd.py); "" disables the feature file.
     nfd_features_file: str = "/etc/kubernetes/node-feature-discovery/features.d/device-plugin-host"
+    # DRA (resources with api = "dra") and plugin-watcher registration:
+    # This node's name; by default the NODE_NAME environment variable (the downward API).
+    node_name: str = dataclasses.field(
+        default_factory=lambda: os.environ.get("NODE_NAME", "").strip())
+    kubeconfig: Optional[str] = None  # API access; None means the in-cluster service account
+    plugins_registry_dir: str = "/var/lib/kubelet/plugins_registry"
+    dra_plugins_dir: str = "/var/lib/kubelet/plugins"
+    dra_state_dir: str = "/var/lib/device-plugin-host/dra"  # the prepared-claims checkpoint
 
 
 @dataclass(frozen=True)
@@ -137,7 +145,8 @@ _HOST_NUMBERS: Mapping[str, _Range] = {
     "rescan_interval_s": _Range(1, False, 86400, zero_disables=True),
     "vanished_grace_s": _Range(0, False, 7 * 86400),
 }
-_HOST_PATHS = ("plugin_dir", "host_root", "pod_resources_socket", "drain_file", "cdi_dir")
+_HOST_PATHS = ("plugin_dir", "host_root", "pod_resources_socket", "drain_file", "cdi_dir",
+               "kubeconfig", "plugins_registry_dir", "dra_plugins_dir", "dra_state_dir")
 _HOST_ENUMS: Mapping[str, Tuple[str, ...]] = {
     "log_level": ("debug", "info", "warning", "error"),
     "log_format": ("plain", "json"),
@@ -146,8 +155,10 @@ _HOST_KEYS = tuple(field.name for field in dataclasses.fields(HostSettings))
 _TOP_KEYS = ("host", "resource")
 _RESOURCE_KEYS = (
     "name", "driver", "selectors", "settings", "replicas", "replica_policy", "health_interval_s",
-    "cdi", "cdi_fallback", "shared_with",
+    "cdi", "cdi_fallback", "shared_with", "api", "dra_driver_name", "registration",
 )
+_APIS = ("device-plugin", "dra")
+_REGISTRATIONS = ("kubelet", "plugin-watcher")
 _REPLICA_POLICIES = ("pack", "spread")
 _MAX_REPLICAS = 1024
 #: Each resource is a gRPC server, a socket and a kubelet registration; more than this is a
@@ -160,6 +171,8 @@ MAX_CONFIG_BYTES = 4 * 2**20
 
 def _check_host_value(file: str, key: str, field_name: str, value: object) -> object:
     """One [host] value, checked and normalised; ``key`` is how the error names it."""
+    if field_name == "kubeconfig" and value == "":
+        return None  # the in-cluster service account, the same as leaving it out
     if field_name in _HOST_PATHS:
         return _check_path(file, key, field_name, value)
     if field_name in _HOST_ENUMS:
@@ -171,6 +184,8 @@ def _check_host_value(file: str, key: str, field_name: str, value: object) -> ob
         if str(value).endswith("/"):
             raise ConfigError(file, key, f"must name a file, got {_show(value)}")
         return path
+    if field_name == "node_name":
+        return _check_node_name(file, key, value)
     if field_name == "metrics_address":
         if not isinstance(value, str):
             raise ConfigError(file, key, f"must be a string like \"127.0.0.1:9400\", got "
@@ -183,6 +198,33 @@ def _check_host_value(file: str, key: str, field_name: str, value: object) -> ob
             raise ConfigError(file, key, str(error)) from None
         return value
     return _check_seconds(file, key, _HOST_NUMBERS[field_name], value)
+
+
+def _check_node_name(file: str, key: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(file, key, f"must be a string (the Node's name), got {_typed(value)}")
+    if not value.strip():
+        return os.environ.get("NODE_NAME", "").strip()
+    problem = dns_subdomain_error(value)
+    if problem:
+        raise ConfigError(file, key, f"{_show(value)} is not a valid node name: {problem}")
+    return value
+
+
+def dns_subdomain_error(value: str) -> Optional[str]:
+    """Why ``value`` is not a DNS subdomain (RFC 1123, as Kubernetes names are), or None."""
+    if not value:
+        return "must not be empty"
+    if len(value) > 253:
+        return f"is {len(value)} characters; at most 253"
+    if not _DNS_SUBDOMAIN.match(value):
+        return ("must be lowercase letters, digits, '-' and '.', starting and ending with a "
+                "letter or digit")
+    return None
+
+
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*\Z")
 
 
 def _check_path(file: str, key: str, field_name: str, value: object) -> str:
@@ -365,6 +407,7 @@ def _sharing_and_health(file: str, where: str, entry: Mapping[str, object]) -> D
                                                      f"{problem}")
     if "shared_with" in entry:
         out["shared_with"] = _check_shared_with(file, where, entry)
+    out.update(_api_keys(file, where, entry))
     if "health_interval_s" in entry:
         out["health_interval_s"] = _check_seconds(
             file, f"{where}.health_interval_s", _Range(0.1, False, 86400, zero_disables=True),
@@ -417,6 +460,41 @@ def overlap_error(config: Config, overlap: Overlap) -> ConfigError:
         f"claims {overlap.describe()} that {first} also claims: two pods could be given one "
         f"device; narrow the selectors, or set shared_with = [\"{overlap.first}\"] if the "
         "two resources are meant to share them")
+def _api_keys(file: str, where: str, entry: Mapping[str, object]) -> Dict[str, Any]:
+    """api, dra_driver_name, registration: which kubelet API serves the resource, and how."""
+    out: Dict[str, Any] = {}
+    api = "device-plugin"
+    if "api" in entry:
+        api = out["api"] = _check_enum(file, f"{where}.api", _APIS, entry["api"])
+    if "registration" in entry:
+        out["registration"] = _check_enum(file, f"{where}.registration", _REGISTRATIONS,
+                                          entry["registration"])
+        if api == "dra":
+            raise ConfigError(file, f"{where}.registration",
+                              'only for api = "device-plugin"; a DRA driver always registers '
+                              "through the plugin watcher")
+    if "dra_driver_name" in entry:
+        value = entry["dra_driver_name"]
+        if api != "dra":
+            raise ConfigError(file, f"{where}.dra_driver_name", 'only means something with '
+                                                                'api = "dra"')
+        if not isinstance(value, str):
+            raise ConfigError(file, f"{where}.dra_driver_name",
+                              f"must be a string like \"gpu.example.com\", got {_typed(value)}")
+        problem = dns_subdomain_error(value)
+        if problem is None and len(value) > 63:
+            problem = f"is {len(value)} characters; a DRA driver name has at most 63"
+        if problem is not None:
+            raise ConfigError(file, f"{where}.dra_driver_name",
+                              f"{_show(value)} is not a DNS subdomain: {problem}")
+        out["dra_driver_name"] = value
+    if api == "dra":
+        for key in ("replicas", "replica_policy"):
+            if key in entry:
+                raise ConfigError(file, f"{where}.{key}",
+                                  'not supported with api = "dra" (a DRA device is allocated '
+                                  "whole; sharing is the claim's business)")
+    return out
 
 
 def _unknown_resource_key(key: str, driver: Driver) -> str:

@@ -27,6 +27,10 @@ CONTRACT_KEYS = {
     "rss_mb_64r_10k", "idle_cpu_pct_64r", "preferred_ms_1024_8numa",
     "event_to_kubelet_p99_ms_1", "event_to_kubelet_p99_ms_16", "event_to_kubelet_p99_ms_64",
     "idle_cpu_pct_watching", "reload_max_stall_ms_256",
+    "dra_prepare_median_ms", "dra_prepare_p99_ms", "dra_prepare_again_median_us",
+    "dra_unprepare_median_ms",
+    "dra_slice_p99_ms_8", "dra_slice_p99_ms_300",
+    "dra_requests_per_change_8", "dra_requests_per_change_300",
 }
 # An idle process can truly use no CPU in a short window; everything else takes time or memory.
 MAY_BE_ZERO = {"idle_cpu_pct_64r", "idle_cpu_pct_watching"}

@@ -169,7 +169,8 @@ def test_repartition_updates_the_advertisement_without_a_restart(tmp_path, short
                                timeout=3, what="the CPX partitions advertised")
             assert asyncio.get_running_loop().time() - started < 2.0
             assert "0000:0c:00.0" not in {
-                i for i, d in sim.resources["amd.com/spx_nps1"].devices.items() if d.health == "Healthy"
+                i for i, d in sim.resources["amd.com/spx_nps1"].devices.items()
+                if d.health == "Healthy"
             }
             machine.set_partition("0000:0c:00.0", "SPX", "NPS1")
             source.inject("drm")
