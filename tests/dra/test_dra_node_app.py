@@ -198,6 +198,7 @@ def test_cli_exits_2_with_one_line_when_dra_cannot_start(short_dir, tmp_path):
         f'[host]\nplugins_registry_dir = "{short_dir}/r"\ndra_plugins_dir = "{short_dir}/p"\n'
         f'metrics_address = ""\ndrain_file = "{short_dir}/d/drained"\n'
         '[[resource]]\nname = "example.com/gpu"\ndriver = "gpu"\napi = "dra"\n')
+    (tmp_path / "sys").mkdir()  # a host root must have sys/ (else that is the exit 2)
     env = {k: v for k, v in os.environ.items() if k != "NODE_NAME"}
     result = subprocess.run(
         [sys.executable, "-m", "host", "run", "--config", str(config), "--plugin-dir",
