@@ -60,9 +60,13 @@ def write_config(path: str, count: int, drain_dir: str) -> List[str]:
     with open(path, "w", encoding="utf-8") as out:
         out.write(f'[host]\nmetrics_address = "127.0.0.1:0"\n'
                   f'drain_file = "{os.path.join(drain_dir, "drained")}"\n')
-        for name in names:
+        for index, name in enumerate(names):
+            # Every resource serves the same GPUs, which must be said (host/overlap.py): each
+            # names the ones before it.
+            shared = ", ".join(f'"{other}"' for other in names[:index])
             out.write(f'\n[[resource]]\nname = "{name}"\ndriver = "gpu"\n'
-                      '[resource.selectors]\nvendor = "0x10de"\n')
+                      + (f"shared_with = [{shared}]\n" if shared else "")
+                      + '[resource.selectors]\nvendor = "0x10de"\n')
     return names
 
 

@@ -17,9 +17,12 @@ from typing import Dict, List, Sequence, Tuple
 
 from benchmarks import (
     discovery,
+    dra_prepare,
+    draslices,
     events,
     listwatch,
     preferred,
+    reload,
     reregister,
     resources,
     rpc,
@@ -29,7 +32,8 @@ from benchmarks.core import Context, Figure, bytecode_cache
 
 #: Cheap, in-process families first; the idle-CPU window last.
 FAMILIES: Tuple[ModuleType, ...] = (
-    preferred, rpc, listwatch, reregister, discovery, startup, events, resources,
+    preferred, rpc, dra_prepare, listwatch, reregister, discovery, startup, events, draslices,
+    reload, resources,
 )
 
 

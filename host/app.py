@@ -12,26 +12,30 @@ import gc
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Set, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Set, Union
 
 from host import devinfo
-from host.cdi import CdiWriter
-from host.config import Config
-from host.drain import read_drains
+from host.cdi import FILE_PREFIX, CdiWriter
+from host.config import Config, overlap_error
+from host.drain import DrainError, read_drains
 from host.driver import Driver, UnavailableDriver
 from host.hostfs import HostFS
 from host.inotify import DirectoryWatch
 from host.inventory import Inventory
 from host.isolation import DriverCalls
+from host.liveness import RegistrationLiveness
 from host.metrics import HostMetrics
-from host.model import Device, ResourceConfig
+from host.model import Device, Health, ResourceConfig
 from host.nfd import FeatureFile
+from host.overlap import Overlap
 from host.registration import Endpoint, Registrar
 from host.service import DevicePluginService
 from host.snapshot import Snapshot
 from host.watch import EventSource, RescanScheduler, UdevSource
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # host.dra is imported only when a resource needs it
+    from host.dra.frontend import DraFrontEnd
+    from host.dra.registrar import PluginWatcherEndpoint
     from host.podresources import PodResourcesClient
 
 log = logging.getLogger(__name__)
@@ -71,6 +75,10 @@ class HostApp:
         self._events_spec = events
         self._drain_watch: Optional[DirectoryWatch] = None
         self._health_timers: Dict[str, asyncio.TimerHandle] = {}
+        self._cdi_watch: Optional[DirectoryWatch] = None
+        self._cdi_retry: Optional[asyncio.TimerHandle] = None
+        self._cdi_backoff = 1.0
+        self._rescans: Set[asyncio.Task] = set()
         self.events: Optional[EventSource] = None
         self.scheduler = RescanScheduler(self._drivers_for_subsystem, self.request_rescan)
         self.metrics = HostMetrics(pod_resources_socket=config.host.pod_resources_socket)
@@ -80,18 +88,42 @@ class HostApp:
             self._held_devices)
         self._pod_client: Optional[PodResourcesClient] = None
         self.nfd = FeatureFile(config.host.nfd_features_file)
+        # Resources with api = "dra", and device plugins registered through the plugin
+        # watcher: built at start only when configured, so the device-plugin-only path never
+        # imports host.dra (nor the API client).
+        self.dra: Optional[DraFrontEnd] = None
+        self.kube: Optional[Any] = None
+        self.publisher: Optional[Any] = None
+        self.watched: Dict[str, PluginWatcherEndpoint] = {}
+        self._dra_deferred: Set[str] = set()
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
+        """Raises DraStartError (before serving anything) when DRA cannot work here."""
+        self.metrics.liveness = RegistrationLiveness(
+            lambda: {name: ep.registered for name, ep in self.registrar.endpoints.items()},
+            lambda: self.config.host.plugin_dir, lambda: self.config.host.liveness_grace_s,
+        ).problems
+        if any(r.api == "dra" for r in self.config.resources):
+            await self._start_dra()
         self.registrar.start()
         self._start_events()  # before the first scan: nothing plugged in meanwhile is missed
         self._watch_drains()
+        self.inventory.warn_overlaps = self.config.is_default
         await self.inventory.scan()
+        self.inventory.warn_overlaps = True
+        if self.inventory.overlaps and not self.config.is_default:
+            # The operator's file makes two resources advertise one device: refuse to start
+            # (exit 2) rather than let two pods be given it. Built-in defaults that overlap
+            # are the drivers' doing; the first resource keeps the device (inventory).
+            raise overlap_error(self.config, self.inventory.overlaps[0])
         self.metrics.sync_drivers(self.inventory.status)
         for resource in self.config.resources:
             self._sync(resource)
         self.nfd.flush()
         self.devinfo.start()
+        self._watch_cdi()
+        self._arm_cdi_retry()
         self._arm_safety_rescan()
         self._arm_health_checks()
         self._arm_expiry()
@@ -107,6 +139,10 @@ class HostApp:
         self.scheduler.close()
         if self._drain_watch is not None:
             self._drain_watch.close()
+        if self._cdi_watch is not None:
+            self._cdi_watch.close()
+        if self._cdi_retry is not None:
+            self._cdi_retry.cancel()
         for timer in self._health_timers.values():
             timer.cancel()
         if self.events is not None:
@@ -117,7 +153,13 @@ class HostApp:
             self._expiry.cancel()
         if self._rescan_task is not None:
             self._rescan_task.cancel()
+        for task in list(self._rescans):
+            task.cancel()
         await self.registrar.close()
+        for endpoint in list(self.watched.values()):
+            await endpoint.close()
+        self.watched.clear()
+        await self._stop_dra()
         self.cdi.remove_all()
         await self.devinfo.stop()
         if self._pod_client is not None:
@@ -134,13 +176,16 @@ class HostApp:
 
     def _sync(self, resource: ResourceConfig) -> None:
         devices = self.inventory.devices.get(resource.name, [])
+        if resource.api == "dra":
+            self._sync_dra(resource, devices)
+            return
         snapshot = self.snapshots.get(resource.name)
         if snapshot is None:
             if not devices and not resource.register_when_empty:
                 return  # a built-in default with nothing on this node: not advertised
             snapshot = Snapshot()
+            devices = self._write_cdi(resource, devices)
             snapshot.update(devices)
-            self._write_cdi(resource, devices)
             driver = self.drivers.get(resource.driver) or UnavailableDriver(
                 resource.driver, "not installed"
             )
@@ -149,14 +194,18 @@ class HostApp:
                 snapshot, self.calls, allocate_timeout_s=self.config.host.allocate_timeout_s,
                 observer=self.metrics.allocate_observer,
             )
+            service.cdi_resolvable = self.cdi.resolvable
             self.snapshots[resource.name] = snapshot
             self.services[resource.name] = service
-            self.registrar.add(service)
+            if resource.registration == "plugin-watcher":
+                self._watch_register(service)
+            else:
+                self.registrar.add(service)
             self.metrics.set_devices(resource.name, devices)
             self.nfd.update(resource.name, devices)
             self.ready.clear()
             return
-        self._write_cdi(resource, devices)  # before the kubelet can ask for a new device
+        devices = self._write_cdi(resource, devices)  # before the kubelet can ask for one
         if snapshot.update(devices):
             log.info("resource %s: %d devices (%d healthy)", resource.name, len(devices),
                      sum(1 for d in devices if d.healthy))
@@ -184,9 +233,63 @@ class HostApp:
             return None
         return {(a.resource, d) for a in assignments(pods) for d in a.devices}
 
-    def _write_cdi(self, resource: ResourceConfig, devices: List[Device]) -> None:
-        if resource.cdi:
-            self.cdi.update(resource.name, devices)
+    def _write_cdi(self, resource: ResourceConfig, devices: List[Device]) -> List[Device]:
+        """Write the resource's CDI spec; the devices as they may be advertised.
+
+        A device whose CDI name is not in the spec on disk cannot be used by a runtime: it is
+        Unhealthy with the reason, unless ``cdi_fallback`` lets Allocate hand out its device
+        nodes instead (the service then leaves the CDI names out)."""
+        if not resource.cdi:
+            return devices
+        self.cdi.update(resource.name, devices)
+        if resource.cdi_fallback:
+            return devices
+        broken = self.cdi.unresolvable(resource.name, devices)
+        if not broken:
+            return devices
+        return [d.with_health(Health.UNHEALTHY, broken[d.id])
+                if d.id in broken and d.healthy else d for d in devices]
+
+    def _check_cdi(self) -> None:
+        """Write again every CDI spec that should be on disk and is not (a failed write, a
+        file deleted by hand); cheap when all are there (one stat each)."""
+        if self._stopped:
+            return
+        for resource in self.config.resources:
+            if resource.cdi and resource.name in self.snapshots and \
+                    self.cdi.retry(resource.name):
+                self._sync(resource)
+        self._arm_cdi_retry()
+
+    def _arm_cdi_retry(self) -> None:
+        """While a spec is missing, retry with backoff (1 s doubling to 30 s) besides the
+        rescans: freeing space elsewhere on the filesystem sends no event."""
+        if self._cdi_retry is not None:
+            self._cdi_retry.cancel()
+            self._cdi_retry = None
+        if not self.cdi.problems or self._stopped:
+            self._cdi_backoff = 1.0
+            return
+        self._cdi_retry = asyncio.get_running_loop().call_later(self._cdi_backoff,
+                                                                self._check_cdi)
+        self._cdi_backoff = min(self._cdi_backoff * 2, 30.0)
+
+    def _watch_cdi(self) -> None:
+        """Notice at once when someone deletes one of our spec files."""
+        if not any(r.cdi for r in self.config.resources):
+            return
+
+        def changed(names: Optional[List[str]]) -> None:
+            if names is None or any(n.startswith(FILE_PREFIX) for n in names):
+                self._check_cdi()
+
+        try:
+            self._cdi_watch = DirectoryWatch(self.cdi.directory, changed)
+            self._cdi_watch.start()
+        except OSError as error:
+            log.warning("cannot watch the CDI directory %s: %s; specs are checked at every "
+                        "rescan", self.cdi.directory, error)
+            self._cdi_watch = None
 
     async def rescan(self, drivers: Optional[Iterable[str]] = None) -> Set[str]:
         """Rescan drivers and push every changed resource to its streams."""
@@ -198,15 +301,36 @@ class HostApp:
                 self._sync(resource)
         if changed:
             self.nfd.schedule()
+        self._check_cdi()
         self._arm_expiry()
         return changed
 
     def request_rescan(self, drivers: Optional[Iterable[str]] = None) -> None:
         if self._stopped:
             return
-        asyncio.get_running_loop().create_task(self.rescan(drivers))
+        task = asyncio.get_running_loop().create_task(self.rescan(drivers))
+        self._rescans.add(task)  # owned: cancelled on stop, its failure logged, never lost
+        task.add_done_callback(self._rescan_done)
+
+    def _rescan_done(self, task: asyncio.Task) -> None:
+        self._rescans.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            error = task.exception()
+            log.error("rescan failed: %s: %s; the next event or safety rescan tries again",
+                      type(error).__name__, error, exc_info=error)
 
     # -- live reload ------------------------------------------------------------------------
+    async def overlaps_in(self, config: Config) -> List[Overlap]:
+        """Scan with a config's resources, without applying them, for devices two of them
+        claim: a reload that would double-advertise a device is rejected like a bad file."""
+        trial = Inventory(
+            self.host, self.drivers, config.resources, self.calls,
+            discover_timeout_s=config.host.discover_timeout_s, vanished_grace_s=0,
+        )
+        trial.warn_overlaps = False
+        await trial.scan()
+        return trial.overlaps
+
     async def reload(self, config: Config) -> None:
         """Apply a new, already validated config without a blip for unchanged resources.
 
@@ -218,28 +342,42 @@ class HostApp:
         old = {r.name: r for r in self.config.resources}
         new = {r.name: r for r in config.resources}
         for field in ("plugin_dir", "host_root", "pod_resources_socket", "drain_file",
-                      "cdi_dir", "metrics_address", "nfd_features_file"):
+                      "cdi_dir", "metrics_address", "nfd_features_file", "node_name",
+                      "kubeconfig", "plugins_registry_dir", "dra_plugins_dir", "dra_state_dir"):
             if getattr(config.host, field) != getattr(self.config.host, field):
                 log.warning("reload: [host] %s changed; it takes effect at the next restart",
                             field)
         self.config = config
         self.inventory.set_resources(config.resources)
-        for name in set(old) - set(new):
+        removed = [name for name in old if name not in new]
+        for name in removed:
             log.info("reload: resource %s removed; it stops serving", name)
             self.cdi.remove(name)
             self.metrics.remove_resource(name)
             self.nfd.forget(name)
             if devinfo.enabled(old[name]):
                 self.devinfo.remove_resource(old[name])
-            await self.registrar.remove(name)
             self.snapshots.pop(name, None)
             self.services.pop(name, None)
+        # Together, not one after the other: each stop waits for its server's grace period
+        # (255 removals one by one took 13 s).
+        await asyncio.gather(*(self._unserve(name) for name in removed))
         rescan: Set[str] = set()
         for name, resource in new.items():
             before = old.get(name)
             if before == resource:
                 continue
             rescan.add(resource.driver)
+            if before is not None and (before.api != resource.api or before.api == "dra"):
+                if before.api != resource.api:
+                    log.info("reload: resource %s moves to api = %r", name, resource.api)
+                    await self._unserve(name)
+                    self.snapshots.pop(name, None)
+                    self.services.pop(name, None)
+                elif before.dra_driver_name != resource.dra_driver_name:
+                    log.info("reload: resource %s changed its DRA driver name", name)
+                    await self._unserve(name)  # the old driver's registration goes with it
+                continue  # served again (or its DRA pool updated) by _sync after the rescan
             service = self.services.get(name)
             if before is None or service is None:
                 log.info("reload: resource %s added", name)
@@ -247,10 +385,10 @@ class HostApp:
             driver = self.drivers.get(resource.driver) or UnavailableDriver(
                 resource.driver, "not installed")
             if before.driver != resource.driver or service.needs_options_change(
-                    resource, driver):
+                    resource, driver) or before.registration != resource.registration:
                 log.info("reload: resource %s changed its driver or options; re-registering",
                          name)
-                await self.registrar.remove(name)
+                await self._unserve(name)
                 self.snapshots.pop(name, None)
                 self.services.pop(name, None)
             else:
@@ -263,9 +401,15 @@ class HostApp:
         await self.rescan(rescan)
         for resource in config.resources:
             self._sync(resource)
+            # Each new resource starts an endpoint task (server, socket, Register): let the
+            # loop run between them, so a reload to 256 resources never holds it for long.
+            await asyncio.sleep(0)
+        if self._cdi_watch is None:
+            self._watch_cdi()
         self.nfd.schedule()
         self.devinfo.start()
         self._arm_health_checks()
+        gc.freeze()  # as at start: the new services live on; keep full collections short
 
     # -- periodic health and operator drains ---------------------------------------------------
     def _arm_health_checks(self) -> None:
@@ -311,7 +455,11 @@ class HostApp:
             self._drain_watch = None
 
     def _apply_drains(self) -> None:
-        drains = read_drains(self.config.host.drain_file)
+        try:
+            drains = read_drains(self.config.host.drain_file)
+        except DrainError as error:  # unreadable now: the marks already applied stay
+            log.error("%s; keeping the %d marks applied before", error, len(self.inventory.drains))
+            return
         for (resource, device), reason in drains.items():
             if (resource, device) not in self.inventory.drains:
                 log.warning("resource %s: device %s drained by an operator: %s", resource,
@@ -387,6 +535,104 @@ class HostApp:
         endpoint.poke()
 
     # -- readiness -----------------------------------------------------------------------
+    # -- DRA and plugin-watcher registration ----------------------------------------------------
+    async def _start_dra(self) -> None:
+        from host.dra.frontend import DraFrontEnd
+        from host.dra.kube import KubeClient, KubeConfigError
+        from host.dra.metrics import DraMetrics
+        from host.dra.startup import DraStartError, check_cluster, check_settings
+
+        check_settings(self.config)
+        try:
+            self.kube = KubeClient.from_settings(self.config.host.kubeconfig)
+        except KubeConfigError as error:
+            raise DraStartError(f"no API access for DRA: {error}") from None
+        try:
+            await check_cluster(self.kube, self.config)
+        except BaseException:
+            await self.kube.close()
+            self.kube = None
+            raise
+        from host.dra.publisher import SlicePublisher
+
+        # Unhealthy devices are left out of the slices: device taints (KEP-5055) are off by
+        # default before 1.37, and a taint the server drops would advertise a broken device.
+        self.publisher = SlicePublisher(self.kube, self.config.host.node_name,
+                                        metrics=self.metrics, taint_unhealthy=False)
+        host = self.config.host
+        self.dra = DraFrontEnd(
+            node_name=host.node_name, claims=self.kube, calls=self.calls,
+            registry_dir=host.plugins_registry_dir, plugins_dir=host.dra_plugins_dir,
+            state_dir=host.dra_state_dir, cdi_dir=host.cdi_dir,
+            allocate_timeout_s=host.allocate_timeout_s, publisher=self.publisher,
+            metrics=DraMetrics(self.metrics.registry))
+        self.dra.on_registered = self._dra_registered
+        if self.publisher is not None:
+            await self.publisher.start()
+
+    async def _stop_dra(self) -> None:
+        if self.dra is not None:
+            await self.dra.close()
+        if self.publisher is not None:
+            await self.publisher.stop(delete=False)  # the kubelet wipes them if we stay away
+        if self.kube is not None:
+            await self.kube.close()
+
+    def _sync_dra(self, resource: ResourceConfig, devices: List[Device]) -> None:
+        if self.dra is None:
+            if resource.name not in self._dra_deferred:
+                self._dra_deferred.add(resource.name)
+                log.error("resource %s: api = \"dra\" came with a reload; it takes effect "
+                          "at the next restart (the API client is set up at start)",
+                          resource.name)
+            return
+        driver = self.drivers.get(resource.driver) or UnavailableDriver(
+            resource.driver, "not installed")
+        self.dra.sync(resource, driver, devices)
+        self.metrics.set_devices(resource.name, devices)
+        if not self.dra.all_registered():
+            self.ready.clear()
+
+    def _watch_register(self, service: DevicePluginService) -> None:
+        """A device plugin registered through the plugin watcher instead of kubelet.sock."""
+        from host.dra.registrar import (
+            PluginWatcherEndpoint,
+            device_plugin_info,
+            registration_socket_name,
+        )
+        from host.protocol import VERSION
+
+        name = service.resource.name
+        host = self.config.host
+        folder = registration_socket_name(name)[: -len("-reg.sock")]
+        socket = os.path.join(host.dra_plugins_dir, folder, "device-plugin.sock")
+        endpoint = PluginWatcherEndpoint(
+            device_plugin_info(name, socket, VERSION), host.plugins_registry_dir,
+            lambda generation: (service.handler(generation),),
+            label=f"resource {name}", on_registered=self._watched_registered)
+        self.watched[name] = endpoint
+        endpoint.start()
+
+    async def _unserve(self, name: str) -> None:
+        await self.registrar.remove(name)
+        endpoint = self.watched.pop(name, None)
+        if endpoint is not None:
+            await endpoint.close()
+        if self.dra is not None and name in self.dra.pools:
+            await self.dra.remove(name)
+
+    def _watched_registered(self, endpoint: Any) -> None:
+        self.metrics.registered(endpoint.name)
+        self._check_ready()
+
+    def _dra_registered(self, endpoint: Any) -> None:
+        self._check_ready()
+
+    def _all_registered(self) -> bool:
+        return (self.registrar.all_registered()
+                and all(ep.registered for ep in self.watched.values())
+                and (self.dra is None or self.dra.all_registered()))
+
     def _endpoint_registered(self, endpoint: Endpoint) -> None:
         if endpoint.service.options_stale():
             self._register_again(endpoint.service, "the options changed during Register")
@@ -395,9 +641,10 @@ class HostApp:
         self._check_ready()
 
     def _check_ready(self) -> None:
-        if self.registrar.all_registered() and not self.ready.is_set():
+        if self._all_registered() and not self.ready.is_set():
             self.ready.set()
             log.info("all %d resources registered, %.0f ms after start",
                      len(self.registrar.endpoints), (time.monotonic() - self.started_at) * 1000)
             for callback in self.on_ready:
                 callback()
+

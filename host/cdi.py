@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 from host.model import Device
 
@@ -102,12 +102,21 @@ def build_spec(resource: str, devices: Sequence[Device]) -> Optional[Dict[str, A
 
 
 class CdiWriter:
-    """Keeps one spec file per resource in ``directory`` in step with its devices."""
+    """Keeps one spec file per resource in ``directory`` in step with its devices.
+
+    A spec that should be on disk but is not (the write failed: disk full, read-only mount;
+    or someone deleted the file) is remembered in ``problems`` and written again by
+    ``retry``, which the host calls on every rescan. Which device names the file on disk
+    really holds is tracked too, so the host can tell which devices a runtime could resolve.
+    """
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self._written: Dict[str, str] = {}  # resource -> file path
-        self._last: Dict[str, str] = {}  # resource -> JSON text written
+        self._wanted: Dict[str, str] = {}  # resource -> JSON text that should be on disk
+        self._on_disk: Dict[str, FrozenSet[str]] = {}  # resource -> device names in the file
+        self._wanted_names: Dict[str, FrozenSet[str]] = {}
+        self.problems: Dict[str, str] = {}  # resource -> why its spec is not (fully) on disk
 
     def path_for(self, resource: str) -> str:
         vendor, klass = cdi_kind(resource)
@@ -115,15 +124,55 @@ class CdiWriter:
 
     def update(self, resource: str, devices: Sequence[Device]) -> bool:
         """Write (or remove) the resource's spec; False when it could not be written (disk
-        full, read-only mount): the previous file stays and the error is logged."""
+        full, read-only mount): the previous file stays, the error is logged once and the
+        write is retried by ``retry``."""
         spec = build_spec(resource, devices)
-        path = self.path_for(resource)
         if spec is None:
             self.remove(resource)
             return True
         text = json.dumps(spec, indent=2, sort_keys=True) + "\n"
-        if self._last.get(resource) == text and os.path.exists(path):
+        if self._wanted.get(resource) == text and resource not in self.problems and \
+                os.path.exists(self.path_for(resource)):
             return True
+        self._wanted[resource] = text
+        self._wanted_names[resource] = frozenset(d["name"] for d in spec["devices"])
+        return self._write(resource)
+
+    def retry(self, resource: str) -> bool:
+        """Make sure the spec that should be on disk is there; cheap when it is (one stat).
+        True when the state of the resource's spec changed (written now, or found missing)."""
+        if resource not in self._wanted:
+            return False
+        path = self.path_for(resource)
+        if resource not in self.problems:
+            if os.path.exists(path):
+                return False
+            log.warning("resource %s: CDI spec %s was deleted; writing it again", resource,
+                        path)
+            self._on_disk.pop(resource, None)
+            self.problems[resource] = f"CDI spec {path} is missing"
+        before = self.problems.get(resource)
+        self._write(resource)
+        return self.problems.get(resource) != before
+
+    def resolvable(self, resource: str, names: Iterable[str]) -> bool:
+        """Whether every one of these CDI device names is in the spec file on disk."""
+        if resource not in self.problems:
+            return True
+        on_disk = self._on_disk.get(resource, frozenset())
+        return all(name in on_disk for name in names)
+
+    def unresolvable(self, resource: str, devices: Sequence[Device]) -> Dict[str, str]:
+        """device id -> reason, for the devices whose CDI name a runtime cannot resolve now."""
+        problem = self.problems.get(resource)
+        if problem is None:
+            return {}
+        on_disk = self._on_disk.get(resource, frozenset())
+        return {d.id: problem for d in devices if device_name(d.id) not in on_disk}
+
+    def _write(self, resource: str) -> bool:
+        path = self.path_for(resource)
+        text = self._wanted[resource]
         try:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
             import tempfile  # random, shutil and compressors: only when writing
@@ -141,16 +190,28 @@ class CdiWriter:
                     os.unlink(temp)
                 raise
         except OSError as error:
-            log.error("resource %s: cannot write CDI spec %s: %s; the previous spec (if any) "
-                      "stays", resource, path, error)
+            if not os.path.exists(path):
+                self._on_disk.pop(resource, None)
+            reason = (f"CDI spec {path} could not be written: "
+                      f"{error.strerror or error}")
+            if self.problems.get(resource) != reason:
+                log.error("resource %s: cannot write CDI spec %s: %s; the previous spec (if "
+                          "any) stays, retried at every rescan", resource, path, error)
+            self.problems[resource] = reason
             return False
+        if resource in self.problems:
+            log.info("resource %s: CDI spec %s written", resource, path)
+            del self.problems[resource]
         self._written[resource] = path
-        self._last[resource] = text
+        self._on_disk[resource] = self._wanted_names[resource]
         return True
 
     def remove(self, resource: str) -> None:
         path = self._written.pop(resource, None) or self.path_for(resource)
-        self._last.pop(resource, None)
+        self._wanted.pop(resource, None)
+        self._wanted_names.pop(resource, None)
+        self._on_disk.pop(resource, None)
+        self.problems.pop(resource, None)
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -159,5 +220,5 @@ class CdiWriter:
             log.error("resource %s: cannot remove CDI spec %s: %s", resource, path, error)
 
     def remove_all(self) -> None:
-        for resource in list(self._written):
+        for resource in dict.fromkeys([*self._written, *self._wanted]):
             self.remove(resource)

@@ -4,26 +4,36 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
+import dataclasses
 import json
 import logging
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+import tempfile
+import traceback
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from host import __version__
-from host.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
-from host.drain import read_drains, update_drains
+from host.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, overlap_error
+from host.drain import (
+    DEFAULT_REASON,
+    DrainError,
+    clean_reason,
+    key_error,
+    read_drains,
+    update_drains,
+)
 from host.driver import Driver
 from host.hostfs import HostFS
-from host.inotify import DirectoryWatch
 from host.inventory import Inventory
 from host.isolation import DriverCalls
+from host.lock import HostLock, LockHeld, running_host
 from host.logs import setup_logging
-from host.model import Device
+from host.model import Device, ResourceConfig
 from host.plugins import DriverRegistry, load_drivers
 from host.protocol import POD_RESOURCES_SOCKET
+from host.reload import ConfigReloader, is_empty
 from host.systemd import Notifier
 
 if TYPE_CHECKING:
@@ -32,6 +42,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("host")
 
 EXIT_CONFIG = 2
+_DEBUG_HELP = "show the Python traceback when a command fails (for bug reports)"
+_DRAIN_CONFIG_HELP = (f"TOML config whose drain_file holds the marks (default "
+                      f"{DEFAULT_CONFIG_PATH} if present)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,48 +53,78 @@ def _parser() -> argparse.ArgumentParser:
         description="Serve every kind of node device to the kubelet from one process.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
+    # Accepted after the command too (`capture --debug`); SUPPRESS keeps the top-level value.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help=_DEBUG_HELP)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="what to do; `device-plugin-host COMMAND --help` for more")
 
-    run = sub.add_parser("run", help="serve and register every configured resource")
+    def add(name: str, *, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], help=help, description=help[0].upper()
+                              + help[1:] + ".")
+
+
+    run = add("run", help="serve and register every configured resource")
     _config_flags(run)
-    run.add_argument("--plugin-dir", help="kubelet device-plugin directory")
+    run.add_argument("--plugin-dir", metavar="DIR",
+                     help="the kubelet's device-plugin directory, where kubelet.sock is and our"
+                          " sockets go (default: plugin_dir in [host], "
+                          "/var/lib/kubelet/device-plugins)")
 
-    discover = sub.add_parser("discover", help="print what would be advertised, then exit")
+    discover = add("discover", help="print what would be advertised, then exit")
     _config_flags(discover)
     discover.add_argument("--json", action="store_true", help="a JSON array, one object a device")
 
-    check = sub.add_parser("check-config", help="validate a config file (exit 2 when invalid)")
-    check.add_argument("file")
+    check = add("check-config", help="validate a config file (exit 2 when invalid)")
+    check.add_argument("file", help="the TOML file to check (nothing is served or changed)")
+    check.add_argument("--host-root", metavar="DIR",
+                       help="scan the devices under DIR (default: the [host] host_root, the "
+                            "live host) for devices two resources claim")
 
-    demo = sub.add_parser("demo", help="run the real host against a sample tree and simulator")
+    demo = add("demo", help="run the real host against a sample tree and simulator")
     demo.add_argument("--keep", action="store_true", help="keep the temporary directory")
 
-    drain = sub.add_parser("drain", help="mark a device Unhealthy by hand (for draining)")
-    drain.add_argument("resource", nargs="?")
-    drain.add_argument("device", nargs="?")
-    drain.add_argument("--reason", default="drained by an operator")
-    drain.add_argument("--config", help=f"TOML config (default {DEFAULT_CONFIG_PATH})")
+    drain = add("drain", help="mark a device Unhealthy by hand (for draining)")
+    drain.add_argument("resource", nargs="?", help="the resource name, e.g. nvidia.com/gpu")
+    drain.add_argument("device", nargs="?",
+                       help="the device id as discover shows it (its replicas go with it)")
+    drain.add_argument("--reason", default=DEFAULT_REASON,
+                       help="why, shown as the device's health reason (default: %(default)s)")
+    drain.add_argument("--config", help=_DRAIN_CONFIG_HELP)
     drain.add_argument("--list", action="store_true", help="print the current marks")
-    undrain = sub.add_parser("undrain", help="remove a device's drain mark")
-    undrain.add_argument("resource")
-    undrain.add_argument("device")
-    undrain.add_argument("--config", help=f"TOML config (default {DEFAULT_CONFIG_PATH})")
+    undrain = add("undrain", help="remove a device's drain mark")
+    undrain.add_argument("resource", help="the resource name of the mark")
+    undrain.add_argument("device", help="the device id of the mark")
+    undrain.add_argument("--config", help=_DRAIN_CONFIG_HELP)
 
-    pods = sub.add_parser("pods", help="which pod holds which device (kubelet PodResources API)")
+    pods = add("pods", help="which pod holds which device (kubelet PodResources API)")
     pods.add_argument("--socket", default=POD_RESOURCES_SOCKET,
                       help=f"the kubelet's pod-resources socket (default {POD_RESOURCES_SOCKET})")
     pods.add_argument("--resource", help="only this resource name (or a pattern: 'nvidia.com/*')")
     pods.add_argument("--json", action="store_true", help="a JSON array, one object a row")
+    pods.add_argument("--claims", action="store_true",
+                      help="the DRA claims this host prepared (from its checkpoint) instead")
+    pods.add_argument("--dra-state-dir", default="/var/lib/device-plugin-host/dra",
+                      help="where the host keeps its prepared-claims checkpoint")
 
-    capture = sub.add_parser("capture", help="write this machine's device tree as a .tree file")
-    capture.add_argument("--host-root", default="/")
-    capture.add_argument("--output", "-o", default="-")
+    capture = add("capture", help="write this machine's device tree as a .tree file")
+    capture.add_argument("--host-root", default="/", metavar="DIR",
+                         help="capture the tree under DIR instead of this machine's / "
+                              "(DIR/sys, DIR/dev)")
+    capture.add_argument("--output", "-o", default="-", metavar="FILE",
+                         help="write to FILE (atomically) instead of standard output")
     return parser
 
 
 def _config_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help=f"TOML config (default {DEFAULT_CONFIG_PATH} if present)")
-    parser.add_argument("--host-root", help="read sysfs at DIR/sys and devices at DIR/dev")
+    parser.add_argument("--config", metavar="FILE",
+                        help=f"TOML config (default {DEFAULT_CONFIG_PATH} if present, else the "
+                             "built-in defaults)")
+    parser.add_argument("--host-root", metavar="DIR",
+                        help="read sysfs at DIR/sys and devices at DIR/dev; the paths handed to "
+                             "the kubelet stay host paths (default: host_root in [host], /)")
 
 
 def _load(args: argparse.Namespace, registry: DriverRegistry) -> Config:
@@ -91,8 +134,84 @@ def _load(args: argparse.Namespace, registry: DriverRegistry) -> Config:
     )
 
 
+def host_root_problem(root: str) -> Optional[str]:
+    """Why ``root`` cannot be a host root, or None. A mistyped --host-root would otherwise
+    look like a machine without devices: every driver finds nothing under a missing tree."""
+    if not os.path.lexists(root):
+        return "does not exist"
+    if not os.path.isdir(root):
+        return "is not a directory"
+    if not os.path.isdir(os.path.join(root, "sys")):
+        return "has no sys/ directory: not a host's root (devices are read from DIR/sys)"
+    return None
+
+
+def _check_host_root(config: Config, *, from_flag: bool) -> None:
+    root = config.host.host_root
+    problem = host_root_problem(root)
+    if problem is None:
+        return
+    if from_flag:
+        raise ConfigError("command line", "--host-root", f"{root} {problem}")
+    raise ConfigError(config.path or "built-in defaults", "host.host_root", f"{root} {problem}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Every operator-caused failure ends in one line on stderr and exit 1 (or 2 for a bad
+    configuration or host root); a traceback only with ``--debug``."""
     args = _parser().parse_args(argv)
+    try:
+        code = _dispatch(args)
+        sys.stdout.flush()  # a closed pipe shows up here when the output was buffered
+        return code
+    except BrokenPipeError:
+        # The reader went away (`capture | head`): what it read is all it wanted.
+        _discard_stdout()
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except CommandError as error:
+        if args.debug:
+            traceback.print_exc()
+        print(f"device-plugin-host {args.command}: {error}", file=sys.stderr)
+        return error.code
+    except Exception as error:  # the last line of defence: one line for operators
+        if args.debug:
+            traceback.print_exc()
+        else:
+            print(f"device-plugin-host {args.command}: {describe_error(error)} "
+                  "(--debug shows the traceback)", file=sys.stderr)
+        return 1
+
+
+class CommandError(Exception):
+    """An operator-caused failure of a command: ``str()`` is the line to print."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def describe_error(error: BaseException) -> str:
+    """One line for an unexpected error: an OS error's reason and path read like a shell's."""
+    if isinstance(error, OSError) and error.strerror:
+        where = f"{error.filename}: " if error.filename else ""
+        return f"{where}{error.strerror}"
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     quiet = args.command in ("discover", "check-config", "demo", "capture")
     setup_logging("warning" if quiet else "info")
     if args.command == "demo":
@@ -104,19 +223,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "pods":
         from host.podresources import pods_main
 
-        return pods_main(args.socket, args.resource, args.json)
+        if args.claims:
+            return _claims(args)
+        code = pods_main(args.socket, args.resource, args.json)
+        if not args.json and os.path.isdir(args.dra_state_dir):
+            _claims(args, quiet=True)
+        return code
     registry = load_drivers()
     try:
         if args.command == "check-config":
             config = load_config(args.file, registry.with_unavailable())
-            print(f"{args.file}: valid: {len(config.resources)} resources "
-                  f"({', '.join(r.name for r in config.resources) or 'none'})")
+            config = config.with_overrides(host_root=args.host_root)
+            _check_overlaps(config, registry)
+            print(f"{args.file}: valid: {_what_it_serves(args.file, config)}")
+            _note_running_host(config)
             return 0
         config = _load(args, registry)
+        if args.command in ("discover", "run"):
+            _check_host_root(config, from_flag=args.host_root is not None)
     except ConfigError as error:
         print(f"device-plugin-host: invalid configuration: {error}", file=sys.stderr)
         return EXIT_CONFIG
     if args.command == "discover":
+        _note_running_host(config)
         return _discover(config, registry, as_json=args.json)
     if args.command in ("drain", "undrain"):
         return _drain(args, config)
@@ -124,86 +253,95 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return _run(config, registry, args.config)
 
 
-# -- run -------------------------------------------------------------------------------------
-def _drain(args: argparse.Namespace, config: Config) -> int:
-    path = config.host.drain_file
-    if args.command == "drain" and (args.list or not args.resource):
-        for (resource, device), reason in sorted(read_drains(path).items()):
-            print(f"{resource}\t{device}\t{reason}")
+def _note_running_host(config: Config) -> None:
+    """check-config and discover say when a host already serves the plugin directory: its
+    view is what the kubelet sees, and `run` would refuse to start beside it."""
+    holder = running_host(config.host.plugin_dir)
+    if holder is not None:
+        print(f"note: a device-plugin-host already serves {config.host.plugin_dir}: "
+              f"{holder.describe()}", file=sys.stderr)
+
+
+def _what_it_serves(path: str, config: Config) -> str:
+    """check-config's summary; an empty file or one without [[resource]] is valid, but the
+    operator must be told that it means the built-in defaults."""
+    listed = ", ".join(r.name for r in config.resources) or "none"
+    names = f"{len(config.resources)} resources ({listed})"
+    if not config.is_default:
+        return names
+    try:
+        with open(path, "rb") as handle:
+            empty = is_empty(handle.read())
+    except OSError:
+        empty = False
+    why = "the file is empty" if empty else "the file has no [[resource]]"
+    return f"{why}, which means the built-in defaults: {names}"
+
+
+def _check_overlaps(config: Config, registry: DriverRegistry) -> None:
+    """A device two configured resources claim is a config error; only a scan shows it."""
+    if config.is_default:
+        return
+    inventory, _ = asyncio.run(_scan_once(config, registry.with_unavailable(), warn=False))
+    if inventory.overlaps:
+        raise overlap_error(config, inventory.overlaps[0])
+
+
+def _claims(args: argparse.Namespace, quiet: bool = False) -> int:
+    """Prepared DRA claims; ``quiet``: the section after the PodResources table, if any."""
+    from host.dra.claims_view import claim_rows, format_claims
+
+    try:
+        rows = claim_rows(args.dra_state_dir, args.resource)
+    except (OSError, ValueError) as error:
+        print(f"device-plugin-host pods: cannot read the DRA checkpoint in "
+              f"{args.dra_state_dir}: {error}", file=sys.stderr)
+        return 1
+    if args.json and not quiet:
+        json.dump(rows, sys.stdout, indent=2)
+        sys.stdout.write("\n")
         return 0
-    if not args.device:
-        print("device-plugin-host drain: give RESOURCE and DEVICE (or --list)", file=sys.stderr)
-        return EXIT_CONFIG
-    reason = args.reason if args.command == "drain" else None
-    update_drains(path, (args.resource, args.device), reason)
-    verb = "drained" if reason else "undrained"
-    print(f"{verb} {args.resource} {args.device} ({path}); a running host applies it at once")
+    if rows:
+        if quiet:
+            print("\nprepared DRA claims:")
+        for line in format_claims(rows):
+            print(line)
+    elif not quiet:
+        print("no prepared DRA claims", file=sys.stderr)
     return 0
 
 
-class _ConfigReloader:
-    """Reload on SIGHUP or when the config file changes (a ConfigMap update swaps its
-    ``..data`` link); an invalid new file is rejected and the running set stays."""
-
-    def __init__(self, app: HostApp, path: Optional[str], registry: DriverRegistry,
-                 overrides: Dict[str, Optional[str]]) -> None:
-        self.app = app
-        self.path = path
-        self.registry = registry
-        self.overrides = overrides
-        self._digest = self._read_digest()
-        self._watch: Optional[DirectoryWatch] = None
-        self._pending: Optional[asyncio.TimerHandle] = None
-
-    def _read_digest(self) -> Optional[bytes]:
-        if not self.path:
-            return None
-        try:
-            with open(self.path, "rb") as handle:
-                return hashlib.sha256(handle.read()).digest()
-        except OSError:
-            return None
-
-    def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGHUP, lambda: self.schedule(force=True))
-        if self.path:
-            name = os.path.basename(self.path)
-
-            def changed(names: Optional[List[str]]) -> None:
-                if names is None or name in names or "..data" in names:
-                    self.schedule()
-
-            self._watch = DirectoryWatch(os.path.dirname(os.path.abspath(self.path)), changed)
-            self._watch.start()
-
-    def schedule(self, force: bool = False) -> None:
-        """Debounced: editors and ConfigMap updates write in several steps."""
-        if self._pending is not None:
-            self._pending.cancel()
-        self._pending = asyncio.get_running_loop().call_later(
-            0.05, lambda: asyncio.ensure_future(self.reload(force)))
-
-    async def reload(self, force: bool) -> None:
-        self._pending = None
-        digest = self._read_digest()
-        if not force and digest == self._digest:
-            return
-        self._digest = digest
-        try:
-            config = load_config(self.path, self.registry.with_unavailable())
-            config = config.with_overrides(**self.overrides)
-        except ConfigError as error:
-            log.error("reload rejected, still serving the previous configuration: %s", error)
-            return
-        log.info("reloading the configuration from %s", self.path or "built-in defaults")
-        await self.app.reload(config)
-
-    def close(self) -> None:
-        if self._watch is not None:
-            self._watch.close()
-        if self._pending is not None:
-            self._pending.cancel()
+# -- run -------------------------------------------------------------------------------------
+def _drain(args: argparse.Namespace, config: Config) -> int:
+    path = config.host.drain_file
+    try:
+        if args.command == "drain" and (args.list or args.resource is None):
+            for (resource, device), reason in sorted(read_drains(path).items()):
+                print(f"{resource}\t{device}\t{reason}")
+            return 0
+        if args.device is None:
+            raise CommandError("give RESOURCE and DEVICE (or --list)", EXIT_CONFIG)
+        problem = key_error(args.resource, args.device)
+        if problem is not None:
+            raise CommandError(problem, EXIT_CONFIG)
+        reason = args.reason if args.command == "drain" else None
+        if reason is not None:
+            try:
+                reason = clean_reason(reason)
+            except DrainError as error:  # a bad argument, like a bad name
+                raise CommandError(f"--reason: {error}", EXIT_CONFIG) from None
+        marks = update_drains(path, (args.resource, args.device), reason, missing_ok=False)
+    except DrainError as error:
+        raise CommandError(str(error)) from None
+    if args.resource not in {r.name for r in config.resources}:  # a typo, or another config
+        print(f"device-plugin-host {args.command}: note: {args.resource} is not among "
+              f"{_config_source(config, short=True)}; the mark matters once it is served",
+              file=sys.stderr)
+    verb = "drained" if reason else "undrained"
+    shown = f": {marks[(args.resource, args.device)]}" if reason else ""
+    print(f"{verb} {args.resource} {args.device}{shown} ({path}); a running host applies it "
+          "at once")
+    return 0
 
 
 async def _announce_ready(app: HostApp, notifier: Notifier, config: Config) -> None:
@@ -233,7 +371,7 @@ def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -
 
     async def serve() -> None:
         app = HostApp(config, drivers)
-        reloader = _ConfigReloader(app, config_path, registry, {
+        reloader = ConfigReloader(app, config_path, registry, {
             "plugin_dir": config.host.plugin_dir, "host_root": config.host.host_root})
         notifier = Notifier()
         app.on_ready.append(lambda: notifier.ready(
@@ -257,11 +395,32 @@ def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -
             notifier.stopping()
         finally:
             notifier.stop_watchdog()
-            reloader.close()
+            await reloader.aclose()
             await app.stop()
             await app.metrics.stop()
 
-    asyncio.run(serve())
+    lock = HostLock(config.host.plugin_dir)
+    try:
+        lock.acquire()
+    except LockHeld as error:
+        print(f"device-plugin-host: {error}", file=sys.stderr)
+        return EXIT_CONFIG
+    except OSError as error:  # a missing or read-only plugin dir is reported when serving
+        log.warning("cannot lock %s (%s): a second host on this plugin directory would not "
+                    "be stopped", lock.path, error.strerror or error)
+    try:
+        asyncio.run(serve())
+    except ConfigError as error:  # found only with a scan: devices two resources claim
+        print(f"device-plugin-host: invalid configuration: {error}", file=sys.stderr)
+        return EXIT_CONFIG
+    except Exception as error:
+        if type(error).__name__ != "DraStartError":  # host.dra loads only for DRA configs
+            raise
+        print(f"device-plugin-host: cannot serve DRA resources: {error}", file=sys.stderr)
+        logging.shutdown()
+        return EXIT_CONFIG
+    finally:
+        lock.release()
     logging.shutdown()
     if DriverCalls.stuck_threads():
         # A driver call that never returned: Python would wait for its thread forever.
@@ -273,37 +432,113 @@ def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -
 # -- discover --------------------------------------------------------------------------------
 def _discover(config: Config, registry: DriverRegistry, *, as_json: bool) -> int:
     drivers = registry.with_unavailable()
-    inventory = asyncio.run(_scan_once(config, drivers))
+    inventory, empty = asyncio.run(_scan_once(config, drivers))
     rows: List[Dict[str, Any]] = []
     for resource in config.resources:
         for device in inventory.devices.get(resource.name, []):
             rows.append(device_record(resource.name, resource.driver, device))
+            if resource.api == "dra":
+                rows[-1]["dra"] = _dra_record(resource, device, config.host.node_name)
+    summary = _resource_summary(config, inventory, empty)
     if as_json:
+        # stdout stays the documented array of devices; what has none is told on stderr.
         json.dump(rows, sys.stdout, indent=2)
         sys.stdout.write("\n")
+        for line in summary:
+            print(line, file=sys.stderr)
     else:
         _print_table(rows)
+        print()
+        for line in summary:
+            print(line)
     if not rows:
         kinds = ", ".join(sorted(registry.drivers)) or "none"
         print(
             f"nothing to serve: the drivers ({kinds}) found no devices under "
-            f"{config.host.host_root} for the {len(config.resources)} configured resources",
+            f"{config.host.host_root} for {_config_source(config, short=True)}",
             file=sys.stderr,
         )
     return 0
 
 
-async def _scan_once(config: Config, drivers: Dict[str, Driver]) -> Inventory:
+def _config_source(config: Config, *, short: bool = False) -> str:
+    """Where the resources come from, in words: a file, or the drivers' built-in defaults."""
+    if not config.is_default:
+        count = len(config.resources)
+        return f"the {count} resource{'s' * (count != 1)} configured in {config.path}"
+    if short:
+        return "the built-in defaults"
+    if config.path is None:
+        return f"the built-in defaults (no config file at {DEFAULT_CONFIG_PATH})"
+    return f"the built-in defaults ({config.path} has no [[resource]])"
+
+
+def _resource_summary(config: Config, inventory: Inventory, empty: Dict[str, str]) -> List[str]:
+    """One line per resource, devices or not: a resource that advertises nothing is exactly
+    the one an operator runs discover for."""
+    lines = [f"resources: {_config_source(config)}"]
+    for resource in config.resources:
+        devices = inventory.devices.get(resource.name, [])
+        if devices:
+            healthy = sum(1 for d in devices if d.healthy)
+            word = "device" if len(devices) == 1 else "devices"
+            lines.append(f"  {resource.name}: {len(devices)} {word} ({healthy} Healthy)")
+            continue
+        line = f"  {resource.name}: 0 devices: {empty.get(resource.name, 'reason unknown')}"
+        if not resource.register_when_empty:
+            line += " (a built-in default: registers once it has a device)"
+        lines.append(line)
+    return lines
+
+
+async def _scan_once(config: Config, drivers: Dict[str, Driver],
+                     warn: bool = True) -> Tuple[Inventory, Dict[str, str]]:
+    """One scan, and for each resource that found nothing, why (while the pools exist)."""
     calls = DriverCalls()
     inventory = Inventory(
         HostFS(config.host.host_root), drivers, config.resources, calls,
         discover_timeout_s=config.host.discover_timeout_s, vanished_grace_s=0,
     )
+    inventory.warn_overlaps = warn
     try:
         await inventory.scan()
+        empty = {}
+        for resource in config.resources:
+            if not inventory.devices.get(resource.name):
+                empty[resource.name] = await _why_empty(inventory, resource, config, calls)
     finally:
         calls.shutdown()
-    return inventory
+    return inventory, empty
+
+
+async def _why_empty(inventory: Inventory, resource: ResourceConfig, config: Config,
+                     calls: DriverCalls) -> str:
+    """A driver failure, selectors that match nothing the driver sees, or a host without any
+    such device. Selectors are told apart by asking the driver again without them."""
+    status = inventory.status.get(resource.driver)
+    if status is not None and status.last_error:
+        return f"the driver failed: {status.last_error}"
+    root = config.host.host_root
+    if not resource.selectors:
+        return f"the {resource.driver} driver found no devices under {root}"
+    shown = ", ".join(f"{key}={json.dumps(value)}" for key, value in resource.selectors.items())
+    driver = inventory.drivers[resource.driver]
+    probe = dataclasses.replace(resource, selectors={})
+    logging.disable(logging.WARNING)  # the scan above already said what the driver warns
+    try:
+        result = await calls.call(resource.driver, "discover", config.host.discover_timeout_s,
+                                  driver.discover, inventory.host, [probe])
+        seen: Optional[int] = len(list(result.get(resource.name, ())))
+    except Exception:  # the answer is only a hint; the real scan already succeeded
+        seen = None
+    finally:
+        logging.disable(logging.NOTSET)
+    if seen:
+        return (f"no match for its selectors ({shown}); the {resource.driver} driver sees "
+                f"{seen} device{'s' * (seen != 1)} without them")
+    if seen == 0:
+        return f"the {resource.driver} driver found no devices under {root} (selectors: {shown})"
+    return f"no match for its selectors ({shown})"
 
 
 def device_record(resource: str, driver: str, device: Device) -> Dict[str, Any]:
@@ -332,6 +567,23 @@ def device_record(resource: str, driver: str, device: Device) -> Dict[str, Any]:
     }
 
 
+def _dra_record(resource: ResourceConfig, device: Device, node_name: str) -> Dict[str, Any]:
+    """How a DRA resource's device appears in its ResourceSlice (names, attributes)."""
+    from host.dra import naming, slices
+
+    try:
+        pool: Optional[str] = naming.pool_name(resource.name, node_name) if node_name else None
+    except ValueError:
+        pool = None
+    return {
+        "driver": naming.driver_name(resource.name, resource.dra_driver_name),
+        "pool": pool,
+        "device_name": naming.dra_device_name(device.id),
+        "attributes": slices.device_attributes(device),
+        "capacity": slices.device_capacity(device),
+    }
+
+
 def _print_table(rows: List[Dict[str, Any]]) -> None:
     headers = ("RESOURCE", "ID", "HEALTH", "NUMA", "DEVICE NODES", "DETAILS")
     table = []
@@ -340,6 +592,8 @@ def _print_table(rows: List[Dict[str, Any]]) -> None:
         details = " ".join(
             f"{k}={attrs[k]}" for k in ("vendor", "device", "kernel_driver", "model") if k in attrs
         )
+        if "dra" in row:
+            details = f"dra={row['dra']['device_name']} {details}".strip()
         if row["health"] != "Healthy" and row["health_reason"]:
             details = f"({row['health_reason']}) {details}".strip()
         table.append((
@@ -361,13 +615,30 @@ def _capture(args: argparse.Namespace) -> int:
     globs = ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/kfd", "/dev/dri/*",
              "/dev/dri/by-path/*", "/dev/infiniband/*", "/dev/vfio/*",
              "/dev/bus/usb/*/*", "/dev/dfl-*", "/dev/xclmgmt*", "/dev/ttyUSB*", "/dev/ttyACM*",
-             "/dev/hidraw*", "/dev/video*", "/dev/accel/*")
+             "/dev/hidraw*", "/dev/video*", "/dev/accel/*", "/dev/neuron*", "/dev/hailo*")
+    problem = host_root_problem(args.host_root)
+    if problem is not None:
+        raise CommandError(f"--host-root {args.host_root} {problem}", EXIT_CONFIG)
     lines = capture_tree(args.host_root, globs)
     if args.output == "-":
         for line in lines:
             print(line)
-    else:
-        with open(args.output, "w", encoding="utf-8") as out:
+        return 0
+    # Written beside the target and renamed: a failed capture leaves no half file behind.
+    directory = os.path.dirname(os.path.abspath(args.output))
+    try:
+        fd, temp = tempfile.mkstemp(dir=directory, prefix=".capture.", suffix=".tmp")
+    except OSError as error:
+        raise CommandError(f"cannot write {args.output}: {error.strerror or error}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
             for line in lines:
                 out.write(line + "\n")
+        os.chmod(temp, 0o644)
+        os.replace(temp, args.output)
+    except OSError as error:
+        raise CommandError(f"cannot write {args.output}: {error.strerror or error}") from None
+    finally:
+        if os.path.lexists(temp):
+            os.unlink(temp)
     return 0

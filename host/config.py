@@ -21,12 +21,14 @@ import math
 import os
 import posixpath
 import re
+import stat
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from host.cdi import kind_error
 from host.driver import Driver, SelectorError
 from host.model import ResourceConfig
+from host.overlap import Overlap
 from host.resource_name import resource_name_error
 
 try:
@@ -72,6 +74,7 @@ class HostSettings:
     allocate_timeout_s: float = 5.0  # driver allocate/preferred hooks
     discover_timeout_s: float = 30.0  # one driver scan
     register_timeout_s: float = 20.0  # Register covers the kubelet's 10 s dial-back + options
+    liveness_grace_s: float = 300.0  # /healthz fails after a resource this long unregistered
     rescan_interval_s: float = 300.0  # safety rescan; 0 disables
     vanished_grace_s: float = 300.0  # how long a device gone from sysfs is still Unhealthy
     drain_file: str = "/var/lib/device-plugin-host/drained"  # operator's Unhealthy marks
@@ -79,6 +82,14 @@ class HostSettings:
     metrics_address: str = "127.0.0.1:9400"  # Prometheus endpoint; "" disables it
     # Node labels through NFD's local source (host/nfd.py); "" disables the feature file.
     nfd_features_file: str = "/etc/kubernetes/node-feature-discovery/features.d/device-plugin-host"
+    # DRA (resources with api = "dra") and plugin-watcher registration:
+    # This node's name; by default the NODE_NAME environment variable (the downward API).
+    node_name: str = dataclasses.field(
+        default_factory=lambda: os.environ.get("NODE_NAME", "").strip())
+    kubeconfig: Optional[str] = None  # API access; None means the in-cluster service account
+    plugins_registry_dir: str = "/var/lib/kubelet/plugins_registry"
+    dra_plugins_dir: str = "/var/lib/kubelet/plugins"
+    dra_state_dir: str = "/var/lib/device-plugin-host/dra"  # the prepared-claims checkpoint
 
 
 @dataclass(frozen=True)
@@ -127,11 +138,14 @@ _HOST_NUMBERS: Mapping[str, _Range] = {
     "allocate_timeout_s": _Range(0, True, 300),
     "discover_timeout_s": _Range(0, True, 3600),
     "register_timeout_s": _Range(0, True, 300),
+    # While the kubelet is up; 0 disables the check (host/liveness.py).
+    "liveness_grace_s": _Range(1, False, 86400, zero_disables=True),
     # A rescan more often than every second would be a busy loop over sysfs.
     "rescan_interval_s": _Range(1, False, 86400, zero_disables=True),
     "vanished_grace_s": _Range(0, False, 7 * 86400),
 }
-_HOST_PATHS = ("plugin_dir", "host_root", "pod_resources_socket", "drain_file", "cdi_dir")
+_HOST_PATHS = ("plugin_dir", "host_root", "pod_resources_socket", "drain_file", "cdi_dir",
+               "kubeconfig", "plugins_registry_dir", "dra_plugins_dir", "dra_state_dir")
 _HOST_ENUMS: Mapping[str, Tuple[str, ...]] = {
     "log_level": ("debug", "info", "warning", "error"),
     "log_format": ("plain", "json"),
@@ -140,14 +154,24 @@ _HOST_KEYS = tuple(field.name for field in dataclasses.fields(HostSettings))
 _TOP_KEYS = ("host", "resource")
 _RESOURCE_KEYS = (
     "name", "driver", "selectors", "settings", "replicas", "replica_policy", "health_interval_s",
-    "cdi", "cdi_fallback",
+    "cdi", "cdi_fallback", "shared_with", "api", "dra_driver_name", "registration",
 )
+_APIS = ("device-plugin", "dra")
+_REGISTRATIONS = ("kubelet", "plugin-watcher")
 _REPLICA_POLICIES = ("pack", "spread")
 _MAX_REPLICAS = 1024
+#: Each resource is a gRPC server, a socket and a kubelet registration; more than this is a
+#: generated file gone wrong (10,000 took a 23 s reload), not a node. See README.
+MAX_RESOURCES = 256
+#: 256 resources with long selector lists are well under 1 MiB; a bigger file is a mistake
+#: (a log or an image at the path), and must not be read into memory whole.
+MAX_CONFIG_BYTES = 4 * 2**20
 
 
 def _check_host_value(file: str, key: str, field_name: str, value: object) -> object:
     """One [host] value, checked and normalised; ``key`` is how the error names it."""
+    if field_name == "kubeconfig" and value == "":
+        return None  # the in-cluster service account, the same as leaving it out
     if field_name in _HOST_PATHS:
         return _check_path(file, key, field_name, value)
     if field_name in _HOST_ENUMS:
@@ -159,6 +183,8 @@ def _check_host_value(file: str, key: str, field_name: str, value: object) -> ob
         if str(value).endswith("/"):
             raise ConfigError(file, key, f"must name a file, got {_show(value)}")
         return path
+    if field_name == "node_name":
+        return _check_node_name(file, key, value)
     if field_name == "metrics_address":
         if not isinstance(value, str):
             raise ConfigError(file, key, f"must be a string like \"127.0.0.1:9400\", got "
@@ -171,6 +197,33 @@ def _check_host_value(file: str, key: str, field_name: str, value: object) -> ob
             raise ConfigError(file, key, str(error)) from None
         return value
     return _check_seconds(file, key, _HOST_NUMBERS[field_name], value)
+
+
+def _check_node_name(file: str, key: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(file, key, f"must be a string (the Node's name), got {_typed(value)}")
+    if not value.strip():
+        return os.environ.get("NODE_NAME", "").strip()
+    problem = dns_subdomain_error(value)
+    if problem:
+        raise ConfigError(file, key, f"{_show(value)} is not a valid node name: {problem}")
+    return value
+
+
+def dns_subdomain_error(value: str) -> Optional[str]:
+    """Why ``value`` is not a DNS subdomain (RFC 1123, as Kubernetes names are), or None."""
+    if not value:
+        return "must not be empty"
+    if len(value) > 253:
+        return f"is {len(value)} characters; at most 253"
+    if not _DNS_SUBDOMAIN.match(value):
+        return ("must be lowercase letters, digits, '-' and '.', starting and ending with a "
+                "letter or digit")
+    return None
+
+
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*\Z")
 
 
 def _check_path(file: str, key: str, field_name: str, value: object) -> str:
@@ -351,11 +404,95 @@ def _sharing_and_health(file: str, where: str, entry: Mapping[str, object]) -> D
         if problem:
             raise ConfigError(file, f"{where}.cdi", f"the resource name cannot be a CDI kind: "
                                                      f"{problem}")
+    if "shared_with" in entry:
+        out["shared_with"] = _check_shared_with(file, where, entry)
+    out.update(_api_keys(file, where, entry))
     if "health_interval_s" in entry:
         out["health_interval_s"] = _check_seconds(
             file, f"{where}.health_interval_s", _Range(0.1, False, 86400, zero_disables=True),
             entry["health_interval_s"],
         )
+    return out
+
+
+def _check_shared_with(file: str, where: str, entry: Mapping[str, object]) -> Tuple[str, ...]:
+    """``shared_with = ["other/name", ...]``: resources that may advertise the same devices.
+    That the names are configured is checked once every resource is known."""
+    key = f"{where}.shared_with"
+    value = entry["shared_with"]
+    if not isinstance(value, list):
+        raise ConfigError(file, key, f"must be an array of resource names, got {_typed(value)}")
+    names: List[str] = []
+    for position, item in enumerate(value):
+        if not isinstance(item, str):
+            raise ConfigError(file, f"{key}[{position}]",
+                              f"must be a resource name (a string), got {_typed(item)}")
+        problem = resource_name_error(item)
+        if problem is not None:
+            raise ConfigError(file, f"{key}[{position}]",
+                              f"{_show(item)} is not a valid resource name: {problem}")
+        if item == entry.get("name"):
+            raise ConfigError(file, f"{key}[{position}]", "names the resource itself")
+        if item not in names:
+            names.append(item)
+    return tuple(names)
+
+
+def _check_shared_names(file: str, resources: Sequence[ResourceConfig]) -> None:
+    known = {r.name for r in resources}
+    for index, resource in enumerate(resources):
+        for position, other in enumerate(resource.shared_with):
+            if other not in known:
+                raise ConfigError(
+                    file, f"resource[{index}] ({resource.name}).shared_with[{position}]",
+                    f"{_show(other)} is not a configured resource{_hint(other, sorted(known))}")
+
+
+def overlap_error(config: Config, overlap: Overlap) -> ConfigError:
+    """A device claimed by two resources, as one config error naming both and the ids."""
+    index = {r.name: i for i, r in enumerate(config.resources)}
+    file = config.path or "built-in defaults"
+    first = f"resource[{index.get(overlap.first, '?')}] ({overlap.first})"
+    second = f"resource[{index.get(overlap.second, '?')}] ({overlap.second})"
+    return ConfigError(
+        file, f"{second}.selectors",
+        f"claims {overlap.describe()} that {first} also claims: two pods could be given one "
+        f"device; narrow the selectors, or set shared_with = [\"{overlap.first}\"] if the "
+        "two resources are meant to share them")
+def _api_keys(file: str, where: str, entry: Mapping[str, object]) -> Dict[str, Any]:
+    """api, dra_driver_name, registration: which kubelet API serves the resource, and how."""
+    out: Dict[str, Any] = {}
+    api = "device-plugin"
+    if "api" in entry:
+        api = out["api"] = _check_enum(file, f"{where}.api", _APIS, entry["api"])
+    if "registration" in entry:
+        out["registration"] = _check_enum(file, f"{where}.registration", _REGISTRATIONS,
+                                          entry["registration"])
+        if api == "dra":
+            raise ConfigError(file, f"{where}.registration",
+                              'only for api = "device-plugin"; a DRA driver always registers '
+                              "through the plugin watcher")
+    if "dra_driver_name" in entry:
+        value = entry["dra_driver_name"]
+        if api != "dra":
+            raise ConfigError(file, f"{where}.dra_driver_name", 'only means something with '
+                                                                'api = "dra"')
+        if not isinstance(value, str):
+            raise ConfigError(file, f"{where}.dra_driver_name",
+                              f"must be a string like \"gpu.example.com\", got {_typed(value)}")
+        problem = dns_subdomain_error(value)
+        if problem is None and len(value) > 63:
+            problem = f"is {len(value)} characters; a DRA driver name has at most 63"
+        if problem is not None:
+            raise ConfigError(file, f"{where}.dra_driver_name",
+                              f"{_show(value)} is not a DNS subdomain: {problem}")
+        out["dra_driver_name"] = value
+    if api == "dra":
+        for key in ("replicas", "replica_policy"):
+            if key in entry:
+                raise ConfigError(file, f"{where}.{key}",
+                                  'not supported with api = "dra" (a DRA device is allocated '
+                                  "whole; sharing is the claim's business)")
     return out
 
 
@@ -372,6 +509,72 @@ def _unknown_resource_key(key: str, driver: Driver) -> str:
 
 def parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config:
     """Parse and validate config text; ``file`` names it in errors. Raises ConfigError."""
+    try:
+        return _parse_config(text, file, drivers)
+    except RecursionError:
+        # tomllib recurses once per nesting level: thousands of "[" end here, not in a
+        # traceback (and a restart loop under systemd).
+        raise ConfigError(file, _deepest(text), "invalid TOML: arrays or tables nested too "
+                          "deeply to parse") from None
+
+
+def _deepest(text: str) -> str:
+    """Where nesting first gets absurd (the 100th open bracket), as "line L, column C"."""
+    depth = 0
+    line, column = 1, 0
+    for char in text:
+        column += 1
+        if char == "\n":
+            line, column = line + 1, 0
+        elif char in "[{":
+            depth += 1
+            if depth >= 100:
+                return f"line {line}, column {column}"
+        elif char in "]}":
+            depth = max(0, depth - 1)
+    return "TOML syntax"
+
+
+def _duplicate_key(text: str, number: int) -> Optional[str]:
+    """The dotted key on line ``number`` that tomllib refused to overwrite, with the table
+    it is in ("host.log_level", "resource[1].selectors.vendor"); None if it cannot tell."""
+    lines = text.splitlines()
+    if not 1 <= number <= len(lines):
+        return None
+    arrays: Dict[str, int] = {}
+    table = ""
+
+    def qualified(name: str) -> str:
+        head, dot, rest = name.partition(".")
+        if head in arrays:
+            return f"{head}[{arrays[head] - 1}]{dot}{rest}"
+        return name
+
+    for line in lines[: number - 1]:
+        stripped = line.strip()
+        if stripped.startswith("[["):
+            name = _dotted(stripped[2:].split("]]", 1)[0])
+            arrays[name] = arrays.get(name, 0) + 1
+            table = qualified(name)
+        elif stripped.startswith("["):
+            table = qualified(_dotted(stripped[1:].split("]", 1)[0]))
+    here = lines[number - 1].strip()
+    if here.startswith("["):
+        return qualified(_dotted(here.strip("[]")))
+    if "=" not in here:
+        return None
+    key = _dotted(here.split("=", 1)[0])
+    return f"{table}.{key}" if table else key
+
+
+def _dotted(key: str) -> str:
+    """A TOML key as written (``a . "b c"``) in our messages' form (``a."b c"``)."""
+    parts = [part.strip() for part in key.split(".")]
+    return ".".join(_key(p[1:-1]) if len(p) > 1 and p[0] == p[-1] and p[0] in "\"'" else p
+                    for p in parts)
+
+
+def _parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config:
     if text.startswith("\ufeff"):
         text = text[1:]  # a byte-order mark from a Windows editor is harmless; TOML rejects it
     try:
@@ -382,6 +585,11 @@ def parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config:
         if match is None:
             raise ConfigError(file, "TOML syntax", message) from None
         position = f"line {match[1]}, column {match[2]}" if match[1] else "end of file"
+        if message.startswith("Cannot overwrite a value") and match[1]:
+            key = _duplicate_key(text, int(match[1]))
+            if key:
+                raise ConfigError(file, key, f"set twice (again at {position}); each key may "
+                                             "appear once in its table") from None
         raise ConfigError(file, position, f"invalid TOML: {message[: match.start()]}") from None
 
     for key in document:
@@ -405,6 +613,11 @@ def parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config:
             " built-in defaults",
         )
 
+    if len(entries) > MAX_RESOURCES:
+        raise ConfigError(
+            file, "resource",
+            f"{len(entries)} resources; at most {MAX_RESOURCES} are supported (each one is a "
+            "gRPC server, a socket and a kubelet registration)")
     resources: List[ResourceConfig] = []
     first_index: Dict[str, int] = {}
     for index, entry in enumerate(entries):
@@ -418,6 +631,7 @@ def parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config:
             )
         first_index[resource.name] = index
         resources.append(resource)
+    _check_shared_names(file, resources)
     return Config(path=file, host=host, resources=tuple(resources), is_default=False)
 
 
@@ -439,8 +653,19 @@ def load_config(
             return default_config(drivers)
         path = default_path
     try:
-        with open(path, "rb") as stream:
-            data = stream.read()
+        # O_NONBLOCK: a FIFO at the path must not hang start-up waiting for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        with open(fd, "rb") as stream:
+            mode = os.fstat(stream.fileno()).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError
+            if not stat.S_ISREG(mode):
+                raise ConfigError(path, FILE_KEY, "is not a regular file (a device, FIFO or "
+                                                  "socket); give the path of a TOML file")
+            data = stream.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(path, FILE_KEY, f"is larger than {MAX_CONFIG_BYTES // 2**20} MiB;"
+                                              " no config file needs that much")
     except FileNotFoundError:
         raise ConfigError(path, FILE_KEY, "does not exist") from None
     except IsADirectoryError:

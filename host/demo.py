@@ -2,7 +2,9 @@
 
 It builds a sample host tree, starts the in-process kubelet simulator on a temporary plugin
 directory, runs the real host (real drivers, real gRPC over unix sockets) with the built-in
-default configuration against both, and shows what the kubelet would see and get.
+default configuration against both, and shows what the kubelet would see and get. One
+resource (the AMD GPUs) is served through DRA instead: an API-server stand-in receives its
+ResourceSlice, and the DRA kubelet simulator prepares a claim for it, end to end.
 """
 
 from __future__ import annotations
@@ -39,11 +41,30 @@ async def _demo(workdir: str) -> int:
     registry = load_drivers()
     config = default_config(registry.drivers).with_overrides(plugin_dir=plugin_dir,
                                                              host_root=root)
-    wanted = [r for r in demo_resources() if r.driver in registry.drivers]
+    wanted = [dataclasses.replace(r, api="dra") if r.name == DRA_RESOURCE else r
+              for r in demo_resources() if r.driver in registry.drivers]
     config = dataclasses.replace(config, resources=tuple(wanted), is_default=False)
+    from host.testing.apiserver import ApiServerStandIn
+
+    api = ApiServerStandIn()
+    api.start()
+    api.add_node(DRA_NODE)
     config = dataclasses.replace(config, host=dataclasses.replace(
         config.host, drain_file=os.path.join(workdir, "state", "drained"), metrics_address="",
-        nfd_features_file=""))  # the demo's sample devices must never label a real node
+        nfd_features_file="",  # the demo's sample devices must never label a real node
+        node_name=DRA_NODE, kubeconfig=api.kubeconfig_path,
+        plugins_registry_dir=os.path.join(workdir, "plugins_registry"),
+        dra_plugins_dir=os.path.join(workdir, "plugins"),
+        dra_state_dir=os.path.join(workdir, "state", "dra"),
+        cdi_dir=os.path.join(workdir, "cdi")))
+    try:
+        return await _serve(config, registry, api, root, plugin_dir)
+    finally:
+        api.close()
+
+
+async def _serve(config, registry, api, root: str,  # type: ignore[no-untyped-def]
+                 plugin_dir: str) -> int:
     print(f"sample host tree: {root}")
     print(f"drivers loaded:   {', '.join(sorted(registry.drivers))}")
     for failure in registry.failures:
@@ -98,7 +119,76 @@ async def _demo(workdir: str) -> int:
                     print(f"  env    {key}={value}")
                 for spec in other.response.devices:
                     print(f"  device {spec.host_path} ({spec.permissions})")
+            if any(r.name == DRA_RESOURCE for r in config.resources):
+                await _dra_demo(app, api, config)
     finally:
         await kubelet.stop()
     print("\ndemo finished: host stopped, sockets removed")
     return 0
+
+
+DRA_RESOURCE = "amd.com/gpu"
+DRA_NODE = "demo-node"
+
+
+async def _dra_demo(app, api, config) -> None:  # type: ignore[no-untyped-def]
+    """One DRA resource end to end: registration, slice, claim, prepare, CDI, unprepare."""
+    import json
+
+    from host.dra import naming
+    from host.dra.kube import KubeClient
+    from host.testing.kubelet_dra import DraKubeletSimulator
+
+    driver = naming.driver_name(DRA_RESOURCE, None)
+    client = KubeClient.from_settings(config.host.kubeconfig)
+    kubelet = DraKubeletSimulator(config.host.plugins_registry_dir,
+                                  get_claim=client.get_resource_claim, node_name=DRA_NODE)
+    try:
+        started = time.monotonic()
+        await kubelet.start()
+        await kubelet.wait_registered(driver)
+        plugin = kubelet.plugin(driver)
+        assert plugin is not None  # wait_registered returned
+        print(f"\n{DRA_RESOURCE} through DRA: driver {driver} registered with the plugin "
+              f"watcher in {(time.monotonic() - started) * 1000:.0f} ms "
+              f"({plugin.chosen_service}, {plugin.endpoint})")
+        await app.publisher.wait_synced()
+        for piece in api.resource_slices(driver, DRA_NODE):
+            spec = piece["spec"]
+            print(f"ResourceSlice {piece['metadata']['name']}: pool {spec['pool']['name']} "
+                  f"generation {spec['pool']['generation']}, {len(spec['devices'])} devices")
+            for device in spec["devices"]:
+                attrs = {k.rsplit("/", 1)[-1]: next(iter(v.values()))
+                         for k, v in (device.get("attributes") or {}).items()}
+                shown = ", ".join(f"{k}={attrs[k]}" for k in sorted(attrs)[:5])
+                print(f"  {device['name']}: {shown}")
+        devices = api.devices(driver, DRA_NODE)
+        if not devices:
+            return
+        first = sorted(devices)[0]
+        pod = "0b6c4f1e-demo-pod"
+        api.put_resource_claim({
+            "metadata": {"name": "demo-gpu", "namespace": "default"},
+            "spec": {"devices": {"requests": [
+                {"name": "gpu", "exactly": {"deviceClassName": "amd-gpu"}}]}},
+            "status": {"allocation": {"devices": {"results": [
+                {"request": "gpu", "driver": driver, "device": first,
+                 "pool": naming.pool_name(DRA_RESOURCE, DRA_NODE)}]}},
+                "reservedFor": [{"resource": "pods", "name": "demo-pod", "uid": pod}]}})
+        [claim] = await kubelet.prepare(pod, [("default", "demo-gpu")])
+        ids = claim.cdi_devices("gpu")
+        print(f"NodePrepareResources for claim default/demo-gpu: {first} -> CDI {ids}")
+        for path in sorted(os.listdir(config.host.cdi_dir)):
+            if path.startswith("device-plugin-host-claim_"):
+                with open(os.path.join(config.host.cdi_dir, path), encoding="utf-8") as spec:
+                    body = json.load(spec)
+                edits = [n["path"] for d in body["devices"]
+                         for n in d["containerEdits"].get("deviceNodes", ())]
+                print(f"  CDI spec {path}: kind {body['kind']}, device nodes {edits}")
+        await kubelet.unprepare(pod)
+        left = [p for p in os.listdir(config.host.cdi_dir)
+                if p.startswith("device-plugin-host-claim_")]
+        print(f"NodeUnprepareResources: claim spec removed ({len(left)} claim specs left)")
+    finally:
+        await kubelet.stop()
+        await client.close()

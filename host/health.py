@@ -53,7 +53,7 @@ def read_aer(host: HostFS, pci_address: str) -> Optional[AerCounts]:
         value = None
         for line in text.splitlines():
             parts = line.split()
-            if len(parts) == 2 and parts[0] == key and parts[1].isdigit():
+            if len(parts) == 2 and parts[0] == key and parts[1].isascii() and parts[1].isdigit():
                 value = int(parts[1])
         if value is None:
             return None

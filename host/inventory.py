@@ -14,7 +14,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, replace
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from host.drain import DrainKey
 from host.driver import Driver
@@ -22,10 +22,14 @@ from host.health import AerCounts, AerTracker, read_aer
 from host.hostfs import HostFS
 from host.isolation import DriverCallError, DriverCalls
 from host.model import Device, Health, ResourceConfig
+from host.overlap import Overlap, claim_keys, find_overlaps
 
 log = logging.getLogger(__name__)
 
 MAX_ID_LENGTH = 256
+#: Advertised devices on one host, replicas included (README). Far past any real node; what
+#: keeps a runaway driver or ``replicas`` on a big card pool from taking the host's memory.
+MAX_DEVICES = 100_000
 _BAD_ID = re.compile(r"[\s\x00-\x1f\x7f]")
 
 
@@ -70,6 +74,15 @@ class Inventory:
         self._aer = AerTracker()
         self._aer_problems: Dict[str, Dict[str, str]] = {}  # resource -> pci address -> why
         self.drains: Dict[DrainKey, str] = {}
+        # Devices claimed by two resources (host/overlap.py): each resource's claim keys, the
+        # ids it must leave out, the overlaps found by the last scan, and the ones warned of.
+        self._claims: Dict[str, FrozenSet[str]] = {}
+        self._excluded: Dict[str, FrozenSet[str]] = {}
+        self.overlaps: List[Overlap] = []
+        self._warned: Set[Tuple[str, str, str]] = set()
+        # Off where an overlap is reported as a config error instead (check-config, start-up).
+        self.warn_overlaps = True
+        self._capped: Dict[str, int] = {}  # resource -> devices left out by MAX_DEVICES
         self.set_resources(resources)
 
     def set_resources(self, resources: Sequence[ResourceConfig]) -> None:
@@ -84,6 +97,7 @@ class Inventory:
                 del self.devices[name]
                 self._vanished.pop(name, None)
                 self._reported.pop(name, None)
+                self._claims.pop(name, None)
         # A resource whose config changed (selectors, replicas) is rescanned by the caller;
         # its replicas are re-derived right away from what the driver last reported.
         for name, resource in self.resources.items():
@@ -96,6 +110,7 @@ class Inventory:
                     self._publish(name, self._host_view(resource, self._reported[name]))
         for driver in self.by_driver:
             self.status.setdefault(driver, DriverStatus(driver))
+        self._refresh_overlaps()  # file order or shared_with may have changed
 
     def drivers_for_subsystem(self, subsystem: str) -> Set[str]:
         return {
@@ -161,6 +176,12 @@ class Inventory:
         for resource in resources:
             devices = self._sanitize(name, resource.name, result.get(resource.name, ()))
             self._reported[resource.name] = devices
+            self._claims[resource.name] = frozenset(
+                key for device in devices for key in claim_keys(name, device))
+        # Before publishing: a device two resources claim is never advertised by both.
+        changed |= self._refresh_overlaps()
+        for resource in resources:
+            devices = self._reported[resource.name]
             if resource.health_interval_s > 0:
                 self._aer_problems[resource.name] = {
                     address: self._aer.problem(resource.name, address, counts)
@@ -196,10 +217,41 @@ class Inventory:
             aer[resource.name] = {a: read_aer(self.host, a) for a in sorted(addresses)}
         return result, aer
 
+    def _refresh_overlaps(self) -> Set[str]:
+        """Recompute which devices each resource leaves to an earlier one; republish the
+        resources whose share changed and warn once per newly overlapping device."""
+        excluded, overlaps = find_overlaps(list(self.resources.values()), self._reported,
+                                           self._claims)
+        self.overlaps = overlaps
+        for overlap in overlaps:
+            new = [i for i in overlap.device_ids
+                   if (overlap.first, overlap.second, i) not in self._warned]
+            if new and self.warn_overlaps:
+                self._warned.update((overlap.first, overlap.second, i) for i in new)
+                log.warning("resource %s: %s also claimed by resource %s, which comes first in "
+                            "the config: only %s advertises them (set shared_with to share)",
+                            overlap.second, Overlap(overlap.first, overlap.second,
+                                                    tuple(new)).describe(),
+                            overlap.first, overlap.first)
+        moved = {name for name in set(excluded) | set(self._excluded)
+                 if excluded.get(name) != self._excluded.get(name)}
+        self._excluded = excluded
+        changed = set()
+        for name in moved:
+            resource = self.resources.get(name)
+            if resource is not None and name in self._reported and self._publish(
+                    name, self._host_view(resource, self._reported[name])):
+                changed.add(name)
+        return changed
+
     def _host_view(self, resource: ResourceConfig, devices: List[Device]) -> List[Device]:
-        """Host-level health (AER errors rising, operator drains), then replicas."""
+        """Devices left to an earlier resource dropped, host-level health (AER errors
+        rising, operator drains), then replicas."""
         aer = self._aer_problems.get(resource.name, {})
         out: List[Device] = []
+        excluded = self._excluded.get(resource.name)
+        if excluded:
+            devices = [d for d in devices if d.id not in excluded]
         for device in devices:
             reasons = [device.health_reason] if not device.healthy and device.health_reason \
                 else []
@@ -213,7 +265,7 @@ class Inventory:
                 device = device.with_health(Health.UNHEALTHY, "; ".join(reasons))
             out.append(device)
         if resource.replicas <= 1:
-            return out
+            return self._cap(resource.name, out)
         expanded = []
         for device in out:
             for k in range(resource.replicas):
@@ -224,7 +276,23 @@ class Inventory:
                     replica = replica.with_health(Health.UNHEALTHY,
                                                   f"drained by an operator: {drained}")
                 expanded.append(replica)
-        return expanded
+        return self._cap(resource.name, expanded)
+
+    def _cap(self, resource: str, devices: List[Device]) -> List[Device]:
+        """Keep the host within MAX_DEVICES: a resource gets what the others leave, and
+        what does not fit is not advertised, with one error line per change in the count."""
+        others = sum(len(d) for name, d in self.devices.items() if name != resource)
+        room = max(0, MAX_DEVICES - others)
+        left_out = max(0, len(devices) - room)
+        if left_out != self._capped.get(resource, 0):
+            if left_out:
+                log.error("resource %s: %d devices would pass the host's limit of %d "
+                          "advertised devices (replicas included); %d are not advertised",
+                          resource, len(devices), MAX_DEVICES, left_out)
+            else:
+                log.info("resource %s: all its devices fit within the limit again", resource)
+            self._capped[resource] = left_out
+        return devices[:room] if left_out else devices
 
     def set_drains(self, drains: Mapping[DrainKey, str]) -> Set[str]:
         """Apply the operator's marks; the resources whose advertised health changed."""
@@ -304,10 +372,11 @@ class Inventory:
                 del vanished[device_id]
                 log.info("resource %s: device %s is back", resource, device_id)
         result = list(devices)
+        left = self._excluded.get(resource, frozenset())
         if self.vanished_grace_s > 0:
             for old in self.devices.get(resource, []):
-                if old.id in present:
-                    continue
+                if old.id in present or old.attributes.get("replica_of", old.id) in left:
+                    continue  # still here, or now advertised by the resource it belongs to
                 since = vanished.setdefault(old.id, now)
                 if since == now:
                     log.warning("resource %s: device %s is gone from the host", resource, old.id)

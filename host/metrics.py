@@ -14,7 +14,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Set,
+    Tuple,
+)
 
 import grpc
 
@@ -65,7 +76,7 @@ def parse_address(address: str) -> Optional[Tuple[Optional[str], int]]:
             raise ValueError(f"{address!r}: expected host:port, [ipv6]:port or :port")
         if ":" in host:
             raise ValueError(f"{address!r}: put an IPv6 address in brackets: [addr]:port")
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ValueError(f"{address!r}: port must be a number from 0 to 65535")
     return (host or None), int(port)
 
@@ -163,6 +174,9 @@ class HostMetrics:
         self._server: Optional[asyncio.AbstractServer] = None
         self._connections: Set[asyncio.Task] = set()
         self.address: Optional[Tuple[str, int]] = None
+        # /healthz: None answers "ok" whenever the loop answers; the host sets its
+        # registration check (host/liveness.py), whose problems turn the answer into a 503.
+        self.liveness: Optional[Callable[[], List[str]]] = None
 
     # -- what the host calls (cheap, never raising) -----------------------------------------
     def set_devices(self, resource: str, devices: Iterable[Device]) -> None:
@@ -401,20 +415,39 @@ class HostMetrics:
             return
         if path == "/metrics":
             body, content_type = await self.render(headers.get("accept", ""))
+        elif path == "/healthz":
+            status, body = self.health()
+            await _respond(writer, status, body, head_only=method == "HEAD")
+            return
         elif path == "/":
-            body, content_type = (b"device-plugin-host: metrics at /metrics\n",
-                                  "text/plain; charset=utf-8")
+            body, content_type = (b"device-plugin-host: metrics at /metrics, liveness at "
+                                  b"/healthz\n", "text/plain; charset=utf-8")
         else:
-            await _respond(writer, 404, b"not found; try /metrics\n")
+            await _respond(writer, 404, b"not found; try /metrics or /healthz\n")
             return
         await _respond(writer, 200, body, content_type, head_only=method == "HEAD")
+
+    def health(self) -> Tuple[int, bytes]:
+        """/healthz: answered on the event loop, so a stuck loop fails the probe by its
+        timeout; 503 with one line per problem the liveness check reports."""
+        if self.liveness is None:
+            return 200, b"ok\n"
+        try:
+            problems = self.liveness()
+        except Exception as error:  # a bug in the check must not restart a working host
+            log.exception("metrics: the liveness check failed")
+            return 200, f"ok (the registration check failed: {error})\n".encode()
+        if not problems:
+            return 200, b"ok\n"
+        return 503, "".join(f"unhealthy: {p}\n" for p in problems).encode()
 
 
 def _join(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed"}
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            503: "Service Unavailable"}
 
 
 async def _respond(writer: asyncio.StreamWriter, status: int, body: bytes,

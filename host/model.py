@@ -10,7 +10,7 @@ import enum
 import sys
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, Sequence, Tuple
+from typing import Mapping, Optional, Sequence, Tuple
 
 # A node may carry 10,000 devices: __slots__ saves about a third of their memory (3.10+).
 _SLOTS = {"slots": True} if sys.version_info >= (3, 10) else {}
@@ -126,3 +126,13 @@ class ResourceConfig:
     # without CDI support.
     cdi: bool = False
     cdi_fallback: bool = True
+    # Other resources allowed to advertise the same devices as this one (otherwise a device
+    # matched by two resources belongs to the first in file order: see host/overlap.py).
+    shared_with: Tuple[str, ...] = ()
+    # Which kubelet API serves it: "device-plugin" (the default) or "dra" (a ResourceSlice pool
+    # and NodePrepareResources; the DRA driver name is ``dra_driver_name`` or derived from the
+    # resource name). ``registration``: how a device plugin registers, "kubelet" (Register on
+    # kubelet.sock) or "plugin-watcher" (a socket in plugins_registry).
+    api: str = "device-plugin"
+    dra_driver_name: Optional[str] = None
+    registration: str = "kubelet"

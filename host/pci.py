@@ -7,6 +7,7 @@ kernel's odd values right (numa_node = -1, a missing driver link, an unreadable 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -14,6 +15,18 @@ from host.driver import SelectorError, normalise_hex_ids, selector_values
 from host.hostfs import HostFS
 
 PCI_DEVICES = "/sys/bus/pci/devices"
+# The host bridge directory the kernel names pci<domain>:<bus> (drivers/pci/probe.c,
+# pci_register_host_bridge: dev_set_name(&bridge->dev, "pci%04x:%02x", ...)); upstream's
+# resource.kubernetes.io/pcieRoot attribute carries exactly this name.
+_PCI_ROOT = re.compile(r"pci[0-9a-f]{4,8}:[0-9a-f]{2}\Z")  # VMD domains have 5 digits
+
+
+def pcie_root(path: str) -> Optional[str]:
+    """The root complex a canonical /sys/devices path hangs under, or None (not PCI-rooted)."""
+    for part in path.split("/"):
+        if _PCI_ROOT.match(part):
+            return part
+    return None
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,9 @@ class PciFunction:
             out["local_cpulist"] = self.local_cpulist
         if self.iommu_group is not None:
             out["iommu_group"] = self.iommu_group
+        root = pcie_root(self.path)
+        if root:
+            out["pcie_root"] = root
         return out
 
 
@@ -75,7 +91,9 @@ def read_function(
         local_cpulist=host.read(f"{path}/local_cpulist") or None,
         iommu_group=host.link_name(f"{path}/iommu_group"),
         # ``enable`` is a reference count (it can read 2), not a flag.
-        enabled=None if enable is None or not enable.isdigit() else int(enable) > 0,
+        # isdigit() alone accepts digits int() refuses, such as a superscript one.
+        enabled=None if enable is None or not (enable.isascii() and enable.isdigit())
+        else int(enable) > 0,
     )
 
 

@@ -16,7 +16,7 @@ import os
 import stat
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import grpc
 
@@ -109,6 +109,32 @@ def _explain(error: grpc.aio.AioRpcError, method: str, path: str, timeout: float
     return f"{method} failed: {code.name}: {details}"
 
 
+def running_in_container(root: str = "/", environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether this process runs in a container rather than on the node itself: only there
+    is "mount the kubelet's directory" the fix. Every pod has KUBERNETES_SERVICE_HOST; Docker
+    leaves /.dockerenv, Podman /run/.containerenv, systemd-nspawn and Podman set
+    ``container=``."""
+    env = os.environ if environ is None else environ
+    if env.get("KUBERNETES_SERVICE_HOST") or env.get("container"):
+        return True
+    return any(os.path.exists(os.path.join(root, marker))
+               for marker in (".dockerenv", "run/.containerenv"))
+
+
+def missing_socket_message(path: str, in_container: bool) -> str:
+    parent = os.path.dirname(path) or "."
+    if os.path.isdir(parent):
+        where = ("the directory exists, so the kubelet is not serving it (not running, or "
+                 "older than 1.15?)")
+    elif in_container:
+        where = f"{parent} is missing: mount the kubelet's pod-resources directory into this " \
+                "container"
+    else:
+        where = (f"{parent} does not exist on this node: is the kubelet installed and running "
+                 "here, or does it use another root directory (give its socket with --socket)?")
+    return f"no pod-resources socket at {path}: {where}"
+
+
 class PodResourcesClient:
     """One channel to the kubelet's pod-resources socket, reused for every call."""
 
@@ -118,10 +144,12 @@ class PodResourcesClient:
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_receive_bytes: int = MAX_RECEIVE_BYTES,
+        in_container: Optional[bool] = None,
     ) -> None:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self.max_receive_bytes = max_receive_bytes
+        self.in_container = running_in_container() if in_container is None else in_container
         self._channel: Optional[grpc.aio.Channel] = None
         self._stub: Optional[podresources_grpc.PodResourcesListerStub] = None
 
@@ -131,12 +159,7 @@ class PodResourcesClient:
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            parent = os.path.dirname(path) or "."
-            where = ("the directory exists, so the kubelet is not serving it (not running, "
-                     "or older than 1.15?)" if os.path.isdir(parent) else
-                     f"{parent} is missing: mount the kubelet's pod-resources directory "
-                     f"into this container")
-            raise PodResourcesError(f"no pod-resources socket at {path}: {where}") from None
+            raise PodResourcesError(missing_socket_message(path, self.in_container)) from None
         except OSError as error:
             raise PodResourcesError(f"cannot use {path}: {error.strerror}") from None
         if not stat.S_ISSOCK(st.st_mode):
@@ -213,16 +236,20 @@ def format_table(rows: Sequence[Assignment]) -> List[str]:
     return lines
 
 
-async def _fetch(socket_path: str, timeout_s: float) -> List[Assignment]:
-    async with PodResourcesClient(socket_path, timeout_s=timeout_s) as client:
+async def _fetch(socket_path: str, timeout_s: float,
+                 in_container: Optional[bool]) -> List[Assignment]:
+    async with PodResourcesClient(socket_path, timeout_s=timeout_s,
+                                  in_container=in_container) as client:
         return assignments(await client.list())
 
 
 def pods_main(socket_path: str, resource_filter: Optional[str], as_json: bool,
-              timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
-    """``device-plugin-host pods``: 0 with the table (or JSON), 1 with a message on failure."""
+              timeout_s: float = DEFAULT_TIMEOUT_S, *,
+              in_container: Optional[bool] = None) -> int:
+    """``device-plugin-host pods``: 0 with the table (or JSON), 1 with a message on failure.
+    ``in_container`` (detected when None) picks the hint for a missing socket directory."""
     try:
-        rows = asyncio.run(_fetch(socket_path or POD_RESOURCES_SOCKET, timeout_s))
+        rows = asyncio.run(_fetch(socket_path or POD_RESOURCES_SOCKET, timeout_s, in_container))
     except PodResourcesError as error:
         print(f"device-plugin-host pods: {error}", file=sys.stderr)
         return 1

@@ -31,11 +31,24 @@ SERVICE_NAME = "v1beta1.DevicePlugin"
 
 
 def with_cdi(
-    resource: ResourceConfig, devices: Sequence[Device], merged: ContainerAllocation
+    resource: ResourceConfig, devices: Sequence[Device], merged: ContainerAllocation,
+    resolvable: Optional[Callable[[str, Sequence[str]], bool]] = None,
 ) -> ContainerAllocation:
     """Add the devices' CDI names (and drop what the spec already carries, unless the
-    resource keeps device specs as a fallback for runtimes without CDI)."""
-    names = tuple(dict.fromkeys([*merged.cdi_devices, *qualified_names(resource.name, devices)]))
+    resource keeps device specs as a fallback for runtimes without CDI).
+
+    ``resolvable`` says whether the spec on disk holds the names: a name a runtime cannot
+    resolve fails the container, so without it the fallback's device nodes go alone, and
+    without a fallback the request is refused."""
+    ours = qualified_names(resource.name, devices)
+    if resolvable is not None and not resolvable(
+            resource.name, [name.partition("=")[2] for name in ours]):
+        if resource.cdi_fallback:
+            return merged
+        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"the CDI spec of {resource.name} is not on disk; its devices "
+                           "cannot be resolved by the container runtime now")
+    names = tuple(dict.fromkeys([*merged.cdi_devices, *ours]))
     if resource.cdi_fallback:
         return replace(merged, cdi_devices=names)
     return replace(merged, cdi_devices=names, device_nodes=(), mounts=())
@@ -96,6 +109,8 @@ class DevicePluginService:
         self.allocate_timeout_s = allocate_timeout_s
         self.on_stream_end = on_stream_end
         self.observer = observer  # metrics hooks (optional)
+        # Whether CDI names are in the spec on disk (set by the host when it writes specs).
+        self.cdi_resolvable: Optional[Callable[[str, Sequence[str]], bool]] = None
         self.options = api.DevicePluginOptions(
             pre_start_required=self._needs_pre_start(),
             get_preferred_allocation_available=self._preferred_useful(),
@@ -220,7 +235,7 @@ class DevicePluginService:
                 if self._has_allocate:
                     merged = await self._driver_allocate(devices, merged)
                 if self.resource.cdi:
-                    merged = with_cdi(self.resource, devices, merged)
+                    merged = with_cdi(self.resource, devices, merged, self.cdi_resolvable)
                 response.container_responses.append(allocate_response(merged))
             self._observe("allocated", request, started)
             return response
@@ -303,11 +318,28 @@ class DevicePluginService:
         self, container: api.ContainerPreferredAllocationRequest, where: str
     ) -> List[str]:
         size = container.allocation_size
-        must = list(container.must_include_deviceIDs)
-        available_ids = list(dict.fromkeys([*container.available_deviceIDs, *must]))
+        must = list(dict.fromkeys(container.must_include_deviceIDs))
+        available_ids = list(dict.fromkeys(container.available_deviceIDs))
         if size < 1:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"{where}: allocation_size must be at least 1, got {size}")
+        # The kubelet lists the must-include ids among the available ones and asks only for
+        # what it has candidates for (devicesToAllocate); anything else is a broken client,
+        # and answering it would hand back ids it never offered, or too few.
+        offered = set(available_ids)
+        outside = [device_id for device_id in must if device_id not in offered]
+        if outside:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: must-include id {_show(outside[0])} is not in available_deviceIDs"
+                + (f" (and {len(outside) - 1} more)" if len(outside) > 1 else ""),
+            )
+        if size > len(available_ids):
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: allocation_size {size} is larger than the {len(available_ids)} "
+                "available ids",
+            )
         if len(must) > size:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT,

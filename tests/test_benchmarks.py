@@ -23,10 +23,14 @@ CONTRACT_KEYS = {
     "startup_ms_1", "startup_ms_16", "startup_ms_64",
     "reregister_p99_ms_16", "reregister_p99_ms_64",
     "listwatch_p99_ms_10", "listwatch_p99_ms_1000", "listwatch_p99_ms_10000",
-    "discovery_ms_2048", "discovery_ms_sriov_1024", "discovery_ms_qat_256",
+    "discovery_ms_2048", "discovery_ms_sriov_1024", "discovery_ms_qat_256", "discovery_ms_cpx_64",
     "rss_mb_1r", "rss_mb_16r", "rss_mb_64r_10k", "idle_cpu_pct_64r", "preferred_ms_1024_8numa",
     "event_to_kubelet_p99_ms_1", "event_to_kubelet_p99_ms_16", "event_to_kubelet_p99_ms_64",
-    "idle_cpu_pct_watching",
+    "idle_cpu_pct_watching", "reload_max_stall_ms_256",
+    "dra_prepare_median_ms", "dra_prepare_p99_ms", "dra_prepare_again_median_us",
+    "dra_unprepare_median_ms",
+    "dra_slice_p99_ms_8", "dra_slice_p99_ms_300",
+    "dra_requests_per_change_8", "dra_requests_per_change_300",
 }
 # An idle process can truly use no CPU in a short window; everything else takes time or memory.
 MAY_BE_ZERO = {"idle_cpu_pct_64r", "idle_cpu_pct_watching"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from host.cdi import CdiWriter, build_spec, device_name, kind_error
+from host.inotify import DirectoryWatch
 from host.model import Device, DeviceNode, Health, Mount, ResourceConfig
 from host.testing.drivers import MemoryDriver, make_devices
 from host.testing.harness import kubelet_and_host, make_config, running_host
@@ -163,5 +165,102 @@ def test_allocate_returns_cdi_names_and_specs_vanish_on_stop(tmp_path, short_dir
             assert os.listdir(cdi_dir) == []  # removed on shutdown
         finally:
             await sim.stop()
+
+    run(scenario())
+
+
+@pytest.fixture
+def full_cdi_dir(tmp_path):
+    """A real 16 KiB tmpfs filled up: writes into it fail with ENOSPC, as on a full disk.
+    Yields (directory, free) where ``free()`` deletes the filler."""
+    import subprocess
+
+    mount_point = tmp_path / "cdi"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount_point)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    filler = mount_point / "filler"
+    try:
+        try:
+            with open(filler, "wb") as out:
+                while True:
+                    out.write(b"\0" * 512)
+                    out.flush()
+        except OSError:
+            pass  # full now
+
+        def free() -> None:
+            filler.unlink()
+
+        yield mount_point, free
+    finally:
+        subprocess.run(["umount", str(mount_point)], capture_output=True)
+
+
+def test_spec_missing_after_a_full_disk_is_retried_and_devices_are_unhealthy_meanwhile(
+        full_cdi_dir, short_dir, run):
+    cdi_dir, free = full_cdi_dir
+    driver = MemoryDriver("m", {"example.com/gpu": make_devices("g", 2)})
+    resource = ResourceConfig("example.com/gpu", "m", cdi=True, cdi_fallback=False)
+    config = make_config(short_dir, [resource], cdi_dir=str(cdi_dir))
+    spec = cdi_dir / "device-plugin-host_example.com-gpu.json"
+
+    async def scenario():
+        async with kubelet_and_host(config, {"m": driver}) as (sim, app):
+            state = sim.resources["example.com/gpu"]
+            await sim.wait_for(lambda s: s.resources["example.com/gpu"].capacity == 2)
+            # No spec on disk: a CDI name no runtime can resolve is never handed out.
+            assert not spec.exists()
+            assert state.allocatable == 0
+            assert {d.health for d in state.devices.values()} == {"Unhealthy"}
+            reasons = {d.health_reason for d in app.snapshots["example.com/gpu"].devices}
+            assert len(reasons) == 1 and "No space left on device" in reasons.pop()
+            with pytest.raises(Exception, match="unhealthy"):
+                await sim.allocate("example.com/gpu", 1)
+            await app.rescan()  # still full: still Unhealthy
+            assert not spec.exists() and state.allocatable == 0
+            free()
+            await app.rescan()  # nothing about the devices changed; the spec is retried
+            assert spec.exists()
+            check_spec_rules(json.loads(spec.read_text()))
+            await sim.wait_for(lambda s: s.resources["example.com/gpu"].allocatable == 2,
+                               timeout=3, what="healthy once the spec is written")
+            result = await sim.allocate("example.com/gpu", 1)
+            assert [c.name for c in result.response.cdi_devices] == \
+                [f"example.com/gpu={i}" for i in result.device_ids]
+            # Deleted by hand: written again (the directory watch sees it at once).
+            rewritten = asyncio.Event()
+            watch = DirectoryWatch(str(cdi_dir), lambda names: spec.exists() and rewritten.set())
+            watch.start()
+            try:
+                spec.unlink()
+                await asyncio.wait_for(rewritten.wait(), 3)
+            finally:
+                watch.close()
+            check_spec_rules(json.loads(spec.read_text()))
+            assert state.allocatable == 2
+
+    run(scenario())
+
+
+def test_spec_missing_with_fallback_hands_out_device_nodes_without_cdi_names(
+        full_cdi_dir, short_dir, run):
+    cdi_dir, free = full_cdi_dir
+    driver = MemoryDriver("m", {"example.com/gpu": make_devices("g", 2)})
+    resource = ResourceConfig("example.com/gpu", "m", cdi=True, cdi_fallback=True)
+    config = make_config(short_dir, [resource], cdi_dir=str(cdi_dir))
+
+    async def scenario():
+        async with kubelet_and_host(config, {"m": driver}) as (sim, app):
+            await sim.wait_for(lambda s: s.resources["example.com/gpu"].allocatable == 2)
+            result = await sim.allocate("example.com/gpu", 1, pod="a")
+            assert [d.host_path for d in result.response.devices] == ["/dev/g0"]
+            assert list(result.response.cdi_devices) == []  # none a runtime cannot resolve
+            free()
+            await app.rescan()
+            result = await sim.allocate("example.com/gpu", 1, pod="b")
+            assert [c.name for c in result.response.cdi_devices] == ["example.com/gpu=g1"]
 
     run(scenario())

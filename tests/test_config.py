@@ -704,6 +704,9 @@ DOCUMENTED: Dict[str, Driver] = {
             (*_PCI, "ib_device", "link_layer", "netdev"),
             {"mode": (str,), "shared_count": (int,)},
         ),
+        Documented("accel", (*_PCI, "class", "device_type"), {"index_env": (str,)}),
+        Documented("neuron", ("index", "device_name", "instance_type"), {"unit": (str,)}),
+        Documented("pci", (*_PCI, "class"), {"char_classes": (list,)}),
     )
 }
 
@@ -715,7 +718,7 @@ def _drivers_used(path: Path) -> List[str]:
 
 def test_there_are_examples_for_each_builtin_driver() -> None:
     used = {name for path in EXAMPLES for name in _drivers_used(path)}
-    assert used == {"gpu", "sriov", "usb", "fpga", "rdma"}
+    assert used == {"gpu", "sriov", "usb", "fpga", "rdma", "accel", "neuron", "pci"}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -736,3 +739,69 @@ def test_example_is_valid_for_the_real_drivers(path: Path) -> None:
             drivers[driver.name] = driver
     config = load_config(str(path), drivers)
     assert {r.driver for r in config.resources} == set(_drivers_used(path))
+
+
+# -- hostile files (issue 11 items 5 and 6) ---------------------------------------------------
+def _check_config(*args: str):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "host", "check-config", *args],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+
+
+@pytest.mark.parametrize("nesting", ["x = " + "[" * 5000 + "]" * 5000,
+                                     "x = " + "{a = " * 5000 + "1" + "}" * 5000,
+                                     "[host]\nx = " + "[" * 300 + "]" * 300])
+def test_deeply_nested_toml_is_a_config_error(nesting: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(nesting + "\n", "deep.toml", DRIVERS)
+    assert caught.value.file == "deep.toml"
+    if len(nesting) > 5000:  # too deep to parse; 300 levels parse and fail as a wrong type
+        assert caught.value.key.startswith("line 1, column ")
+        assert "nested too deeply" in caught.value.reason
+
+
+def test_check_config_of_deeply_nested_toml_exits_2_with_one_line(tmp_path: Path) -> None:
+    deep = tmp_path / "deep.toml"
+    deep.write_text("[host]\nlog_level = " + "[" * 5000 + "]" * 5000 + "\n")
+    result = _check_config(str(deep))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert f"{deep}: line 2, column " in result.stderr and "nested too deeply" in result.stderr
+
+
+def test_check_config_of_an_empty_file_says_it_means_the_builtin_defaults(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    result = _check_config(str(empty))
+    assert result.returncode == 0
+    assert "empty" in result.stdout and "built-in defaults" in result.stdout
+    host_only = tmp_path / "host.toml"
+    host_only.write_text('[host]\nlog_level = "debug"\n')
+    result = _check_config(str(host_only))
+    assert result.returncode == 0
+    assert "no [[resource]]" in result.stdout and "built-in defaults" in result.stdout
+
+
+@pytest.mark.parametrize("text, key", [
+    ('[host]\nlog_level = "info"\nlog_level = "debug"\n', "host.log_level"),
+    ('[[resource]]\nname = "example.com/a"\ndriver = "gpu"\n'
+     '[[resource]]\nname = "example.com/b"\nname = "example.com/c"\n', "resource[1].name"),
+    ('[[resource]]\nname = "example.com/a"\ndriver = "gpu"\n[resource.selectors]\n'
+     'vendor = "0x10de"\nvendor = "0x1002"\n', "resource[0].selectors.vendor"),
+    ('[host]\n"log_level" = "info"\nlog_level = "info"\n', "host.log_level"),
+])
+def test_a_duplicate_key_names_the_key(text: str, key: str) -> None:
+    error = error_of(text)
+    assert error.key == key
+    assert "set twice (again at line " in error.reason
+
+
+def test_the_base_config_does_not_say_it_is_read_once() -> None:
+    """Live reload exists (README "Live reload"); the DaemonSet's config must not deny it."""
+    text = (REPO / "deploy" / "kubernetes" / "base" / "config.toml").read_text()
+    comments = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    assert "once, at start" not in comments and "only at start" not in comments
+    assert "reloads it live" in comments and "rejected" in comments

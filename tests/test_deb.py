@@ -37,6 +37,7 @@ PROGRAM = Path("/usr/bin/device-plugin-host")
 UNIT = Path("/lib/systemd/system/device-plugin-host.service")
 WANTS = Path("/etc/systemd/system/multi-user.target.wants/device-plugin-host.service")
 MASK = Path("/etc/systemd/system/device-plugin-host.service")
+STATE = Path("/var/lib/device-plugin-host")  # the unit's StateDirectory: drain marks
 LOCK = Path("/tmp/device-plugin-host-deb-tests.lock")
 OPERATOR_CHANGE = '\n# changed by the operator\n[host]\nlog_level = "debug"\n'
 
@@ -255,6 +256,20 @@ def test_unit_is_notify_restarting_hardened_and_independent_of_the_kubelet():
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
 
 
+def test_unit_lets_localhost_scrape_the_metrics_endpoint():
+    """IPAddressDeny=any alone drops every IP packet, loopback included: the README's
+    `curl localhost:9400/metrics` could never work under the unit."""
+    service = _unit(UNIT_SOURCE)["Service"]
+    assert service["IPAddressDeny"] == ["any"]
+    allowed = " ".join(service.get("IPAddressAllow", [])).split()
+    assert "localhost" in allowed or {"127.0.0.1", "::1"} <= set(allowed)
+    assert "any" not in allowed  # still nothing but loopback
+    # The default metrics address is on loopback, so it is inside what the unit allows.
+    from host.config import HostSettings
+
+    assert HostSettings().metrics_address.startswith("127.0.0.1:")
+
+
 # -- installing into this machine ----------------------------------------------------------
 def _dpkg(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
@@ -404,3 +419,33 @@ def test_upgrade_remove_reinstall_purge_keep_then_drop_the_operator_config(syste
     assert _status() in ("", "un", "pn")
     for gone in (CONFIG.parent, PREFIX, PROGRAM, UNIT, WANTS, MASK):
         assert not os.path.lexists(gone), gone
+
+
+@pytest.fixture
+def state_dir() -> Iterator[None]:
+    """/var/lib/device-plugin-host free of anyone's marks. An empty one (a host run by other
+    tests creates it for its drain watch) is put back as it was afterwards."""
+    existed = STATE.is_dir() and not STATE.is_symlink()
+    if os.path.lexists(STATE) and not existed:
+        pytest.skip(f"{STATE} exists and is not a directory; not touching it")
+    if existed and any(STATE.iterdir()):
+        pytest.skip(f"{STATE} holds files that are not ours; not touching it")
+    try:
+        yield
+    finally:  # what the test wrote goes, also when a purge failed to remove it
+        if STATE.is_dir() and not STATE.is_symlink():
+            shutil.rmtree(STATE)
+        if existed:
+            STATE.mkdir(mode=0o700)
+
+
+@pytest.mark.slow
+def test_remove_keeps_and_purge_deletes_the_drain_marks(state_dir, system, debs: Debs):
+    _ok(_dpkg("--install", str(debs.v1)))
+    _ok(_run_installed("drain", "nvidia.com/gpu", "0000:18:00.0", "--reason", "bad ECC"))
+    marks = STATE / "drained"
+    assert marks.is_file()
+    _ok(_dpkg("--remove", PACKAGE))
+    assert marks.is_file(), "apt remove must keep the operator's drain marks"
+    _ok(_dpkg("--purge", PACKAGE))
+    assert not os.path.lexists(STATE), "apt purge must delete /var/lib/device-plugin-host"

@@ -32,6 +32,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from host.config import parse_config
+from host.metrics import parse_address
+from host.model import ResourceConfig
 from host.plugins import load_drivers
 
 try:
@@ -51,6 +53,10 @@ NAME = "device-plugin-host"
 CONFIG_KEY = "config.toml"
 ENTRYPOINT = ["device-plugin-host", "run", "--config", "/etc/device-plugin-host/config.toml"]
 IMAGE_PYTHON = "3.12"
+
+# The DRA overlay's RBAC, admission policy and DeviceClass are cluster-wide objects.
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+                  "ValidatingAdmissionPolicyBinding", "DeviceClass"}
 
 KUSTOMIZATIONS = [
     "base",
@@ -128,8 +134,11 @@ def test_every_overlay_is_found():
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 @pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
 def test_every_object_matches_the_kubernetes_schema(name, version):
+    if name == "overlays/dra":
+        pytest.skip("resource.k8s.io/v1 exists from 1.34: tests/test_deploy_dra.py validates it")
     objects = render(name)
-    assert {o["kind"] for o in objects} == {"Namespace", "ConfigMap", "DaemonSet"}
+    # The headless Service lists the pods for Prometheus (issue 11, item 13).
+    assert {o["kind"] for o in objects} == {"Namespace", "ConfigMap", "DaemonSet", "Service"}
     problems = []
     for obj in objects:
         try:
@@ -138,6 +147,28 @@ def test_every_object_matches_the_kubernetes_schema(name, version):
             where = ".".join(str(part) for part in error.absolute_path)
             problems.append(f"{obj['kind']} {obj['metadata']['name']}: {where}: {error.message}")
     assert not problems, f"{name} (Kubernetes {version}):\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_the_oldest_supported_kubernetes_is_the_oldest_the_manifests_fit(name):
+    """The test above shows the manifests fit OLDEST_KUBERNETES; one release before must not
+    (recursiveReadOnly is unknown to 1.29), or the README would promise too little; and the
+    README must say the same version."""
+    if name == "overlays/dra":
+        pytest.skip("resource.k8s.io/v1 exists from 1.34: tests/test_deploy_dra.py validates it")
+    major, minor = (int(part) for part in OLDEST_KUBERNETES.split("."))
+    older = f"{major}.{minor - 1}"
+    problems = []
+    for obj in render(name):
+        try:
+            kubernetes_validate.validate(obj, older, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            problems.append(error.message)
+    assert any("recursiveReadOnly" in p for p in problems), (older, problems)
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Running in Kubernetes"):]
+    section = section[: section.index("\n## ", 1)]
+    assert f"**Kubernetes {OLDEST_KUBERNETES} or newer.**" in section
 
 
 def test_the_schema_check_is_strict():
@@ -223,6 +254,95 @@ def test_the_base_config_serves_the_built_in_defaults():
                           load_drivers().with_unavailable())
     assert config.is_default
     assert "nvidia.com/gpu" in {r.name for r in config.resources}
+
+
+# -- metrics and liveness --------------------------------------------------------------------
+MONITORING = KUBE / "monitoring"
+
+
+def _metrics_port(objects: List[Dict[str, Any]]) -> int:
+    ports = {p["name"]: p for p in container(objects).get("ports", [])}
+    assert "metrics" in ports, "the container has no port named metrics"
+    assert ports["metrics"].get("protocol", "TCP") == "TCP"
+    return ports["metrics"]["containerPort"]
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_metrics_listen_where_a_scraper_and_the_probe_reach_them(name):
+    """Inside the pod 127.0.0.1 is reachable by nothing outside it: the kubelet's probe and
+    Prometheus connect to the pod IP. Every kustomization's own config (an overlay replaces
+    the base file) must listen on all of the pod's addresses, on the port named metrics."""
+    objects = render(name)
+    host = parse_config(config_text(objects), f"{name}/{CONFIG_KEY}",
+                        load_drivers().with_unavailable()).host
+    bound = parse_address(host.metrics_address)
+    assert bound is not None, f"{name}: metrics are off, the liveness probe would fail"
+    address, port = bound
+    assert address in (None, "0.0.0.0", "::"), f"{name}: metrics bound to {address} only"
+    assert port == _metrics_port(objects)
+    probe = container(objects)["livenessProbe"]
+    assert probe["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    # A stuck loop is a timeout: the probe must have one, and a short start must not fail it.
+    assert 1 <= probe["timeoutSeconds"] < probe["periodSeconds"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 20
+    annotations = only(objects, "DaemonSet")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(port)
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_a_headless_service_lists_every_host_pod_on_the_metrics_port(name):
+    objects = render(name)
+    service = only(objects, "Service")
+    assert service["spec"]["clusterIP"] == "None"  # one endpoint per node, not a random one
+    pod_labels = only(objects, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    [port] = service["spec"]["ports"]
+    assert port["name"] == "metrics" and port["targetPort"] == "metrics"
+    assert port["port"] == _metrics_port(objects)
+
+
+def _monitoring_objects() -> List[Dict[str, Any]]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (with its built-in kustomize) is not installed")
+    result = subprocess.run([kubectl, "kustomize", str(MONITORING)], capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
+def test_the_monitoring_examples_select_the_host_pods_and_their_port(version):
+    base = render("base")
+    pod_labels = only(base, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    service = only(base, "Service")
+    objects = _monitoring_objects()
+    assert {o["kind"] for o in objects} == {"ServiceMonitor", "NetworkPolicy"}
+    for obj in objects:
+        assert obj["metadata"]["namespace"] == NAME
+
+    monitor = only(objects, "ServiceMonitor")  # a CRD: no schema here, so checked by hand
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"][
+        "labels"].items()
+    assert monitor["spec"]["namespaceSelector"]["matchNames"] == [NAME]
+    assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [
+        ("metrics", "/metrics")]
+    pod_monitor = yaml.safe_load((MONITORING / "podmonitor.yaml").read_text())
+    assert pod_monitor["kind"] == "PodMonitor"
+    assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert [(e["port"], e["path"]) for e in pod_monitor["spec"]["podMetricsEndpoints"]] == [
+        ("metrics", "/metrics")]
+
+    policy = only(objects, "NetworkPolicy")
+    kubernetes_validate.validate(policy, version, strict=True)
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert set(policy["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+    assert "egress" not in policy["spec"]  # the host dials no IP address
+    [rule] = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert rule["from"], "an ingress rule without 'from' admits everyone"
 
 
 # -- security --------------------------------------------------------------------------------
@@ -330,7 +450,7 @@ def test_namespaced_objects_are_in_the_namespace_that_allows_host_paths(name):
     namespace = only(objects, "Namespace")
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
     for obj in objects:
-        if obj["kind"] != "Namespace":
+        if obj["kind"] not in CLUSTER_SCOPED:
             assert obj["metadata"]["namespace"] == namespace["metadata"]["name"], obj["kind"]
 
 
@@ -342,6 +462,45 @@ def test_overlays_schedule_onto_their_own_nodes():
         selector = dict(spec["nodeSelector"])
         selector.pop("kubernetes.io/os")
         assert selector or spec.get("affinity", {}).get("nodeAffinity"), name
+
+
+def _nfd_pci_labels(root: Path, resource: ResourceConfig) -> set:
+    """The feature.node.kubernetes.io/pci-<class>_<vendor>.present labels Node Feature
+    Discovery puts on a node with these GPUs (class: base class and subclass, 4 hex digits)."""
+    from drivers.gpu.driver import GpuDriver
+    from host.hostfs import HostFS
+
+    found = GpuDriver().discover(HostFS(str(root)), [resource])[resource.name]
+    assert found
+    return {f"feature.node.kubernetes.io/pci-{d.attributes['class'][2:6]}_"
+            f"{d.attributes['vendor'][2:]}.present" for d in found}
+
+
+def test_the_gpu_overlay_s_affinity_matches_the_classes_the_cards_report(tmp_path):
+    """Each GPU's own PCI class, read by the gpu driver from captured and fake trees, is what
+    the overlay's affinity and its note for AMD are built on."""
+    from host.testing.fake_gpu import add_amd_gpu
+    from host.testing.tree import FakeTree, load_machine
+
+    load_machine("gpu-server-8x", tmp_path / "hgx")  # 8 x H100 SXM: 3D controllers
+    nvidia = _nfd_pci_labels(tmp_path / "hgx", ResourceConfig("nvidia.com/gpu", "gpu",
+                                                               {"vendor": "0x10de"}))
+    affinity = pod_spec(render("overlays/gpu-nodes"))["affinity"]["nodeAffinity"]
+    terms = affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    keys = {e["key"] for term in terms for e in term["matchExpressions"]}
+    assert nvidia <= keys
+
+    tree = FakeTree(tmp_path / "amd")
+    add_amd_gpu(tree, "0000:05:00.0", card=1, render=128)  # MI210: display controller
+    add_amd_gpu(tree, "0000:15:00.0", card=2, render=129, device=0x74A1,
+                pci_class=0x120000, product_name="AMD Instinct MI300X")
+    amd = _nfd_pci_labels(tmp_path / "amd", ResourceConfig("amd.com/gpu", "gpu",
+                                                           {"vendor": "0x1002"}))
+    assert amd == {"feature.node.kubernetes.io/pci-0380_1002.present",
+                   "feature.node.kubernetes.io/pci-1200_1002.present"}
+    note = (KUBE / "overlays" / "gpu-nodes" / "node-affinity.yaml").read_text()
+    assert "pci-1200_1002" in note and "MI300X" in note
+    assert "Instinct cards are class 0380" not in note  # the old, wrong rule for all of them
 
 
 # -- the image -------------------------------------------------------------------------------

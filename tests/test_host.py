@@ -276,7 +276,7 @@ def test_kubelet_starting_after_the_host(short_dir, run):
 
 def test_kubelet_restart_loop_reregisters_everything_without_leaks(short_dir, run):
     names = [f"example.com/r{i}" for i in range(4)]
-    driver = MemoryDriver("m", {n: make_devices("d", 2) for n in names})
+    driver = MemoryDriver("m", {n: make_devices(f"d{i}-", 2) for i, n in enumerate(names)})
     process = psutil.Process()
 
     async def scenario():
@@ -424,7 +424,7 @@ def _current_umask() -> int:
 
 def test_serving_many_resources_at_once_leaves_the_process_umask_alone(short_dir, run):
     names = [f"example.com/u{i}" for i in range(16)]
-    driver = MemoryDriver("m", {n: make_devices("d", 1) for n in names})
+    driver = MemoryDriver("m", {n: make_devices(f"d{i}-", 1) for i, n in enumerate(names)})
     before = _current_umask()
 
     async def scenario():

@@ -11,8 +11,11 @@ import asyncio
 import logging
 import os
 import socket
+import threading
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Dict, FrozenSet, Optional, Tuple
 
 import grpc
@@ -21,8 +24,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from host import __version__
 from host.app import HostApp
+from host.liveness import RegistrationLiveness
 from host.metrics import LATENCY_BUCKETS, HostMetrics, parse_address
 from host.model import Device, Health, ResourceConfig
+from host.protocol import api
 from host.testing.drivers import MemoryDriver, make_devices
 from host.testing.harness import make_config
 from host.testing.kubelet import KubeletSimulator
@@ -426,5 +431,161 @@ def test_a_taken_port_or_no_address_disables_without_raising(run, caplog):
             await metrics.stop()  # stopping what never started is fine
         finally:
             holder.close()
+
+    run(scenario())
+
+
+# -- /healthz: the liveness probe's answer -----------------------------------------------------
+def test_healthz_is_ok_while_the_loop_answers_and_the_check_is_clean(run):
+    async def body(metrics: HostMetrics) -> None:
+        assert await scrape(metrics, "/healthz") == (200, "text/plain; charset=utf-8", "ok\n")
+        status, _type, text = await scrape(metrics, "/healthz", method="HEAD")
+        assert status == 200 and text == ""
+        metrics.liveness = lambda: ["resource example.com/x has not registered for 301 s"]
+        status, _type, text = await scrape(metrics, "/healthz")
+        assert status == 503
+        assert text == "unhealthy: resource example.com/x has not registered for 301 s\n"
+        metrics.liveness = lambda: []
+        assert (await scrape(metrics, "/healthz"))[0] == 200
+
+        def broken() -> list:
+            raise RuntimeError("bug in the check")
+
+        metrics.liveness = broken  # a bug in the check does not restart a working host
+        status, _type, text = await scrape(metrics, "/healthz")
+        assert status == 200 and "bug in the check" in text
+
+    run(_serving(body))
+
+
+def test_healthz_of_a_stuck_event_loop_times_out(run):
+    """The loop itself answers, so a blocked loop answers nothing: the kubelet's probe fails
+    by its timeoutSeconds. Here the loop sleeps 3 s in a callback; a 1 s client times out."""
+    async def body(metrics: HostMetrics) -> None:
+        host, port = metrics.address
+        loop = asyncio.get_running_loop()
+        started = threading.Event()
+
+        def probe() -> str:
+            started.wait(5)
+            try:
+                urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=1).read()
+            except (socket.timeout, urllib.error.URLError, TimeoutError) as error:
+                return f"timed out: {error}"
+            return "answered"
+
+        answer = loop.run_in_executor(None, probe)
+        loop.call_soon(lambda: (started.set(), time.sleep(3)))
+        assert (await answer).startswith("timed out")
+        assert (await scrape(metrics, "/healthz"))[0] == 200  # the loop runs again
+
+    run(_serving(body))
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _kubelet_socket(directory: str) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.path.join(directory, "kubelet.sock"))
+    listener.listen()
+    return listener
+
+
+def test_registration_liveness_counts_only_while_the_kubelet_is_up(short_dir):
+    clock = _Clock()
+    state = {"example.com/a": False, "example.com/b": True}
+    grace = [300.0]
+    check = RegistrationLiveness(lambda: state, lambda: short_dir, lambda: grace[0], clock)
+    assert check.problems() == []  # no kubelet.sock: nothing could register
+    clock.now += 1000
+    assert check.problems() == []
+    kubelet = _kubelet_socket(short_dir)
+    try:
+        assert check.problems() == []  # the clock starts now
+        clock.now += 299
+        assert check.problems() == []
+        clock.now += 2
+        [problem] = check.problems()
+        assert problem.startswith("resource example.com/a has not registered for 301 s")
+        assert os.path.join(short_dir, "kubelet.sock") in problem
+        grace[0] = 0  # disabled (a reload can change it)
+        assert check.problems() == []
+        grace[0] = 300
+        state["example.com/a"] = True  # registered: its clock is reset
+        assert check.problems() == []
+        state["example.com/a"] = False
+        clock.now += 299
+        assert check.problems() == []
+    finally:
+        kubelet.close()
+        os.unlink(os.path.join(short_dir, "kubelet.sock"))
+    clock.now += 10
+    assert check.problems() == []  # kubelet gone: nothing to hold against us
+    (Path(short_dir) / "kubelet.sock").write_text("")  # a stale file is no kubelet
+    clock.now += 1000
+    assert check.problems() == []
+
+
+async def _rejecting_kubelet(plugin_dir: str) -> grpc.aio.Server:
+    """A kubelet that is up and refuses every Register (as one that rejects the resource)."""
+    async def register(request: api.RegisterRequest, context) -> api.Empty:
+        await context.abort(grpc.StatusCode.UNKNOWN, "registration refused for the test")
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "v1beta1.Registration", {"Register": grpc.unary_unary_rpc_method_handler(
+            register, request_deserializer=api.RegisterRequest.FromString,
+            response_serializer=api.Empty.SerializeToString)}),))
+    server.add_insecure_port("unix://" + os.path.join(plugin_dir, "kubelet.sock"))
+    await server.start()
+    return server
+
+
+def test_healthz_fails_when_a_resource_cannot_register_while_the_kubelet_is_up(
+        short_dir, tmp_path, run):
+    FakeTree(tmp_path / "root").numa_nodes(2)
+    driver = MemoryDriver("mem", {GPU: make_devices("gpu", 2, (0, 1))})
+    config = make_config(short_dir, [ResourceConfig(GPU, "mem")],
+                         host_root=str(tmp_path / "root"), liveness_grace_s=1)
+
+    async def status_until(metrics: HostMetrics, wanted: int, what: str) -> str:
+        deadline = time.monotonic() + 15
+        while True:
+            status, _type, text = await scrape(metrics, "/healthz")
+            if status == wanted:
+                return text
+            assert time.monotonic() < deadline, f"{what}: still {status} {text!r}"
+            await asyncio.sleep(0.1)
+
+    async def scenario():
+        kubelet = await _rejecting_kubelet(short_dir)
+        app = HostApp(config, {"mem": driver}, events=None)
+        assert await app.metrics.start("127.0.0.1:0") is not None
+        sim = None
+        try:
+            await app.start()
+            text = await status_until(app.metrics, 503, "a refused registration")
+            assert f"resource {GPU} has not registered for" in text
+            await kubelet.stop(None)  # the kubelet goes away: no reason to restart us
+            if os.path.lexists(os.path.join(short_dir, "kubelet.sock")):
+                os.unlink(os.path.join(short_dir, "kubelet.sock"))
+            await status_until(app.metrics, 200, "the kubelet is gone")
+            sim = KubeletSimulator(short_dir)  # a kubelet that accepts: registered, healthy
+            await sim.start()
+            await sim.wait_for(lambda k: GPU in k.resources and k.resources[GPU].connected,
+                               what="registered with the new kubelet")
+            assert (await scrape(app.metrics, "/healthz"))[0] == 200
+        finally:
+            await app.stop()
+            await app.metrics.stop()
+            if sim is not None:
+                await sim.stop()
+            await kubelet.stop(None)
 
     run(scenario())

@@ -23,6 +23,7 @@ from host.podresources import (
     assignments,
     format_table,
     pods_main,
+    running_in_container,
 )
 from host.protocol import api, podresources
 from host.testing.drivers import MemoryDriver, make_devices
@@ -282,10 +283,36 @@ def test_missing_socket_is_a_clear_error_with_exit_code_1(tmp_path, capsys):
     assert "kubelet is not serving it" in err
 
     unmounted = str(tmp_path / "nowhere" / "kubelet.sock")
-    assert pods_main(unmounted, None, True) == 1
+    assert pods_main(unmounted, None, True, in_container=True) == 1
     captured = capsys.readouterr()
     assert captured.out == ""  # no half-written JSON for scripts to misread
     assert "mount the kubelet's pod-resources directory" in captured.err
+
+
+def test_on_the_node_itself_a_missing_directory_is_not_a_mount_to_add(tmp_path, capsys):
+    missing = str(tmp_path / "nowhere" / "kubelet.sock")
+    assert pods_main(missing, None, False, in_container=False) == 1
+    err = capsys.readouterr().err
+    assert f"no pod-resources socket at {missing}" in err
+    assert "mount" not in err and "container" not in err
+    assert "does not exist on this node" in err and "--socket" in err
+
+
+@pytest.mark.parametrize(("markers", "environ", "expected"), [
+    ((), {}, False),
+    ((), {"PATH": "/usr/bin", "KUBERNETES_SERVICE_HOST": ""}, False),
+    ((".dockerenv",), {}, True),
+    (("run/.containerenv",), {}, True),
+    ((), {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}, True),  # every pod gets it
+    ((), {"container": "podman"}, True),
+])
+def test_running_in_a_container_is_told_by_what_runtimes_leave(tmp_path, markers, environ,
+                                                                expected):
+    root = tmp_path / "root"
+    (root / "run").mkdir(parents=True)
+    for marker in markers:
+        (root / marker).write_text("")
+    assert running_in_container(str(root), environ) is expected
 
 
 def test_a_file_that_is_not_a_socket_is_refused(tmp_path, capsys):

@@ -44,7 +44,8 @@ def _serving(sim, names):
 @pytest.mark.slow
 def test_500_kubelet_restarts_with_allocations_running(short_dir, run):
     names = [f"example.com/c{i}" for i in range(4)]
-    driver = MemoryDriver("m", {n: make_devices("d", 4, (0, 1)) for n in names})
+    driver = MemoryDriver("m", {n: make_devices(f"d{i}-", 4, (0, 1))
+                                for i, n in enumerate(names)})
     process = psutil.Process()
     rng = random.Random(7)
     outcomes = {"ok": 0, "refused": 0}

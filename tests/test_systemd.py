@@ -24,6 +24,13 @@ def _listener(path: str) -> socket.socket:
     return sock
 
 
+def _private_config(tmp_path) -> str:
+    """Drain marks under tmp_path: a test's host must not create /var/lib/device-plugin-host."""
+    config = tmp_path / "private.toml"
+    config.write_text(f'[host]\ndrain_file = "{tmp_path / "state" / "drained"}"\n')
+    return str(config)
+
+
 def test_notifier_is_silent_outside_systemd():
     assert Notifier({}).send("READY=1") is False
 
@@ -54,7 +61,8 @@ def test_host_sends_ready_after_every_resource_registered_then_stopping(tmp_path
                    WATCHDOG_USEC="400000", WATCHDOG_PID="")
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "host", "run", "--plugin-dir", plugin_dir, "--host-root",
-            str(tmp_path / "root"), env=env, stderr=asyncio.subprocess.PIPE)
+            str(tmp_path / "root"), "--config", str(_private_config(tmp_path)), env=env,
+            stderr=asyncio.subprocess.PIPE)
         try:
             messages = []
             while not any("READY=1" in m for m in messages):
@@ -97,7 +105,8 @@ def test_ready_without_a_kubelet_does_not_hold_up_boot(tmp_path, short_dir):
         env = dict(os.environ, PYTHONPATH=str(REPO), NOTIFY_SOCKET=notify_path)
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "host", "run", "--plugin-dir", plugin_dir, "--host-root",
-            str(tmp_path / "root"), env=env, stderr=asyncio.subprocess.PIPE)
+            str(tmp_path / "root"), "--config", str(_private_config(tmp_path)), env=env,
+            stderr=asyncio.subprocess.PIPE)
         try:
             message = (await asyncio.wait_for(loop.sock_recv(listener, 4096), 20)).decode()
             assert "READY=1" in message and "waiting for the kubelet" in message

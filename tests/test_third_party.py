@@ -160,20 +160,30 @@ def gaudi_box(root: Path) -> List[str]:
 
 
 @pytest.fixture
-def defaults_config(tmp_path: Path) -> Path:
-    """A config file without [[resource]]: the installed drivers' defaults, and no surprise
-    from an /etc/device-plugin-host/config.toml on the machine running the tests."""
+def widget_config(tmp_path: Path) -> Path:
+    """A config file naming the widget driver's resource, the way its README says to use it
+    (the package has no defaults: the host's built-in accel driver owns the vendors' names),
+    and no surprise from an /etc/device-plugin-host/config.toml on the test machine."""
     path = tmp_path / "config.toml"
+    path.write_text('[[resource]]\nname = "habana.ai/gaudi"\ndriver = "widget"\n'
+                    '[resource.selectors]\nkernel_driver = "habanalabs"\n')
+    return path
+
+
+@pytest.fixture
+def builtin_defaults(tmp_path: Path) -> Path:
+    """A config file without [[resource]]: every installed driver's defaults."""
+    path = tmp_path / "defaults.toml"
     path.write_text("# built-in defaults of every installed driver\n")
     return path
 
 
 # -- installed and used ------------------------------------------------------------------------
 @pytest.mark.slow
-def test_discover_in_the_fresh_venv_serves_the_widget_devices(venv, tmp_path, defaults_config):
+def test_discover_in_the_fresh_venv_serves_the_widget_devices(venv, tmp_path, widget_config):
     addresses = gaudi_box(tmp_path / "root")
     result = _run_in(venv, str(venv / "bin" / "device-plugin-host"), "discover", "--config",
-                     str(defaults_config), "--host-root", str(tmp_path / "root"), "--json",
+                     str(widget_config), "--host-root", str(tmp_path / "root"), "--json",
                      cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "other drivers keep loading" not in result.stderr, result.stderr  # all loaded
@@ -187,11 +197,26 @@ def test_discover_in_the_fresh_venv_serves_the_widget_devices(venv, tmp_path, de
             f"/dev/accel/accel{index}", f"/dev/accel/accel_controlD{index}"]
         assert row["attributes"]["pci_address"] == addresses[index]
         assert row["attributes"]["kernel_driver"] == "habanalabs"
+    assert [row for row in json.loads(result.stdout) if row["driver"] != "widget"] == []
+
+
+@pytest.mark.slow
+def test_installing_the_widget_driver_does_not_advertise_the_cards_twice(
+    venv, tmp_path, builtin_defaults
+):
+    addresses = gaudi_box(tmp_path / "root")
+    result = _run_in(venv, str(venv / "bin" / "device-plugin-host"), "discover", "--config",
+                     str(builtin_defaults), "--host-root", str(tmp_path / "root"), "--json",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert sorted(row["id"] for row in rows) == sorted(addresses)  # each card once
+    assert {(row["resource"], row["driver"]) for row in rows} == {(GAUDI, "accel")}
 
 
 @pytest.mark.slow
 def test_the_installed_host_serves_the_widget_resource_to_the_kubelet(
-    venv, tmp_path, short_dir, defaults_config
+    venv, tmp_path, short_dir, widget_config
 ):
     addresses = gaudi_box(tmp_path / "root")
 
@@ -199,7 +224,7 @@ def test_the_installed_host_serves_the_widget_resource_to_the_kubelet(
         sim = KubeletSimulator(short_dir)
         await sim.start()
         process = await asyncio.create_subprocess_exec(
-            str(venv / "bin" / "device-plugin-host"), "run", "--config", str(defaults_config),
+            str(venv / "bin" / "device-plugin-host"), "run", "--config", str(widget_config),
             "--plugin-dir", short_dir, "--host-root", str(tmp_path / "root"),
             cwd=str(tmp_path), env=_clean_env(), stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT)

@@ -13,7 +13,8 @@ Rules, chosen so that every GPU the kubelet sees is either fully usable or visib
   ``GPU-????????-...`` for a GPU it could not initialise), and is the same kind of id for all
   three vendors. The NVIDIA UUID is carried as an attribute and in NVIDIA_VISIBLE_DEVICES.
 * NVIDIA: /dev/nvidiaN with N the "Device Minor" of /proc/driver/nvidia/gpus/<addr>/information,
-  plus /dev/nvidiactl (required) and /dev/nvidia-uvm, -uvm-tools, -modeset where present. No
+  plus /dev/nvidiactl (required) and /dev/nvidia-uvm, -uvm-tools where present (-modeset, the
+  display interface, only with the setting ``nvidia_modeset = true``: see nvidia.py). No
   information file means no minor: the GPU is Unhealthy with the reason, except where it cannot
   be ambiguous and procfs lists no GPU at all (a tree captured or mounted without it): one GPU
   with exactly one /dev/nvidiaN, or N GPUs all bound to nvidia with exactly /dev/nvidia0..N-1,
@@ -32,20 +33,46 @@ Rules, chosen so that every GPU the kubelet sees is either fully usable or visib
 * SR-IOV: an Intel or AMD PF with VFs enabled is left on the host and its VFs are served (the
   Intel GPU plugin's rule); NVIDIA VFs are vGPU-manager functions with no container node and
   are skipped.
+* AMD compute partitions (amd.py, kfd.py): a GPU with more than one KFD agent is served as its
+  partitions; selector ``partition_mode`` gives ROCm's "mixed" names (amd.com/cpx_nps4).
+* NVIDIA MIG (mig.py, nvml.py): a GPU in MIG mode is never served whole. Setting
+  ``mig_strategy`` has NVIDIA's meaning: "none" (whole GPUs only), "single" (the MIG devices
+  under the resource's own name), "mixed" (whole GPUs here; MIG devices under resources that
+  select them by ``mig_profile`` (NVML), ``mig_parent``, ``mig_gi``, ``mig_ci``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from drivers.gpu import amd
 from drivers.gpu.drm import drm_nodes
-from drivers.gpu.nvidia import NvidiaInfo, proc_addresses, read_information
+from drivers.gpu.kfd import KfdNode, TopologyCache
+from drivers.gpu.links import link_preferred
+from drivers.gpu.mig import MigDevice, read_mig_devices
+from drivers.gpu.nvidia import (
+    MODESET_SETTING,
+    NvidiaInfo,
+    apply_modeset_setting,
+    proc_addresses,
+    read_information,
+)
+from drivers.gpu.nvml import NvmlSource, NvmlView, PynvmlSource
 from host.driver import Driver, SelectorError, selector_values
 from host.hostfs import HostFS
-from host.model import ContainerAllocation, Device, DeviceNode, Health, Mount, ResourceConfig
+from host.model import (
+    ContainerAllocation,
+    Device,
+    DeviceNode,
+    Health,
+    Mount,
+    PreferredRequest,
+    ResourceConfig,
+)
 from host.pci import (
     PCI_SELECTOR_TYPES,
     PciFunction,
@@ -82,23 +109,40 @@ _NVIDIA_NODE = re.compile(r"nvidia(\d+)\Z")
 _HEX = re.compile(r"[0-9a-f]+\Z")
 
 
+MIG_STRATEGIES = ("none", "single", "mixed")
+NO_NVML = NvmlView(False, "not needed: no NVIDIA GPU bound to nvidia")
+MIG_SELECTORS = ("mig_profile", "mig_parent", "mig_gi", "mig_ci")
+
+
 @dataclass(frozen=True)
 class GpuEntry:
     function: PciFunction
     device: Device
     passthrough: bool
+    mig: bool = False  # a MIG device (compute instance) of the function, not the function
 
 
 @dataclass(frozen=True)
 class GpuInventory:
     entries: Tuple[GpuEntry, ...]
+    nvml: NvmlView = field(default_factory=lambda: NO_NVML)
 
 
 class GpuDriver(Driver):
     name = "gpu"
+    # A compute repartition rebuilds the KFD topology under the PCI function: its change
+    # events arrive as "pci" or "drm"; the safety rescan covers kernels that send none.
     subsystems = ("pci", "drm")
-    selector_types = {**PCI_SELECTOR_TYPES, "class": (str,)}
-    setting_types = {}
+    selector_types = {
+        **PCI_SELECTOR_TYPES, "class": (str,), "partition_mode": (str,),
+        "mig_profile": (str,), "mig_parent": (str,), "mig_gi": (int,), "mig_ci": (int,),
+    }
+    setting_types = {"mig_strategy": (str,), MODESET_SETTING: (bool,)}
+
+    def __init__(self, nvml: Optional[NvmlSource] = None) -> None:
+        # NVML is asked only when a scan finds NVIDIA GPUs bound to nvidia (see nvml.py).
+        self._nvml: NvmlSource = nvml if nvml is not None else PynvmlSource()
+        self._kfd = TopologyCache()
 
     # -- configuration -------------------------------------------------------------------
     def check_selectors(self, selectors: Mapping[str, object]) -> None:
@@ -111,6 +155,19 @@ class GpuDriver(Driver):
                     f'{value!r} is not a PCI class: use 2, 4 or 6 hex digits ("0x03" base'
                     ' class, "0x0302" class and subclass, "0x030200" with prog-if)',
                 )
+        for value in selector_values(selectors, "partition_mode") or []:
+            problem = amd.mode_selector_error(str(value))
+            if problem is not None:
+                raise SelectorError("partition_mode", problem)
+
+    def check_settings(self, settings: Mapping[str, object]) -> None:
+        super().check_settings(settings)
+        strategy = settings.get("mig_strategy")
+        if strategy is not None and strategy not in MIG_STRATEGIES:
+            raise SelectorError(
+                "mig_strategy",
+                f"{strategy!r} is not a MIG strategy: use one of {', '.join(MIG_STRATEGIES)}",
+            )
 
     def default_resources(self) -> Sequence[ResourceConfig]:
         return (
@@ -144,43 +201,109 @@ class GpuDriver(Driver):
         for address, (minor, _) in minors.items():
             if minor is not None:
                 claims.setdefault(minor, []).append(address)
+        bound = [fn for fn in nvidia if fn.kernel_driver == "nvidia"]
+        nvml = self._nvml_view() if bound else NO_NVML
+        migs = read_mig_devices(host) if bound else {}
+        amd_gpus = [fn for fn in gpus if fn.vendor == AMD and not _is_passthrough(fn)]
+        kfd, peers = self._kfd.read(host) if amd_gpus else ({}, {})
         entries = []
         for fn in gpus:
             passthrough = _is_passthrough(fn)
             if passthrough:
-                device = _passthrough_device(host, fn)
+                devices = [_passthrough_device(host, fn)]
             elif fn.vendor == NVIDIA:
                 minor, note = minors[fn.address]
                 others = claims.get(minor, []) if minor is not None else []
                 shared = [a for a in others if a != fn.address]
-                device = _nvidia_device(host, fn, infos[fn.address], minor, note, shared)
+                whole = _nvidia_device(host, fn, infos[fn.address], minor, note, shared)
+                linked = nvml.nvlink_peers.get(fn.address)
+                if linked:
+                    whole = replace(whole, attributes={
+                        **whole.attributes, "nvlink_peers": ",".join(sorted(linked))})
+                own = migs.get(minor, []) if minor is not None else []
+                in_mig = nvml.mig_mode.get(fn.address, bool(own)) if nvml.available else bool(own)
+                if in_mig:
+                    logger.warning(
+                        "gpu %s is in MIG mode (%d MIG devices): never served whole; its MIG"
+                        " devices serve with mig_strategy = \"single\" or MIG selectors",
+                        fn.address, len(own))
+                    for mig in own:
+                        device = _mig_device(host, whole, mig, nvml)
+                        if not device.healthy:
+                            logger.warning("gpu %s: unhealthy: %s", device.id,
+                                           device.health_reason)
+                        entries.append(GpuEntry(fn, device, False, mig=True))
+                    continue
+                devices = [whole]
             elif fn.vendor == AMD:
-                device = _drm_device(host, fn, "amd", required=(KFD,))
+                devices = _amd_devices(host, fn, kfd, peers.get(fn.address, set()))
             else:
-                device = _drm_device(host, fn, "intel", required=())
-            if not device.healthy:
-                logger.warning("gpu %s: unhealthy: %s", fn.address, device.health_reason)
-            entries.append(GpuEntry(fn, device, passthrough))
-        return GpuInventory(tuple(entries))
+                devices = [_drm_device(host, fn, "intel", required=())]
+            for device in devices:
+                if not device.healthy:
+                    logger.warning("gpu %s: unhealthy: %s", device.id, device.health_reason)
+                entries.append(GpuEntry(fn, device, passthrough))
+        return GpuInventory(tuple(entries), nvml)
+
+    def _nvml_view(self) -> NvmlView:
+        try:
+            return self._nvml.read()
+        except Exception as error:  # a broken source must not fail the scan
+            logger.warning("gpu: NVML source failed: %s", error)
+            return NvmlView(False, f"NVML failed: {type(error).__name__}: {error}")
 
     def select(self, inventory: GpuInventory, resource: ResourceConfig) -> Sequence[Device]:
         selectors = resource.selectors
         named_drivers = selector_values(selectors, "kernel_driver") or []
         patterns = [_class_pattern(str(v)) for v in selector_values(selectors, "class") or []]
+        modes = [str(v) for v in selector_values(selectors, "partition_mode") or []]
+        strategy = str(resource.settings.get("mig_strategy", "none"))
+        mig_resource = any(key in selectors for key in MIG_SELECTORS)
+        if "mig_profile" in selectors and not inventory.nvml.available:
+            logger.warning(
+                "resource %s selects mig_profile, which only NVML knows (%s): no MIG device"
+                " matches; select by mig_parent / mig_gi / mig_ci instead",
+                resource.name, inventory.nvml.reason)
         out = []
+        # Partitions and MIG devices share their function: judge each function once.
+        verdicts: Dict[str, bool] = {}
         for entry in inventory.entries:
-            if entry.passthrough and entry.function.kernel_driver not in named_drivers:
+            fn = entry.function
+            verdict = verdicts.get(fn.address)
+            if verdict is None:
+                verdict = verdicts[fn.address] = (
+                    (not entry.passthrough or fn.kernel_driver in named_drivers)
+                    and matches_pci(fn, selectors)
+                    and (not patterns or any(
+                        p is not None and _class_matches(fn.pci_class, p) for p in patterns))
+                )
+            if not verdict:
                 continue
-            if not matches_pci(entry.function, selectors):
+            if modes and not amd.mode_matches(entry.device.attributes.get("partition_mode"), modes):
                 continue
-            if patterns and not any(
-                p is not None and _class_matches(entry.function.pci_class, p) for p in patterns
-            ):
-                continue
-            out.append(entry.device)
+            if entry.mig:
+                if mig_resource:
+                    if not _mig_matches(entry.device, selectors):
+                        continue
+                elif strategy != "single":
+                    continue
+            elif mig_resource:
+                continue  # a resource of MIG devices serves no whole GPU
+            out.append(apply_modeset_setting(entry.device, resource.settings))
+        if strategy == "single" and not mig_resource:
+            out = _single_strategy(out)
         return out
 
     # -- allocation ----------------------------------------------------------------------
+    def preferred(
+        self, resource: ResourceConfig, request: PreferredRequest
+    ) -> Optional[Sequence[str]]:
+        """Link-aware choice (links.py): XGMI/NVLink cliques, then fewest GPUs, then NUMA.
+        Replicated resources keep the host's pack/spread policy."""
+        if resource.replicas > 1:
+            return None
+        return link_preferred(request.available, request.must_include, request.size)
+
     def allocate(
         self, resource: ResourceConfig, devices: Sequence[Device], merged: ContainerAllocation
     ) -> ContainerAllocation:
@@ -251,6 +374,39 @@ def _class_pattern(text: str) -> Optional[Tuple[int, int]]:
 def _class_matches(pci_class: Optional[int], pattern: Tuple[int, int]) -> bool:
     value, shift = pattern
     return pci_class is not None and pci_class >> shift == value
+
+
+def _mig_matches(device: Device, selectors: Mapping[str, object]) -> bool:
+    attributes = device.attributes
+    for key, attribute in (("mig_profile", "mig_profile"), ("mig_parent", "pci_address"),
+                           ("mig_gi", "mig_gi"), ("mig_ci", "mig_ci")):
+        wanted = selector_values(selectors, key)
+        if wanted is None:
+            continue
+        have = attributes.get(attribute)
+        if have is None or have.lower() not in {str(v).strip().lower() for v in wanted}:
+            return False
+    return True
+
+
+def _single_strategy(devices: List[Device]) -> List[Device]:
+    """NVIDIA's "single": every GPU in MIG mode with one profile, MIG devices served under the
+    resource's name. A node that breaks the rule gets the offending devices Unhealthy with
+    the reason (NVIDIA's plugin refuses to start instead); without MIG devices it is "none"."""
+    migs = [d for d in devices if "mig_ci" in d.attributes]
+    if not migs:
+        return devices
+    profiles = sorted({d.attributes["mig_profile"] for d in migs if "mig_profile" in d.attributes})
+    out = []
+    for device in devices:
+        if "mig_ci" not in device.attributes and device.attributes.get("gpu_vendor") == "nvidia":
+            device = _add_problem(device, 'mig_strategy "single": this GPU is not in MIG mode'
+                                  ' while others are; use "mixed"')
+        elif len(profiles) > 1 and "mig_ci" in device.attributes:
+            device = _add_problem(device, 'mig_strategy "single" needs one MIG profile on the'
+                                  f' node, found {", ".join(profiles)}; use "mixed"')
+        out.append(device)
+    return out
 
 
 def kubevirt_env_name(resource_name: str) -> str:
@@ -374,6 +530,57 @@ def _nvidia_device(
     return _device(fn, paths, problems, attributes, env={"NVIDIA_VISIBLE_DEVICES": visible})
 
 
+def _mig_device(host: HostFS, parent: Device, mig: MigDevice, nvml: NvmlView) -> Device:
+    """A MIG device: the parent's nodes (minus nothing: CUDA opens /dev/nvidiaN of the parent)
+    plus the GI and CI capability nodes, the parent's NUMA node and health."""
+    address = parent.attributes["pci_address"]
+    problems = [parent.health_reason] if parent.health_reason else []
+    problems.extend(mig.problems)
+    caps = list(mig.cap_nodes)
+    problems.extend(_missing(host, caps))
+    nodes = [n.host_path for n in parent.device_nodes]
+    nodes[1:1] = caps  # /dev/nvidiaN, its caps, then the control nodes
+    attributes = {
+        k: v for k, v in parent.attributes.items()
+        if k not in ("uuid", "device_minor_source", "nvlink_peers")
+    }
+    attributes.update({
+        "mig_parent_minor": str(mig.gpu_minor),
+        "mig_gi": str(mig.gi),
+        "mig_ci": str(mig.ci),
+    })
+    if mig.gi_cap is not None:
+        attributes["mig_gi_cap"] = str(mig.gi_cap)
+    if mig.ci_cap is not None:
+        attributes["mig_ci_cap"] = str(mig.ci_cap)
+    env: Dict[str, str] = {}
+    known = nvml.migs.get((address, mig.gi, mig.ci)) if nvml.available else None
+    if known is not None:
+        if known.profile:
+            attributes["mig_profile"] = known.profile
+        if known.uuid:
+            attributes["mig_uuid"] = known.uuid
+            env["NVIDIA_VISIBLE_DEVICES"] = known.uuid
+    elif nvml.available:
+        attributes["nvml"] = "NVML lists no MIG device with these GPU/compute instance ids"
+    else:
+        attributes["nvml"] = (f"not available: {nvml.reason}; it would add mig_profile and"
+                              " mig_uuid")
+    if "NVIDIA_VISIBLE_DEVICES" not in env and "uuid" in parent.attributes:
+        # The R450-era MIG name the container toolkit still resolves, from procfs facts only.
+        env["NVIDIA_VISIBLE_DEVICES"] = f"MIG-{parent.attributes['uuid']}/{mig.gi}/{mig.ci}"
+    unique = list(dict.fromkeys(problems))
+    return Device(
+        id=f"{address}-gi{mig.gi}-ci{mig.ci}",
+        health=Health.UNHEALTHY if unique else Health.HEALTHY,
+        health_reason="; ".join(unique),
+        numa_nodes=parent.numa_nodes,
+        device_nodes=tuple(DeviceNode(p, p, "rw") for p in dict.fromkeys(nodes)),
+        env=env,
+        attributes=attributes,
+    )
+
+
 # -- AMD and Intel ------------------------------------------------------------------------------
 def _drm_device(host: HostFS, fn: PciFunction, vendor: str, required: Sequence[str]) -> Device:
     problems = _driver_problems(host, fn)
@@ -399,6 +606,77 @@ def _drm_device(host: HostFS, fn: PciFunction, vendor: str, required: Sequence[s
             if host.readlink(link) is not None and host.exists(link):  # not dangling
                 mounts.append(Mount(link, link, read_only=True))
     return _device(fn, paths, problems, attributes, mounts=mounts)
+
+
+def _amd_devices(
+    host: HostFS, fn: PciFunction, kfd: Mapping[str, Sequence[KfdNode]], peers: set
+) -> List[Device]:
+    """The whole GPU, or its partitions when KFD lists more than one agent for it."""
+    mode = amd.read_mode(host.read, fn.path)
+    whole = _drm_device(host, fn, "amd", required=(KFD,))
+    extra: Dict[str, str] = {}
+    if mode.name is not None:
+        extra["partition_mode"] = mode.name
+        extra["compute_partition"] = mode.compute or ""
+        if mode.memory:
+            extra["memory_partition"] = mode.memory
+        if mode.available:
+            extra["available_compute_partitions"] = ",".join(mode.available)
+    vram = host.read_int(f"{fn.path}/mem_info_vram_total", 10)
+    if vram:
+        extra["memory_bytes"] = str(vram)
+    if "product_name" in whole.attributes:
+        extra["product"] = whole.attributes["product_name"]
+    if peers:
+        extra["xgmi_peers"] = ",".join(sorted(peers))
+    parts = amd.partitions_of(kfd.get(fn.address, ()))
+    if len(parts) <= 1:
+        device = replace(whole, attributes={**whole.attributes, **extra})
+        if mode.partitioned:
+            found = "one KFD node" if parts else "no KFD topology node"
+            return [_add_problem(device, (
+                f"compute partition {mode.compute} but {found} for it (repartition in progress,"
+                " or amdgpu's KFD not loaded): neither the whole GPU nor its partitions can be"
+                " served"))]
+        return [device]
+    # What every partition shares is worked out once: an MI300X node has 64 of them.
+    shared = _driver_problems(host, fn) + _missing(host, [KFD])
+    base = {k: v for k, v in whole.attributes.items() if k not in ("drm_card", "drm_render")}
+    base.update(extra)
+    duplicates = amd.duplicate_indices(parts)
+    count = len(parts)
+    base["partition_count"] = str(count)
+    out = []
+    kfd_node = _node(KFD)
+    share = str(vram // count) if vram else None  # the GPU's memory over its partitions
+    for part in parts:  # kept tight: 64 of these per scan on an MI300X node in CPX
+        problems = list(shared)
+        nodes = [kfd_node]
+        attributes = dict(base)
+        attributes["partition_index"] = str(part.number)
+        attributes["drm_render"] = part.render
+        render = "/dev/dri/" + part.render
+        nodes.append(_node(render))
+        if not host.exists(render):
+            problems.append(f"device node {render} missing")
+        if part.number in duplicates:
+            problems.append(f"KFD lists partition {part.number} {duplicates[part.number]} times")
+        if share is not None:
+            attributes["memory_bytes"] = share
+        out.append(Device(
+            id=amd.partition_id(fn.address, part.number),
+            health=Health.UNHEALTHY if problems else Health.HEALTHY,
+            health_reason="; ".join(dict.fromkeys(problems)),
+            numa_nodes=fn.numa_nodes,
+            device_nodes=tuple(nodes),
+            attributes=attributes,
+        ))
+    return out
+
+
+def _add_problem(device: Device, problem: str) -> Device:
+    reason = "; ".join(r for r in (device.health_reason, problem) if r)
+    return device.with_health(Health.UNHEALTHY, reason)
 
 
 # -- passthrough --------------------------------------------------------------------------------
@@ -444,15 +722,23 @@ def _device(
     attributes: Dict[str, str],
     env: Optional[Mapping[str, str]] = None,
     mounts: Sequence[Mount] = (),
+    device_id: Optional[str] = None,
 ) -> Device:
     unique = list(dict.fromkeys(problems))
     return Device(
-        id=fn.address,
+        id=device_id or fn.address,
         health=Health.UNHEALTHY if unique else Health.HEALTHY,
         health_reason="; ".join(unique),
         numa_nodes=fn.numa_nodes,
-        device_nodes=tuple(DeviceNode(p, p, "rw") for p in dict.fromkeys(paths)),
+        device_nodes=tuple(_node(p) for p in dict.fromkeys(paths)),
         mounts=tuple(mounts),
         env=dict(env or {}),
         attributes=attributes,
     )
+
+
+@functools.lru_cache(maxsize=8192)
+def _node(path: str) -> DeviceNode:
+    """DeviceNodes are immutable: one per path is shared by every scan (and by the 64
+    partitions of an MI300X node that all carry /dev/kfd)."""
+    return DeviceNode(path, path, "rw")

@@ -26,15 +26,37 @@ are "unknown", never identifiers.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Dict, Optional
+from dataclasses import dataclass, replace
+from typing import Dict, Mapping, Optional
 
 from host.hostfs import HostFS
+from host.model import Device
 
 PROC_GPUS = "/proc/driver/nvidia/gpus"
 
 #: Minors 254 and 255 are /dev/nvidia-modeset and /dev/nvidiactl; GPUs get the ones below.
 MAX_GPU_MINOR = 253
+
+#: The kernel mode-setting (display) interface of nvidia-modeset.ko, which compute does not
+#: use: libnvidia-container binds it only for the "display" driver capability (nvc_mount.c:
+#: "Only display capability requires the modeset device"; CUDA images ask for compute and
+#: utility), and NVIDIA's device plugin leaves device nodes to that runtime by default. Its
+#: passDeviceSpecs mode and nvidia-ctk's generated CDI spec (common-nvml.go) do add it
+#: wherever it exists; ``nvidia_modeset = true`` on a resource does the same here, for
+#: display and Vulkan workloads. Default off: least device access for compute pods.
+MODESET_NODE = "/dev/nvidia-modeset"
+MODESET_SETTING = "nvidia_modeset"
+
+
+def apply_modeset_setting(device: Device, settings: Mapping[str, object]) -> Device:
+    """The device as a resource with these settings hands it out: without /dev/nvidia-modeset
+    unless ``nvidia_modeset = true``."""
+    if settings.get(MODESET_SETTING) is True:
+        return device
+    nodes = tuple(n for n in device.device_nodes if n.host_path != MODESET_NODE)
+    if len(nodes) == len(device.device_nodes):
+        return device
+    return replace(device, device_nodes=nodes)
 
 _UUID = re.compile(
     r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z", re.IGNORECASE

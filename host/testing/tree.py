@@ -228,6 +228,11 @@ _CAPTURE_ROOTS = (
     "/sys/class/video4linux",
     "/sys/kernel/iommu_groups",
     "/sys/class/accel",
+    "/sys/class/neuron_device",
+    "/sys/dev/char",
+    "/sys/class/kfd",  # AMD KFD topology: compute partitions and XGMI links
+    "/proc/driver/nvidia/capabilities",  # MIG instances
+    "/proc/driver/nvidia-caps",  # mig-minors
 )
 _CAPTURE_ATTRS = frozenset(
     "vendor device class numa_node local_cpulist enable subsystem_vendor subsystem_device "
@@ -237,7 +242,11 @@ _CAPTURE_ATTRS = frozenset(
     "current_link_speed current_link_width aer_dev_fatal aer_dev_nonfatal aer_dev_correctable "
     "feature_id type id afu_id interface_id name speed product_name unique_id boot_vga "
     "compat_id bitstream_id ports_num mgmt_pf user_pf instance VBNV timestamp serial_num "
-    "authorized devpath status device_type module_id serial_number".split()
+    "authorized devpath status device_type module_id serial_number "
+    "reset core_count connected_devices arch_type instance_type device_name".split()
+    # amdgpu partition modes and memory; KFD topology nodes and links
+    + "current_compute_partition current_memory_partition available_compute_partition "
+    "available_memory_partition mem_info_vram_total properties gpu_id generation_id".split()
 )
 
 
@@ -277,7 +286,12 @@ def capture_tree(root: str = "/", dev_globs: Sequence[str] = ()) -> Iterator[str
                 child = f"{host_path}/{name}"
                 child_real = prefix + child
                 if os.path.islink(child_real):
-                    if name in ("subsystem", "firmware_node", "consumer", "supplier"):
+                    if name == "subsystem":
+                        # Recorded, never followed: a class device's class (hailo_chardev,
+                        # accel) is the last component of this link.
+                        yield f"l {child} -> {os.readlink(child_real)}"
+                        continue
+                    if name in ("firmware_node", "consumer", "supplier"):
                         continue
                     pending.append(child)
                 elif os.path.isdir(child_real):

@@ -60,9 +60,8 @@ def test_nvidia_gpu_carries_its_minor_node_control_nodes_and_env(tree):
     device = devices_of(tree, NVIDIA_GPU)["0000:3b:00.0"]
 
     assert device.health is Health.HEALTHY, device.health_reason
-    assert node_paths(device) == [
+    assert node_paths(device) == [  # no /dev/nvidia-modeset by default (issue 11, item 16)
         "/dev/nvidia3", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
-        "/dev/nvidia-modeset",
     ]
     assert all(n.permissions == "rw" and n.container_path == n.host_path
                for n in device.device_nodes)
@@ -624,8 +623,8 @@ def test_hgx_has_eight_healthy_gpus_four_per_numa_node(hgx):
         DeviceNode(f"/dev/nvidia{i}", f"/dev/nvidia{i}", "rw") for i in range(8)
     ]
     for device in gpus:
-        assert node_paths(device)[1:] == [
-            "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset",
+        assert node_paths(device)[1:] == [  # no /dev/nvidia-modeset by default
+            "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
         ]
         assert device.env["NVIDIA_VISIBLE_DEVICES"] == device.attributes["uuid"]
         assert device.attributes["model"] == "NVIDIA H100 80GB HBM3"

@@ -12,7 +12,7 @@ from host.model import Health, ResourceConfig
 from host.plugins import load_drivers
 from host.testing.tree import FakeTree
 
-from dph_widget.driver import WidgetDriver
+from dph_widget.driver import SUGGESTED, WidgetDriver
 from dph_widget.testing import add_accel, add_gaudi, add_intel_npu, gaudi_server
 
 GAUDI = ResourceConfig("habana.ai/gaudi", "widget", {"kernel_driver": "habanalabs"})
@@ -198,5 +198,13 @@ def test_installed_package_is_found_through_its_entry_point():
     registry = load_drivers()
     assert "widget" in registry.drivers, registry.failures
     assert "dph-widget 0.1.0" in registry.sources["widget"]
-    names = {r.name: r.driver for r in default_config(registry.drivers).resources}
-    assert names["habana.ai/gaudi"] == "widget" and names["npu.intel.com/accel"] == "widget"
+    # No defaults: the host's built-in accel driver serves these cards under the vendors'
+    # names; the widget driver is used where config names it, so nothing is advertised twice.
+    assert WidgetDriver().default_resources() == ()
+    assert all(r.driver != "widget" for r in default_config(registry.drivers).resources)
+
+
+def test_suggested_entries_are_valid_config_for_the_driver():
+    for resource in SUGGESTED:
+        assert resource.driver == "widget"
+        WidgetDriver().check_selectors(resource.selectors)

@@ -1,15 +1,15 @@
 """The widget driver served by the real host to the kubelet simulator, as a node would run it:
-drivers from the installed entry points, the built-in default resources, real gRPC."""
+drivers from the installed entry points, the resources a config file names, real gRPC."""
 
 from __future__ import annotations
 
-from host.config import default_config
 from host.plugins import load_drivers
-from host.testing.harness import running_host
+from host.testing.harness import make_config, running_host
 from host.testing.kubelet import KubeletSimulator
 from host.testing.tree import FakeTree
 from host.watch import InjectedSource
 
+from dph_widget.driver import SUGGESTED
 from dph_widget.testing import gaudi_server
 
 GAUDI = "habana.ai/gaudi"
@@ -21,9 +21,9 @@ def test_a_pod_asking_for_two_gaudi_cards_gets_both_nodes_of_each_on_one_numa_no
     tree = FakeTree(tmp_path / "root")
     addresses = gaudi_server(tree)
     registry = load_drivers()
-    config = default_config(registry.drivers).with_overrides(
-        plugin_dir=short_dir, host_root=str(tmp_path / "root")
-    )
+    # What a config file with the two SUGGESTED [[resource]] entries gives: only these
+    # resources, served by the widget driver (the built-in accel driver serves nothing).
+    config = make_config(short_dir, SUGGESTED, host_root=str(tmp_path / "root"))
 
     events = InjectedSource()
 
@@ -34,7 +34,7 @@ def test_a_pod_asking_for_two_gaudi_cards_gets_both_nodes_of_each_on_one_numa_no
             async with running_host(config, registry.drivers, events) as app:
                 await sim.wait_for(lambda s: s.resources[GAUDI].allocatable == 8,
                                    what="8 Gaudi cards allocatable")
-                assert "npu.intel.com/accel" not in app.served()  # no NPU on this box
+                assert set(app.served()) == {GAUDI, "npu.intel.com/accel"}
                 result = await sim.allocate(GAUDI, 2, pod="train")
                 assert len(result.numa_nodes) == 1
                 assert set(result.device_ids) <= set(addresses)

@@ -40,6 +40,12 @@ HABANA_DRIVER = "habanalabs"
 HABANA_ENV = "HABANA_VISIBLE_DEVICES"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
+#: Config entries that serve what the vendors' own plugins serve, for a config file or a test.
+SUGGESTED: Tuple[ResourceConfig, ...] = (
+    ResourceConfig("npu.intel.com/accel", "widget", {"kernel_driver": "intel_vpu"}),
+    ResourceConfig("habana.ai/gaudi", "widget", {"kernel_driver": HABANA_DRIVER}),
+)
+
 
 @dataclass(frozen=True)
 class AccelEntry:
@@ -73,22 +79,12 @@ class WidgetDriver(Driver):
             raise SelectorError("index_env", f"{name!r} is not an environment variable name")
 
     def default_resources(self) -> Sequence[ResourceConfig]:
-        """The resource names the vendors' own plugins use, so pod specs written for those
-        keep working; other accel drivers (qaic, amdxdna, rocket) need a config entry."""
-        return (
-            ResourceConfig(
-                "npu.intel.com/accel",
-                self.name,
-                {"kernel_driver": "intel_vpu"},
-                register_when_empty=False,
-            ),
-            ResourceConfig(
-                "habana.ai/gaudi",
-                self.name,
-                {"kernel_driver": HABANA_DRIVER},
-                register_when_empty=False,
-            ),
-        )
+        """None. device-plugin-host has a built-in ``accel`` driver that serves the same
+        devices under the vendors' names (habana.ai/gaudi, npu.intel.com/accel, ...); a second
+        set of defaults would advertise each card twice, or be skipped by the host as a name
+        another driver took. This package is served where config names ``driver = "widget"``
+        (see SUGGESTED for the entries that mirror the vendors' plugins)."""
+        return ()
 
     # -- discovery -----------------------------------------------------------------------
     def scan(self, host: HostFS) -> AccelInventory:

@@ -1,0 +1,1 @@
+"""neuron driver: AWS Inferentia and Trainium devices of the aws-neuron-driver, /dev/neuronN."""

@@ -1,0 +1,14 @@
+"""Entry point of the built-in neuron driver (``device_plugin_host.drivers`` group)."""
+
+from __future__ import annotations
+
+from typing import List
+
+from drivers.neuron.driver import NeuronDriver
+from host.driver import Driver
+from host.hookspecs import hookimpl
+
+
+@hookimpl
+def device_plugin_host_drivers() -> List[Driver]:
+    return [NeuronDriver()]

@@ -1,0 +1,99 @@
+"""What the aws-neuron-driver shows in sysfs, read once per scan (no health decisions here).
+
+Each Neuron device is a class device ``/sys/class/neuron_device/neuron<N>`` created with no
+parent (neuron_cdev.c: ``device_create(neuron_dev_class, NULL, ...)``), so it lives under
+/sys/devices/virtual/ and nothing in sysfs ties ``neuron<N>`` to its PCI function. ``N`` is the
+driver's device index: probe order on Inf1, the firmware routing id on Inf2/Trn1/Trn2
+(neuron_pci.c), never something to derive from PCI addresses. The PCI functions bound to
+``neuron`` are read separately; they prove a NUMA node only when all of them share one.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import re
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from host.chardev import dev_node_path, parent_device
+from host.hostfs import HostFS, is_pci_address
+from host.pci import PciFunction, list_functions, read_function
+
+log = logging.getLogger(__name__)
+
+NEURON_CLASS = "/sys/class/neuron_device"
+AMAZON = 0x1D0F
+NEURON_PCI_DRIVER = "neuron"
+
+_NAME = re.compile(r"neuron(\d+)\Z")
+
+
+@dataclass(frozen=True)
+class NeuronDevice:
+    name: str  # neuron3
+    index: int  # 3, the driver's device_index
+    path: str  # /sys/devices/virtual/neuron_device/neuron3
+    dev_node: str  # /dev/neuron3
+    dev_numbers: Optional[str]
+    state: Optional[str]  # the ``reset`` attribute: device_state 0/1/2
+    core_count: Optional[int]
+    connected: Optional[str]  # "1, 3, 4, 12"
+    arch_type: Optional[str]
+    instance_type: Optional[str]
+    device_name: Optional[str]
+    pci: Optional[PciFunction]  # only where the class device links to its function
+
+
+@dataclass(frozen=True)
+class NeuronScan:
+    devices: Tuple[NeuronDevice, ...]
+    functions: Tuple[PciFunction, ...]  # PCI functions bound to the neuron driver
+
+
+def scan(host: HostFS) -> NeuronScan:
+    valid_numa = host.machine_numa_nodes()
+    devices = []
+    for name in host.listdir(NEURON_CLASS):
+        match = _NAME.match(name)
+        if match is None:
+            continue
+        device = _read_device(host, name, int(match.group(1)), valid_numa)
+        if device is not None:
+            devices.append(device)
+    devices.sort(key=lambda d: d.index)
+    functions: Tuple[PciFunction, ...] = ()
+    if devices:
+        functions = tuple(
+            fn for fn in list_functions(host)
+            if fn.vendor == AMAZON and fn.kernel_driver == NEURON_PCI_DRIVER
+        )
+    return NeuronScan(tuple(devices), functions)
+
+
+def _read_device(
+    host: HostFS, name: str, index: int, valid_numa: Optional[Tuple[int, ...]]
+) -> Optional[NeuronDevice]:
+    path = host.resolve(f"{NEURON_CLASS}/{name}")
+    if path is None:
+        log.warning("neuron: %s/%s is dangling; skipped", NEURON_CLASS, name)
+        return None
+    pci = None
+    parent = parent_device(host, path)  # absent in every driver version we know
+    if parent is not None and is_pci_address(posixpath.basename(parent)):
+        pci = read_function(host, posixpath.basename(parent), valid_numa)
+    info = f"{path}/info/architecture"
+    return NeuronDevice(
+        name=name,
+        index=index,
+        path=path,
+        dev_node=dev_node_path(host, path, name),
+        dev_numbers=host.read(f"{path}/dev") or None,
+        state=host.read(f"{path}/reset"),
+        core_count=host.read_int(f"{path}/core_count", 10),
+        connected=host.read(f"{path}/connected_devices"),
+        arch_type=host.read(f"{info}/arch_type") or None,
+        instance_type=host.read(f"{info}/instance_type") or None,
+        device_name=host.read(f"{info}/device_name") or None,
+        pci=pci,
+    )

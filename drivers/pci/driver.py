@@ -1,0 +1,176 @@
+"""The generic pci driver: a PCI function and the character devices its kernel driver made.
+
+For hardware no built-in driver knows (a Hailo-8 NPU, a capture card, a custom FPGA board),
+an operator names the functions by selectors and gets each one served with its own nodes,
+without code. Rules:
+
+* It serves only what config names: no default resources, and a resource must give at least
+  one of ``vendor``, ``device``, ``class``, ``kernel_driver``, ``pci_address``.
+* The id is the PCI address. The nodes are the function's class devices: every
+  /sys/dev/char entry whose nearest PCI ancestor is the function (host/chardev.py), at the
+  /dev path of its uevent DEVNAME (``hailo0`` -> /dev/hailo0). ``settings.char_classes``
+  keeps only some classes (``["hailo_chardev"]``); a card that also exposes, say, a tty
+  does not hand it out then.
+* Unhealthy, with the reason: no kernel driver bound, a bound driver that made no char
+  device (of the wanted classes), a node missing from /dev, ``enable`` = 0.
+* A function bound to vfio-pci (or a vfio variant, or pci-stub) is VM passthrough: it is
+  served only when ``kernel_driver`` names that driver, then with /dev/vfio/vfio and
+  /dev/vfio/<iommu group>.
+* NUMA is the function's own ``numa_node`` (-1: no topology).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Dict, FrozenSet, List, Mapping, Optional, Tuple
+
+from host.chardev import CharDevice, CharIndex, dev_node_path
+from host.driver import Driver, SelectorError, selector_values
+from host.hostfs import HostFS
+from host.model import Device, DeviceNode, Health, ResourceConfig
+from host.pci import (
+    PCI_SELECTOR_TYPES,
+    PciFunction,
+    check_pci_selectors,
+    list_functions,
+    matches_pci,
+)
+from host.pci_class import check_class_selector, class_matches, class_patterns
+
+log = logging.getLogger(__name__)
+
+IDENTIFYING = ("vendor", "device", "class", "kernel_driver", "pci_address")
+PASSTHROUGH_DRIVERS = ("vfio-pci", "pci-stub")
+VFIO_CONTAINER = "/dev/vfio/vfio"
+
+
+@dataclass(frozen=True)
+class CharNode:
+    device: CharDevice
+    dev_node: str
+    subsystem: Optional[str]
+    present: bool
+
+
+@dataclass
+class PciInventory:
+    """One scan: every function and the char index. The nodes of a function (DEVNAME, class,
+    presence in /dev) are read only once a resource selects it, and kept for the scan: most
+    of a host's char devices (ttys, NVMe, USB) belong to functions no resource names."""
+
+    host: HostFS
+    functions: Tuple[PciFunction, ...]
+    index: CharIndex
+    _nodes: Dict[str, Tuple[CharNode, ...]] = field(default_factory=dict)
+    _exists: Dict[str, bool] = field(default_factory=dict)
+
+    def nodes(self, function: PciFunction) -> Tuple[CharNode, ...]:
+        cached = self._nodes.get(function.address)
+        if cached is None:
+            cached = tuple(
+                CharNode(char, node, char.subsystem(self.host), self.exists(node))
+                for char in self.index.of_function(function.address)
+                for node in (dev_node_path(self.host, char.path, char.name),)
+            )
+            self._nodes[function.address] = cached
+        return cached
+
+    def exists(self, path: str) -> bool:
+        known = self._exists.get(path)
+        if known is None:
+            known = self._exists[path] = self.host.exists(path)
+        return known
+
+
+class PciDriver(Driver):
+    name = "pci"
+    subsystems = ("pci",)
+    selector_types = {**PCI_SELECTOR_TYPES, "class": (str,)}
+    setting_types = {"char_classes": (list,)}
+
+    def check_selectors(self, selectors: Mapping[str, object]) -> None:
+        super().check_selectors(selectors)
+        check_pci_selectors(selectors)
+        check_class_selector(selectors)
+        if not any(key in selectors for key in IDENTIFYING):
+            raise SelectorError(
+                "",
+                "the pci driver serves only what config names: give at least one of "
+                + ", ".join(IDENTIFYING),
+            )
+
+    def check_settings(self, settings: Mapping[str, object]) -> None:
+        super().check_settings(settings)
+        classes = settings.get("char_classes")
+        if classes is not None and (
+            not isinstance(classes, list)
+            or not classes
+            or not all(isinstance(c, str) and c.strip() for c in classes)
+        ):
+            raise SelectorError("char_classes", 'a non-empty list of class names ("hailo_chardev")')
+
+    def scan(self, host: HostFS) -> PciInventory:
+        return PciInventory(host, tuple(list_functions(host)), CharIndex.read(host))
+
+    def select(self, inventory: PciInventory, resource: ResourceConfig) -> List[Device]:
+        selectors = resource.selectors
+        if not any(key in selectors for key in IDENTIFYING):
+            return []  # rejected by check_selectors; never "every PCI function"
+        named_drivers = selector_values(selectors, "kernel_driver") or []
+        patterns = class_patterns(selectors)
+        classes = resource.settings.get("char_classes")
+        wanted = frozenset(str(c) for c in classes) if isinstance(classes, list) else None
+        out = []
+        for fn in inventory.functions:
+            if _is_passthrough(fn) and fn.kernel_driver not in named_drivers:
+                continue
+            if not matches_pci(fn, selectors) or not class_matches(fn.pci_class, patterns):
+                continue
+            out.append(_device(inventory, fn, wanted))
+        return out
+
+
+def _is_passthrough(fn: PciFunction) -> bool:
+    name = fn.kernel_driver or ""
+    return name in PASSTHROUGH_DRIVERS or "vfio" in name
+
+
+def _device(
+    inventory: PciInventory, fn: PciFunction, wanted: Optional[FrozenSet[str]]
+) -> Device:
+    problems: List[str] = []
+    attributes = fn.attributes()
+    if _is_passthrough(fn):
+        paths = [VFIO_CONTAINER]
+        if fn.iommu_group is None:
+            problems.append("bound to a passthrough driver but has no IOMMU group")
+        else:
+            paths.append(f"/dev/vfio/{fn.iommu_group}")
+        attributes["passthrough"] = "true"
+    else:
+        chosen = [n for n in inventory.nodes(fn) if wanted is None or n.subsystem in wanted]
+        paths = [n.dev_node for n in chosen]
+        if fn.kernel_driver is None:
+            problems.append("no kernel driver bound")
+        elif not chosen:
+            which = "" if wanted is None else " of class " + ", ".join(sorted(wanted))
+            problems.append(f"{fn.kernel_driver} made no character device{which} under {fn.path}")
+        if fn.enabled is False and fn.kernel_driver is not None:
+            problems.append("PCI function disabled (enable = 0)")
+        if chosen:
+            attributes["char_devices"] = ",".join(
+                f"{n.device.name}:{n.subsystem or '?'}:{n.device.numbers}" for n in chosen
+            )
+    problems.extend(f"device node {p} missing" for p in paths if not inventory.exists(p))
+    reason = "; ".join(dict.fromkeys(problems))
+    if reason:
+        log.warning("pci %s: unhealthy: %s", fn.address, reason)
+    return Device(
+        id=fn.address,
+        health=Health.UNHEALTHY if reason else Health.HEALTHY,
+        health_reason=reason,
+        numa_nodes=fn.numa_nodes,
+        device_nodes=tuple(DeviceNode(p, p, "rw") for p in dict.fromkeys(paths)),
+        attributes=attributes,
+    )

@@ -1,0 +1,50 @@
+"""The kubelet's DRA plugin API (v1, v1beta1) and the plugin watcher's registration API.
+
+``dra_v1`` / ``dra_v1beta1`` carry the same messages under two proto packages; the kubelet
+picks one by the ``supported_versions`` we register with, so both services are served.
+"""
+
+from host.dra.protocol import dra_health_v1alpha1_pb2 as dra_health
+from host.dra.protocol import dra_health_v1alpha1_pb2_grpc as dra_health_grpc
+from host.dra.protocol import dra_v1_pb2 as dra_v1
+from host.dra.protocol import dra_v1_pb2_grpc as dra_v1_grpc
+from host.dra.protocol import dra_v1beta1_pb2 as dra_v1beta1
+from host.dra.protocol import dra_v1beta1_pb2_grpc as dra_v1beta1_grpc
+from host.dra.protocol import pluginregistration_v1_pb2 as registration
+from host.dra.protocol import pluginregistration_v1_pb2_grpc as registration_grpc
+
+#: The names the kubelet's DRA manager knows ("<proto package's last part>.<service>"), in
+#: the order we offer them: the kubelet takes the first it supports, in our order.
+DRA_SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+#: Full gRPC service names on the wire, by the short names above.
+DRA_WIRE_SERVICES = {
+    "v1.DRAPlugin": "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin",
+    "v1beta1.DRAPlugin": "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin",
+}
+REGISTRATION_SERVICE = "pluginregistration.Registration"
+#: The health stream's full service name on the wire (not a "supported version": the kubelet
+#: calls it on every DRA plugin when ResourceHealthStatus is on).
+DRA_HEALTH_SERVICE = "v1alpha1.DRAResourceHealth"
+DRA_PLUGIN_TYPE = "DRAPlugin"
+DEVICE_PLUGIN_TYPE = "DevicePlugin"
+PLUGINS_REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
+DRA_PLUGINS_DIR = "/var/lib/kubelet/plugins"
+
+__all__ = [
+    "DEVICE_PLUGIN_TYPE",
+    "DRA_HEALTH_SERVICE",
+    "DRA_PLUGINS_DIR",
+    "DRA_PLUGIN_TYPE",
+    "DRA_SERVICES",
+    "DRA_WIRE_SERVICES",
+    "PLUGINS_REGISTRY_DIR",
+    "REGISTRATION_SERVICE",
+    "dra_health",
+    "dra_health_grpc",
+    "dra_v1",
+    "dra_v1_grpc",
+    "dra_v1beta1",
+    "dra_v1beta1_grpc",
+    "registration",
+    "registration_grpc",
+]

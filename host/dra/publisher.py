@@ -1,0 +1,390 @@
+"""Keeps the node's ResourceSlices in the API server equal to what the drivers see.
+
+One owner task reconciles desired pools against what the server holds. ``set_pool`` only
+records the newest device list and wakes that task, so a burst of events costs one reconcile
+with the last state (coalesced), and the event path never waits on the network. A reconcile
+sends at most one request per slice that differs: it works from the objects its own writes
+returned, and lists the pool again only when that view may be stale (first sync, a 409, a 404,
+``republish()`` after a kubelet start deleted the node's slices).
+
+Failures: no answer or 5xx/429 -> retry with exponential backoff (0.05 s doubling to 30 s,
+jittered, never sooner than the server's Retry-After) with whatever is desired by then, so
+nothing is lost while the API server is away; 409 -> re-read and retry at once (bounded, then
+backoff); 422 -> the server's reason logged once per distinct reason and counted in
+``device_plugin_host_dra_slice_rejections_total``, and not retried until the pool's devices
+change (the same content would be rejected again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+from host.dra.kube import KubeClient, KubeError
+from host.dra.slices import build_slices, same_content
+from host.model import Device
+
+log = logging.getLogger(__name__)
+
+BACKOFF_MIN_S = 0.05
+BACKOFF_MAX_S = 30.0
+CONFLICT_RETRIES = 5
+PoolKey = Tuple[str, str]  # (driver, pool)
+
+
+@dataclass
+class _Pool:
+    devices: Optional[Sequence[Device]]  # None: remove the pool
+    version: int = 0  # bumped by every set_pool/remove_pool
+    synced_version: int = -1
+    # What the server holds, by slice name, as our last read or write returned it.
+    observed: Optional[Dict[str, Dict[str, Any]]] = None
+    rejected_version: int = -1  # the version a 422 was answered for
+    rejected_reasons: Set[str] = field(default_factory=set)
+    taints_dropped: bool = False
+
+
+class _Metrics:
+    """Counters on the host's registry (host/metrics.py HostMetrics.registry), made once per
+    registry: a publisher rebuilt on reload must not register the names twice."""
+
+    @classmethod
+    def of(cls, metrics: Any) -> _Metrics:
+        made = getattr(metrics, "_dra_publisher_metrics", None)
+        if made is None:
+            made = cls(metrics)
+            metrics._dra_publisher_metrics = made
+        return made
+
+    def __init__(self, metrics: Any) -> None:
+        from prometheus_client import Counter
+
+        from host.metrics import PREFIX
+
+        registry = getattr(metrics, "registry", None)
+        self.requests = Counter(PREFIX + "dra_api_requests", "ResourceSlice API requests",
+                                ("verb", "outcome"), registry=registry)
+        self.rejections = Counter(PREFIX + "dra_slice_rejections",
+                                  "ResourceSlices the API server rejected (422)",
+                                  ("driver", "pool"), registry=registry)
+        self.retries = Counter(PREFIX + "dra_publish_retries",
+                               "Reconciles retried after an API failure", ("reason",),
+                               registry=registry)
+
+
+class SlicePublisher:
+    """See the module docstring. All methods are for the event loop's thread, except
+    ``set_pool``/``remove_pool``/``republish``, which may also be called from others."""
+
+    def __init__(self, client: KubeClient, node_name: str, metrics: Any = None,
+                 taint_unhealthy: bool = False) -> None:
+        self.client = client
+        self.node_name = node_name
+        self.taint_unhealthy = taint_unhealthy
+        self._pools: Dict[PoolKey, _Pool] = {}
+        self._lock = threading.Lock()
+        self._wake: Optional[asyncio.Event] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._task: Optional[asyncio.Task] = None
+        self._idle: Optional[asyncio.Event] = None
+        self._node_uid: Optional[str] = None
+        self._node_warned = False
+        self._metrics = _Metrics.of(metrics) if metrics is not None else None
+        self.requests = 0  # API requests sent, for the benchmarks
+        self.failures = 0  # reconcile rounds that ended in a retry
+        self.last_error: Optional[KubeError] = None
+
+    # -- the event side -----------------------------------------------------------------------
+
+    def set_pool(self, driver: str, pool: str, devices: Sequence[Device]) -> None:
+        """Record the pool's devices; never blocks, never fails on the API server's state."""
+        self._mark((driver, pool), tuple(devices))
+
+    def remove_pool(self, driver: str, pool: str) -> None:
+        self._mark((driver, pool), None)
+
+    def republish(self) -> None:
+        """Our slices may be gone (the kubelet deletes a node's slices when it starts)."""
+        with self._lock:
+            for state in self._pools.values():
+                state.observed = None
+                state.version += 1
+        self._poke()
+
+    def _mark(self, key: PoolKey, devices: Optional[Sequence[Device]]) -> None:
+        with self._lock:
+            state = self._pools.get(key)
+            if state is None:
+                state = self._pools[key] = _Pool(devices)
+            state.devices = devices
+            state.version += 1
+        self._poke()
+
+    def _poke(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is None or wake is None:
+            return  # start() reconciles whatever was set before it
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            wake.set()
+            if self._idle is not None:
+                self._idle.clear()
+        else:
+            loop.call_soon_threadsafe(self._poke)
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._wake.set()
+        self._task = asyncio.create_task(self._run(), name="dra-slice-publisher")
+
+    async def stop(self, delete: bool = False, timeout_s: float = 5.0) -> None:
+        """Stop the owner task; with ``delete``, remove our slices (best effort, bounded)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        if delete:
+            try:
+                await asyncio.wait_for(self._delete_all(), timeout_s)
+            except (asyncio.TimeoutError, KubeError) as err:
+                log.warning("DRA: could not delete our ResourceSlices on stop: %s", err)
+        self._loop = self._wake = self._idle = None
+
+    async def wait_synced(self, timeout_s: float = 10.0) -> bool:
+        """True once every pool's newest state is in the API server (tests, benchmarks)."""
+        if self._idle is None:
+            return False
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def pending(self) -> List[PoolKey]:
+        with self._lock:
+            return [k for k, s in self._pools.items() if s.synced_version != s.version
+                    and s.rejected_version != s.version]
+
+    # -- the owner task -----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        assert self._wake is not None and self._idle is not None
+        backoff = BACKOFF_MIN_S
+        streak = 0
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            failed = await self._reconcile_all()
+            if failed is None:
+                if streak:
+                    log.info("DRA: ResourceSlices published again after %d failed attempts",
+                             streak)
+                streak, backoff = 0, BACKOFF_MIN_S
+                if not self.pending():
+                    self._idle.set()
+                continue
+            if streak == 0:
+                # Once an outage (or a refusal: 403 from RBAC or the admission policy), not
+                # once a retry; the next line is the recovery.
+                log.warning("DRA: cannot publish ResourceSlices (%s %s: %s); retrying with "
+                            "backoff", failed.status or "no answer", failed.reason,
+                            failed.message)
+            streak += 1
+            self.failures += 1
+            self._retry_count(failed.reason)
+            delay = backoff * random.uniform(0.8, 1.2)
+            if failed.retry_after_s:
+                delay = max(delay, min(failed.retry_after_s, BACKOFF_MAX_S))
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+            log.debug("DRA: API request failed (%s); retrying in %.2f s", failed, delay)
+            try:
+                # A new event does not cut the backoff short: the server is what is failing.
+                await asyncio.sleep(delay)
+            finally:
+                self._wake.set()
+
+    async def _reconcile_all(self) -> Optional[KubeError]:
+        """Reconcile each pending pool; the first transient failure ends the round."""
+        for key in self.pending():
+            try:
+                await self._reconcile(key)
+            except KubeError as err:
+                self.last_error = err
+                return err
+        self.last_error = None
+        return None
+
+    def _count(self, verb: str, outcome: str) -> None:
+        self.requests += 1
+        if self._metrics is not None:
+            self._metrics.requests.labels(verb, outcome).inc()
+
+    def _retry_count(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.retries.labels(reason or "Unavailable").inc()
+
+    async def _call(self, verb: str, coro: Any) -> Any:
+        try:
+            result = await coro
+        except KubeError as err:
+            self._count(verb, str(err.status or "no-answer"))
+            raise
+        self._count(verb, "ok")
+        return result
+
+    async def _node_owner_uid(self) -> Optional[str]:
+        if self._node_uid is None:
+            try:
+                node = await self._call("get", self.client.get_node(self.node_name))
+                self._node_uid = (node.get("metadata") or {}).get("uid")
+            except KubeError as err:
+                if err.status == 0 or err.status >= 500:
+                    raise
+                # No Node object (yet) or no RBAC for it: publish without the owner rather
+                # than not at all; the next reconcile asks again.
+                if not self._node_warned:
+                    self._node_warned = True
+                    log.warning("DRA: cannot read Node %s for the slice owner: %s",
+                                self.node_name, err)
+        return self._node_uid
+
+    async def _observe(self, key: PoolKey) -> Dict[str, Dict[str, Any]]:
+        driver, pool = key
+        items = await self._call("list", self.client.list_resource_slices(driver,
+                                                                          self.node_name))
+        return {s["metadata"]["name"]: s for s in items
+                if (s.get("spec") or {}).get("pool", {}).get("name") == pool}
+
+    async def _reconcile(self, key: PoolKey) -> None:
+        conflicts = 0
+        while True:
+            try:
+                await self._reconcile_once(key)
+                return
+            except KubeError as err:
+                if err.status in (404, 409) and conflicts < CONFLICT_RETRIES:
+                    # Someone else wrote (or deleted) a slice of ours: read again, retry now.
+                    conflicts += 1
+                    with self._lock:
+                        self._pools[key].observed = None
+                    continue
+                raise
+
+    async def _reconcile_once(self, key: PoolKey) -> None:
+        driver, pool = key
+        with self._lock:
+            state = self._pools[key]
+            version, devices = state.version, state.devices
+        observed = state.observed
+        if observed is None:
+            observed = state.observed = await self._observe(key)
+        if devices is None:
+            for name, obj in list(observed.items()):
+                await self._delete(state, name, obj)
+            self._synced(key, state, version)
+            return
+        node_uid = await self._node_owner_uid()
+        taint = self.taint_unhealthy and not state.taints_dropped
+        current = max((s["spec"]["pool"].get("generation", 0) for s in observed.values()),
+                      default=0)
+        desired = build_slices(driver, self.node_name, pool, devices, current, node_uid,
+                               taint_unhealthy=taint)
+        names = {d["metadata"]["name"] for d in desired}
+        in_sync = set(observed) == names and all(
+            same_content(d, observed[d["metadata"]["name"]]) and
+            observed[d["metadata"]["name"]]["spec"]["pool"].get("generation") == current
+            for d in desired)
+        if in_sync:
+            self._synced(key, state, version)
+            return
+        # Any change makes a new generation of the whole pool: the scheduler uses only the
+        # slices of a pool's newest generation, and resourceSliceCount of them make it whole.
+        generation = current + 1
+        try:
+            for obj in desired:
+                obj["spec"]["pool"]["generation"] = generation
+                name = obj["metadata"]["name"]
+                old = observed.get(name)
+                if old is None:
+                    stored = await self._call("create", self.client.create_resource_slice(obj))
+                else:
+                    obj["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
+                    stored = await self._call("update", self.client.update_resource_slice(obj))
+                observed[name] = stored
+                if taint and self._taints_lost(obj, stored):
+                    state.taints_dropped = True
+                    log.warning("DRA: the API server dropped device taints (DRADeviceTaints "
+                                "is off); unhealthy devices of %s are left out instead", pool)
+            for name in [n for n in observed if n not in names]:
+                await self._delete(state, name, observed[name])
+            if taint and state.taints_dropped:
+                # What we wrote shows unhealthy devices as usable: write it again without them.
+                await self._reconcile_once(key)
+                return
+        except KubeError as err:
+            if err.status == 422:
+                self._rejected(key, state, version, err)
+                return
+            if err.status in (404, 409):
+                raise
+            state.observed = None if err.status == 0 else state.observed
+            raise
+        self._synced(key, state, version)
+
+    async def _delete(self, state: _Pool, name: str, obj: Dict[str, Any]) -> None:
+        assert state.observed is not None
+        try:
+            await self._call("delete", self.client.delete_resource_slice(
+                name, obj["metadata"].get("resourceVersion")))
+        except KubeError as err:
+            if err.status != 404:
+                raise
+        state.observed.pop(name, None)
+
+    @staticmethod
+    def _taints_lost(sent: Dict[str, Any], stored: Dict[str, Any]) -> bool:
+        had = any(d.get("taints") for d in sent["spec"].get("devices") or [])
+        kept = any(d.get("taints") for d in (stored.get("spec") or {}).get("devices") or [])
+        return had and not kept
+
+    def _synced(self, key: PoolKey, state: _Pool, version: int) -> None:
+        with self._lock:
+            state.synced_version = version
+            state.rejected_reasons.clear()
+            if state.devices is None and state.version == version:
+                del self._pools[key]
+
+    def _rejected(self, key: PoolKey, state: _Pool, version: int, err: KubeError) -> None:
+        driver, pool = key
+        with self._lock:
+            state.rejected_version = version
+            first = err.message not in state.rejected_reasons
+            state.rejected_reasons.add(err.message)
+            state.observed = None  # part of the pool may have been written
+        if self._metrics is not None:
+            self._metrics.rejections.labels(driver, pool).inc()
+        if first:
+            log.error("DRA: the API server rejected a ResourceSlice of pool %s (driver %s): %s",
+                      pool, driver, err.message)
+
+    async def _delete_all(self) -> None:
+        for key in list(self._pools):
+            state = self._pools[key]
+            if state.observed is None:
+                state.observed = await self._observe(key)
+            for name, obj in list(state.observed.items()):
+                await self._delete(state, name, obj)

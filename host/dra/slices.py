@@ -1,0 +1,199 @@
+"""ResourceSlices built from the same Device records the device plugin side serves.
+
+Shapes and limits are upstream's (staging/src/k8s.io/api/resource/v1/types.go,
+pkg/apis/resource/validation/validation.go): an attribute is ``{"int"|"bool"|"string"|
+"version": value}`` under a C-identifier key (<= 32) that may carry a domain; strings <= 64;
+at most 32 attributes + capacities a device; capacity ``{"value": <quantity>}``; at most 128
+devices a slice, 64 once any device has taints. Standard attributes
+(kubernetes/dynamic-resource-allocation deviceattribute/): ``resource.kubernetes.io/pcieRoot``
+(string "pci<domain>:<bus>"), ``resource.kubernetes.io/pciBusID`` (string BDF), and
+``resource.kubernetes.io/numaNode`` (int; standard from 1.37, already what the SR-IOV, CPU and
+memory DRA drivers publish).
+
+Unhealthy devices are left out of the slice, not tainted. Device taints (KEP-5055) are behind
+the DRADeviceTaints gate: alpha and off by default in 1.33-1.35, beta and on only from 1.36
+(pkg/features/kube_features.go). A 1.34 or 1.35 API server drops ``devices[].taints`` on write
+(dropDisabledFields), so a tainted device would be published as schedulable; leaving it out
+is correct on every version we support. ``taint_unhealthy=True`` is there for clusters known
+to run the gate (1.36+): the taint is NoSchedule, key ``device-plugin-host.io/unhealthy``,
+value the health reason reduced to a label value (taint values must be label values).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from host.dra.naming import DNS_LABEL_MAX, dra_device_name
+from host.model import Device
+
+API_VERSION = "resource.k8s.io/v1"
+MAX_DEVICES = 128
+MAX_DEVICES_WITH_TAINTS = 64
+MAX_ATTRIBUTES_AND_CAPACITIES = 32
+MAX_VALUE_LEN = 64
+MAX_ID_LEN = 32
+STANDARD = "resource.kubernetes.io/"
+PCIE_ROOT = STANDARD + "pcieRoot"
+PCI_BUS_ID = STANDARD + "pciBusID"
+NUMA_NODE = STANDARD + "numaNode"
+TAINT_KEY = "device-plugin-host.io/unhealthy"
+
+# Facts our drivers record as decimal strings that selectors compare as numbers.
+_INT_ATTRIBUTES = frozenset({"device_minor", "iommu_group", "port_id", "numa_node",
+                             "vf_index", "pf_index", "busnum", "devnum", "num_vfs"})
+# Sizes in bytes that sysfs reports (amdgpu mem_info_vram_total; a driver's memory_bytes).
+_MEMORY_ATTRIBUTES = ("memory_bytes", "mem_info_vram_total", "vram_total_bytes")
+_C_IDENT_BAD = re.compile(r"[^A-Za-z0-9_]")
+_INT = re.compile(r"-?(0|[1-9][0-9]*)\Z")
+_LABEL_VALUE_BAD = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def attribute_key(name: str) -> str:
+    """Our attribute name as a C identifier (upstream validateCIdentifier), <= 32 chars."""
+    key = _C_IDENT_BAD.sub("_", name)
+    if not key or not (key[0].isalpha() or key[0] == "_"):
+        key = "_" + key
+    return key[:MAX_ID_LEN]
+
+
+def _value(name: str, raw: str) -> Optional[Dict[str, Any]]:
+    if name in _INT_ATTRIBUTES and _INT.match(raw) and -(2 ** 63) <= int(raw) < 2 ** 63:
+        return {"int": int(raw)}
+    if len(raw) > MAX_VALUE_LEN:
+        # A truncated value would match selectors it should not; the full one would get the
+        # whole slice rejected (422). Such facts stay visible in `discover`.
+        return None
+    return {"string": raw}
+
+
+def device_attributes(device: Device) -> Dict[str, Dict[str, Any]]:
+    """The upstream attribute map of ``device``: standard attributes first, then driver facts.
+
+    Bare keys (no domain) belong to the driver's own domain, as upstream's DeviceAttribute
+    documentation says, so selectors read them as ``device.attributes["<driver>"].vendor``.
+    """
+    facts = device.attributes
+    out: Dict[str, Dict[str, Any]] = {}
+    root = facts.get("pcie_root")
+    if root:
+        out[PCIE_ROOT] = {"string": root}
+    address = facts.get("pci_address")
+    if address and len(address) <= MAX_VALUE_LEN:
+        out[PCI_BUS_ID] = {"string": address}
+    if len(device.numa_nodes) == 1:
+        out[NUMA_NODE] = {"int": int(device.numa_nodes[0])}
+    room = MAX_ATTRIBUTES_AND_CAPACITIES - len(out) - len(device_capacity(device))
+    for name in sorted(facts):
+        if room <= 0:
+            break
+        if name in ("pcie_root",) or name in _MEMORY_ATTRIBUTES:
+            continue
+        key = attribute_key(name)
+        if key in out:
+            continue
+        value = _value(name, str(facts[name]))
+        if value is not None:
+            out[key] = value
+            room -= 1
+    return out
+
+
+def _quantity(size: int) -> str:
+    for suffix, scale in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale}{suffix}"
+    return str(size)
+
+
+def device_capacity(device: Device) -> Dict[str, Dict[str, str]]:
+    """Capacities sysfs knows: ``memory`` from a byte count the driver read."""
+    for name in _MEMORY_ATTRIBUTES:
+        raw = device.attributes.get(name)
+        if raw and _INT.match(raw) and int(raw) > 0:
+            return {"memory": {"value": _quantity(int(raw))}}
+    return {}
+
+
+def taint_value(reason: str) -> str:
+    """A health reason as a label value (<= 63, alphanumerics and -_. inside)."""
+    value = _LABEL_VALUE_BAD.sub("-", reason).strip("-_.")[:DNS_LABEL_MAX]
+    return value.rstrip("-_.") or "unhealthy"
+
+
+def slice_device(device: Device, taint: bool = False) -> Dict[str, Any]:
+    entry: Dict[str, Any] = {"name": dra_device_name(device.id)}
+    attributes = device_attributes(device)
+    if attributes:
+        entry["attributes"] = attributes
+    capacity = device_capacity(device)
+    if capacity:
+        entry["capacity"] = capacity
+    if taint:
+        entry["taints"] = [{"key": TAINT_KEY, "value": taint_value(device.health_reason),
+                            "effect": "NoSchedule"}]
+    return entry
+
+
+def slice_name(node_name: str, driver: str, pool: str, index: int) -> str:
+    """A fixed name per (node, driver, pool, index): a create retried after a lost answer is a
+    409 AlreadyExists, never a second slice (generateName would make one)."""
+    digest = hashlib.sha256(f"{driver}\0{pool}".encode()).hexdigest()[:8]
+    head = f"{node_name}-{driver.split('.')[0]}"
+    name = f"{head}-{digest}-{index}"
+    if len(name) > 253:
+        name = f"{node_name[:200].rstrip('.-')}-{digest}-{index}"
+    return name
+
+
+def build_slices(driver: str, node_name: str, pool: str, devices: Sequence[Device],
+                 generation: int, node_uid: Optional[str] = None,
+                 taint_unhealthy: bool = False) -> List[Dict[str, Any]]:
+    """The pool's ResourceSlices: devices sorted by name, chunked, one slice even when empty.
+
+    An empty pool still gets a slice (resourceSliceCount 1, no devices): it tells the
+    scheduler the driver runs on this node and has nothing, unlike a missing pool.
+    """
+    entries: Dict[str, Dict[str, Any]] = {}
+    for device in devices:
+        if not device.healthy and not taint_unhealthy:
+            continue
+        entry = slice_device(device, taint=not device.healthy)
+        entries.setdefault(entry["name"], entry)  # replicas of one device share a name
+    ordered = [entries[name] for name in sorted(entries)]
+    per_slice = MAX_DEVICES_WITH_TAINTS if taint_unhealthy else MAX_DEVICES
+    chunks = [ordered[i:i + per_slice] for i in range(0, len(ordered), per_slice)] or [[]]
+    owner: List[Dict[str, Any]] = []
+    if node_uid:
+        owner = [{"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid,
+                  "controller": True}]
+    out = []
+    for index, chunk in enumerate(chunks):
+        meta: Dict[str, Any] = {"name": slice_name(node_name, driver, pool, index)}
+        if owner:
+            meta["ownerReferences"] = owner
+        out.append({
+            "apiVersion": API_VERSION, "kind": "ResourceSlice", "metadata": meta,
+            "spec": {"driver": driver, "nodeName": node_name,
+                     "pool": {"name": pool, "generation": generation,
+                              "resourceSliceCount": len(chunks)},
+                     "devices": chunk},
+        })
+    return out
+
+
+def same_content(desired: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
+    """Whether ``stored`` already says what ``desired`` says, the generation aside."""
+    want = desired.get("spec") or {}
+    have = stored.get("spec") or {}
+    for key in ("driver", "nodeName", "devices"):
+        if (want.get(key) or None) != (have.get(key) or None):
+            return False
+    want_pool, have_pool = want.get("pool") or {}, have.get("pool") or {}
+    if want_pool.get("name") != have_pool.get("name") or \
+            want_pool.get("resourceSliceCount") != have_pool.get("resourceSliceCount"):
+        return False
+    want_owner = (desired.get("metadata") or {}).get("ownerReferences") or []
+    have_owner = (stored.get("metadata") or {}).get("ownerReferences") or []
+    return not want_owner or want_owner == have_owner

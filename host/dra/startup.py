@@ -1,0 +1,86 @@
+"""Start-up checks for DRA resources: fail at once, with one line, instead of serving wrong.
+
+A DaemonSet pod without NODE_NAME, without API access (no service account token, RBAC
+missing) or on a node where a device plugin already advertises the same extended resource
+would otherwise start and then never publish, never prepare, or double-count devices. Each
+case is a ``DraStartError``; the CLI prints it and exits 2, like a bad config file.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Iterable
+
+from host.config import Config
+from host.model import ResourceConfig
+
+log = logging.getLogger(__name__)
+
+
+class DraStartError(Exception):
+    """An operator-caused reason the DRA front end cannot start; ``str()`` is the line."""
+
+
+def dra_resources(config: Config) -> Iterable[ResourceConfig]:
+    return [r for r in config.resources if r.api == "dra"]
+
+
+def check_settings(config: Config) -> None:
+    """What can be checked without the API server."""
+    from host.dra import naming
+
+    if not config.host.node_name:
+        raise DraStartError("api = \"dra\" needs this node's name: set [host] node_name or the "
+                            "NODE_NAME environment variable (the downward API's spec.nodeName)")
+    owners: Dict[str, str] = {}
+    for resource in dra_resources(config):
+        try:
+            driver = naming.driver_name(resource.name, resource.dra_driver_name)
+            naming.pool_name(resource.name, config.host.node_name)
+        except ValueError as error:
+            raise DraStartError(f"resource {resource.name}: {error}") from None
+        socket = f"{config.host.dra_plugins_dir}/{driver}/dra.sock"
+        if len(socket.encode()) > 107:
+            raise DraStartError(f"resource {resource.name}: the DRA socket {socket} is longer "
+                                f"than a unix socket path can be (107 bytes); shorten "
+                                f"[host] dra_plugins_dir or dra_driver_name")
+        owners.setdefault(driver, resource.name)
+
+
+async def check_cluster(client: Any, config: Config) -> None:
+    """The API server lets us read our Node, and no device plugin on the node serves the same
+    name as one of our DRA resources (one node must not serve a name through both APIs).
+
+    Refusals (401, 403, no such Node) are the operator's to fix: DraStartError. An API server
+    that does not answer (connection refused, timeout, 5xx, 429) is an outage, not a
+    misconfiguration: the host starts anyway, since the device plugin resources and claims
+    already prepared must keep working, and the slice publisher retries until it returns.
+    """
+    node_name = config.host.node_name
+    try:
+        node = await client.get_node(node_name)
+    except Exception as error:
+        status = getattr(error, "status", None)
+        reason = getattr(error, "reason", "") or str(error) or type(error).__name__
+        if status == 404:
+            raise DraStartError(f"the API server has no Node named {node_name!r}: check "
+                                "[host] node_name / NODE_NAME") from None
+        if status in (401, 403):
+            raise DraStartError(f"no API access for DRA (reading Node {node_name}): HTTP "
+                                f"{status} {reason}: check the service account / kubeconfig "
+                                "and the RBAC of the dra overlay") from None
+        if status == 0 or status is None or status == 429 or status >= 500:
+            log.warning("DRA: the API server does not answer (%s); starting anyway, slices "
+                        "are published once it does", reason)
+            return
+        raise DraStartError(f"no API access for DRA (reading Node {node_name}): HTTP "
+                            f"{status} {reason}") from None
+    capacity = (node.get("status") or {}).get("capacity") or {}
+    for resource in dra_resources(config):
+        amount = str(capacity.get(resource.name, "0"))
+        if amount not in ("0", ""):
+            raise DraStartError(
+                f"resource {resource.name}: Node {node_name} already has capacity "
+                f"{resource.name}={amount} from a device plugin; one node must not serve a "
+                "name through both APIs (stop that device plugin, or wait for the kubelet to "
+                "drop the resource, before moving it to DRA)")

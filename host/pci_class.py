@@ -1,0 +1,53 @@
+"""PCI class selectors ("0x12", "0x0b40", "0x120000") shared by the drivers that take one.
+
+A 24-bit class code is base class, subclass and programming interface; operators write the
+prefix they care about (lspci -n prints ``0b40``), so a selector of 2, 4 or 6 hex digits is
+compared against that many leading digits of the function's class.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping, Optional, Sequence, Tuple
+
+from host.driver import SelectorError, selector_values
+
+_HEX = re.compile(r"[0-9a-f]+\Z")
+
+ClassPattern = Tuple[int, int]
+
+
+def class_pattern(text: str) -> Optional[ClassPattern]:
+    """("0x03" -> (0x03, 16)): the value and how far to shift the 24-bit class to compare."""
+    text = text.strip().lower()
+    digits = text[2:] if text.startswith("0x") else text
+    if len(digits) not in (2, 4, 6) or not _HEX.match(digits):
+        return None
+    return int(digits, 16), 24 - 4 * len(digits)
+
+
+def check_class_selector(selectors: Mapping[str, object], key: str = "class") -> None:
+    for value in selector_values(selectors, key) or []:
+        if class_pattern(str(value)) is None:
+            raise SelectorError(
+                key,
+                f'{value!r} is not a PCI class: use 2, 4 or 6 hex digits ("0x12" base'
+                ' class, "0x1200" class and subclass, "0x120000" with prog-if)',
+            )
+
+
+def class_patterns(selectors: Mapping[str, object], key: str = "class") -> Sequence[ClassPattern]:
+    """The checked patterns of a selector (empty when the selector is absent)."""
+    out = []
+    for value in selector_values(selectors, key) or []:
+        pattern = class_pattern(str(value))
+        if pattern is not None:
+            out.append(pattern)
+    return out
+
+
+def class_matches(pci_class: Optional[int], patterns: Sequence[ClassPattern]) -> bool:
+    """True when no pattern is given, or the class matches one of them."""
+    if not patterns:
+        return True
+    return pci_class is not None and any(pci_class >> shift == value for value, shift in patterns)

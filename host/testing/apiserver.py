@@ -1,0 +1,933 @@
+"""An API-server stand-in over real HTTP for the endpoints the host uses, and the real one.
+
+``ApiServerStandIn`` serves, on 127.0.0.1 from its own thread (so sync and async tests can use
+it alike), what kube-apiserver serves for: ResourceSlice create / update / delete / get / list
+(field selectors spec.nodeName, spec.driver and metadata.name, as upstream's
+addConversionFuncs in pkg/apis/resource/v1 allows; any other label is a 400), ResourceClaim
+get, Node get. Like the real server it
+  * validates slices with upstream's rules (host/testing/resource_validation.py) and answers
+    422 with a Status whose details.causes name the fields;
+  * keeps one resourceVersion counter (etcd's revision) and answers 409 Conflict to an update
+    whose resourceVersion is stale and to a delete whose precondition fails; an update without
+    resourceVersion is unconditional (the ResourceSlice strategy allows it); an update of a
+    missing object is 404 (AllowCreateOnUpdate is false); create with a resourceVersion is 400;
+    a create of an existing name is 409 AlreadyExists; generateName gets 5 random characters;
+  * drops ``devices[].taints`` while the DRADeviceTaints gate is off, as 1.34 and 1.35 do by
+    default (dropDisabledFields), unless ``device_taints=True`` (1.36 default);
+  * goes away on ``stop()``: the listening socket closes (connections refused) and open
+    keep-alive connections are cut, as when the process dies; ``start()`` comes back on the
+    same port.
+  * answers 401 without one of ``tokens`` as bearer token, and serves HTTPS with ``tls=True``
+    (a self-signed certificate for 127.0.0.1; ``write_service_account`` lays out the token
+    and CA as the kubelet mounts them, for the in-cluster path);
+  * sends Retry-After: 1 with a 429, as API Priority and Fairness does.
+Failure injection (``fail_next``) answers the next N matching requests with a given status,
+with the Status body the real server would send.
+
+``RealApiServer`` runs etcd and kube-apiserver from ``KUBEBUILDER_ASSETS`` (the envtest
+convention) with the same helper methods where the real server allows them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from host.testing.resource_validation import (
+    DecodeError,
+    FieldError,
+    resource_slice_errors,
+)
+
+GROUP = "resource.k8s.io"
+RESOURCE_PREFIX = "/apis/resource.k8s.io/v1"
+SLICE_FIELDS = ("metadata.name", "spec.nodeName", "spec.driver")
+_GENERATE_CHARS = "bcdfghjklmnpqrstvwxz2456789"  # apimachinery's SimpleNameGenerator alphabet
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def status_body(code: int, reason: str, message: str,
+                details: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """metav1.Status exactly as apiserver's responsewriters write it."""
+    body: Dict[str, Any] = {"kind": "Status", "apiVersion": "v1", "metadata": {},
+                            "status": "Failure", "message": message, "reason": reason,
+                            "code": code}
+    if details is not None:
+        body["details"] = details
+    return body
+
+
+def _not_found(resource: str, name: str) -> Tuple[int, Dict[str, Any]]:
+    group = "" if resource == "nodes" else GROUP
+    qualified = f"{resource}.{group}" if group else resource
+    return 404, status_body(404, "NotFound", f'{qualified} "{name}" not found',
+                            {"name": name, "group": group, "kind": resource} if group
+                            else {"name": name, "kind": resource})
+
+
+def _conflict(name: str, message: Optional[str] = None) -> Tuple[int, Dict[str, Any]]:
+    text = message or (f'Operation cannot be fulfilled on resourceslices.{GROUP} "{name}": '
+                       "the object has been modified; please apply your changes to the latest "
+                       "version and try again")
+    return 409, status_body(409, "Conflict", text,
+                            {"name": name, "group": GROUP, "kind": "resourceslices"})
+
+
+def _invalid(name: str, errors: List[FieldError]) -> Tuple[int, Dict[str, Any]]:
+    texts = [str(e) for e in errors]
+    joined = texts[0] if len(texts) == 1 else "[" + ", ".join(texts) + "]"
+    message = f'ResourceSlice.{GROUP} "{name}" is invalid: {joined}'
+    causes = [{"reason": e.kind, "message": e.body(), "field": e.field} for e in errors]
+    return 422, status_body(422, "Invalid", message,
+                            {"name": name, "group": GROUP, "kind": "ResourceSlice",
+                             "causes": causes})
+
+
+def _bad_request(message: str) -> Tuple[int, Dict[str, Any]]:
+    return 400, status_body(400, "BadRequest", message)
+
+
+_REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
+            409: "Conflict", 422: "Invalid", 429: "TooManyRequests",
+            500: "InternalError", 503: "ServiceUnavailable", 504: "Timeout"}
+
+
+@dataclass
+class _Failure:
+    status: int
+    remaining: int
+    verbs: Optional[Set[str]]
+    message: str
+    reason: str
+
+
+@dataclass
+class _State:
+    slices: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    nodes: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    claims: Dict[Tuple[str, str], Dict[str, Any]] = field(default_factory=dict)
+    revision: int = 1
+
+
+def parse_field_selector(text: str) -> List[Tuple[str, str, bool]]:
+    """fields.ParseSelector: "a=b,c!=d" (also "=="); returns (field, value, equal)."""
+    terms = []
+    for part in [p for p in text.split(",") if p]:
+        if "!=" in part:
+            key, value = part.split("!=", 1)
+            terms.append((key.strip(), value.strip(), False))
+        elif "==" in part:
+            key, value = part.split("==", 1)
+            terms.append((key.strip(), value.strip(), True))
+        elif "=" in part:
+            key, value = part.split("=", 1)
+            terms.append((key.strip(), value.strip(), True))
+        else:
+            raise ValueError(f"invalid selector: '{text}'; can't understand '{part}'")
+    return terms
+
+
+def _slice_field(obj: Dict[str, Any], name: str) -> str:
+    if name == "metadata.name":
+        return obj["metadata"]["name"]
+    if name == "spec.nodeName":
+        return obj.get("spec", {}).get("nodeName") or ""
+    return obj.get("spec", {}).get("driver") or ""
+
+
+class ApiServerStandIn:
+    """See the module docstring. All helper methods are thread-safe and synchronous."""
+
+    TOKEN = "standin-token"
+
+    def __init__(self, device_taints: bool = False, latency_s: float = 0.0,
+                 tls: bool = False) -> None:
+        self.device_taints = device_taints
+        self.latency_s = latency_s
+        self.tls = tls
+        # Bearer tokens the server accepts (401 otherwise); a test rotates by replacing it.
+        self.tokens: Set[str] = {self.TOKEN}
+        self._ssl: Optional[ssl.SSLContext] = None
+        self.host = "127.0.0.1"
+        self.port = 0
+        self.requests: Counter = Counter()  # by verb: create/update/delete/list/get
+        self.request_log: List[Tuple[str, str, int]] = []  # (method, path, status)
+        self._lock = threading.Lock()
+        self._state = _State()
+        self._failures: List[_Failure] = []
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._server: Optional[asyncio.AbstractServer] = None
+        self._writers: Set[asyncio.StreamWriter] = set()
+        self._tmpdir = tempfile.mkdtemp(prefix="dph-apiserver-")
+        self.kubeconfig_path = os.path.join(self._tmpdir, "kubeconfig")
+        self.ca_path = os.path.join(self._tmpdir, "ca.crt")
+        self._changed = threading.Condition(self._lock)
+        self._writes = 0
+        # Called from the server's thread after each successful write with (verb, object):
+        # lets a benchmark timestamp the moment the server holds a change.
+        self.on_write: Optional[Callable[[str, Dict[str, Any]], None]] = None
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> ApiServerStandIn:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
+
+    def write_service_account(self, directory: str, token: Optional[str] = None) -> None:
+        """What the kubelet mounts at /var/run/secrets/kubernetes.io/serviceaccount."""
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "token"), "w", encoding="utf-8") as handle:
+            handle.write(token or self.TOKEN)
+        if self.tls:
+            shutil.copyfile(self.ca_path, os.path.join(directory, "ca.crt"))
+
+    def _make_certificate(self) -> ssl.SSLContext:
+        """A self-signed serving certificate for 127.0.0.1 (the openssl CLI)."""
+        key = os.path.join(self._tmpdir, "tls.key")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes",
+                        "-keyout", key, "-out", self.ca_path, "-days", "2",
+                        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                       check=True, capture_output=True)
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.ca_path, key)
+        return ctx
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None
+
+    def start(self) -> None:
+        """Serve (again, on the same port after ``stop``)."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            ready = threading.Event()
+
+            def loop_main() -> None:
+                assert self._loop is not None
+                asyncio.set_event_loop(self._loop)
+                self._loop.call_soon(ready.set)
+                self._loop.run_forever()
+
+            self._thread = threading.Thread(target=loop_main, name="apiserver-standin",
+                                            daemon=True)
+            self._thread.start()
+            ready.wait()
+        if self._server is None:
+            self._submit(self._listen())
+            self._write_kubeconfig()
+
+    def stop(self) -> None:
+        """An outage: the port refuses connections and open connections are cut."""
+        if self._server is not None:
+            self._submit(self._shutdown())
+
+    def close(self) -> None:
+        self.stop()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._thread is not None:
+                self._thread.join(5)
+            self._loop.close()
+            self._loop = None
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def _submit(self, coro: Any) -> Any:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+
+    async def _listen(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        if self.tls and self._ssl is None:
+            self._ssl = self._make_certificate()
+        self._server = await asyncio.start_server(self._serve, sock=sock, ssl=self._ssl)
+
+    async def _shutdown(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        for writer in list(self._writers):
+            transport = writer.transport
+            transport.abort()  # a dead process: RST, no graceful close
+        self._writers.clear()
+        if server is not None:
+            await server.wait_closed()
+
+    def _write_kubeconfig(self) -> None:
+        config = {
+            "apiVersion": "v1", "kind": "Config", "current-context": "standin",
+            "clusters": [{"name": "standin", "cluster": dict(
+                {"server": self.url}, **({"certificate-authority": self.ca_path}
+                                         if self.tls else {}))}],
+            "contexts": [{"name": "standin", "context": {"cluster": "standin",
+                                                         "user": "standin"}}],
+            "users": [{"name": "standin", "user": {"token": self.TOKEN}}],
+        }
+        with open(self.kubeconfig_path, "w", encoding="utf-8") as handle:
+            json.dump(config, handle)  # JSON is YAML
+
+    # -- helpers for tests --------------------------------------------------------------------
+
+    def add_node(self, name: str) -> Dict[str, Any]:
+        with self._lock:
+            node = {"apiVersion": "v1", "kind": "Node",
+                    "metadata": {"name": name, "uid": str(uuid.uuid4()),
+                                 "resourceVersion": self._bump(),
+                                 "creationTimestamp": _now()},
+                    "spec": {}, "status": {}}
+            self._state.nodes[name] = node
+            return copy.deepcopy(node)
+
+    def put_resource_claim(self, obj: Dict[str, Any]) -> Dict[str, Any]:
+        claim = copy.deepcopy(obj)
+        meta = claim.setdefault("metadata", {})
+        meta.setdefault("namespace", "default")
+        meta.setdefault("uid", str(uuid.uuid4()))
+        claim.setdefault("apiVersion", f"{GROUP}/v1")
+        claim.setdefault("kind", "ResourceClaim")
+        with self._lock:
+            meta["resourceVersion"] = self._bump()
+            self._state.claims[(meta["namespace"], meta["name"])] = claim
+            return copy.deepcopy(claim)
+
+    def delete_resource_claim(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._state.claims.pop((namespace, name), None)
+
+    def resource_slices(self, driver: Optional[str] = None,
+                        node: Optional[str] = None) -> List[Dict[str, Any]]:
+        with self._lock:
+            return [copy.deepcopy(s) for s in self._state.slices.values()
+                    if (driver is None or s["spec"].get("driver") == driver)
+                    and (node is None or s["spec"].get("nodeName") == node)]
+
+    def devices(self, driver: Optional[str] = None,
+                node: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
+        """Every published device by name, across the slices of the newest pool generation."""
+        slices = self.resource_slices(driver, node)
+        newest: Dict[Tuple[str, str], int] = {}
+        for s in slices:
+            key = (s["spec"]["driver"], s["spec"]["pool"]["name"])
+            newest[key] = max(newest.get(key, 0), s["spec"]["pool"]["generation"])
+        out = {}
+        for s in slices:
+            key = (s["spec"]["driver"], s["spec"]["pool"]["name"])
+            if s["spec"]["pool"]["generation"] == newest[key]:
+                for d in s["spec"].get("devices") or []:
+                    out[d["name"]] = d
+        return out
+
+    def delete_slices_of_node(self, node: str) -> int:
+        """What every kubelet start does (DeleteCollection by spec.nodeName)."""
+        with self._lock:
+            names = [n for n, s in self._state.slices.items()
+                     if s["spec"].get("nodeName") == node]
+            for name in names:
+                del self._state.slices[name]
+            if names:
+                self._bump()
+                self._notify()
+            return len(names)
+
+    def put_resource_slice(self, obj: Dict[str, Any]) -> Dict[str, Any]:
+        """Write a slice as another client would (no validation): for conflict tests."""
+        with self._lock:
+            stored = copy.deepcopy(obj)
+            meta = stored.setdefault("metadata", {})
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp", _now())
+            meta["resourceVersion"] = self._bump()
+            self._state.slices[meta["name"]] = stored
+            self._notify()
+            return copy.deepcopy(stored)
+
+    def fail_next(self, status: int, count: int = 1, verbs: Optional[Set[str]] = None,
+                  message: str = "injected failure", reason: Optional[str] = None) -> None:
+        """Answer the next ``count`` requests (of ``verbs``, default all) with ``status``."""
+        with self._lock:
+            self._failures.append(_Failure(status, count, set(verbs) if verbs else None,
+                                           message, reason or _REASONS.get(status, "Unknown")))
+
+    def reset_counters(self) -> None:
+        with self._lock:
+            self.requests.clear()
+            self.request_log.clear()
+
+    def wait_for(self, predicate: Any, timeout: float = 5.0) -> bool:
+        """Block until ``predicate(self)`` holds after a write, or the deadline passes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                seen = self._writes
+            if predicate(self):
+                return True
+            with self._changed:
+                while self._writes == seen:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    self._changed.wait(remaining)
+
+    # -- HTTP ---------------------------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    return
+                try:
+                    method, target, _version = line.decode("latin-1").split(" ", 2)
+                except ValueError:
+                    return
+                headers: Dict[str, str] = {}
+                while True:
+                    raw = await reader.readline()
+                    if raw in (b"\r\n", b"\n", b""):
+                        break
+                    key, _, value = raw.decode("latin-1").partition(":")
+                    headers[key.strip().lower()] = value.strip()
+                length = int(headers.get("content-length") or 0)
+                body = await reader.readexactly(length) if length else b""
+                if self.latency_s:
+                    await asyncio.sleep(self.latency_s)
+                status, payload = self._handle(method, target, body,
+                                               headers.get("authorization", ""))
+                data = json.dumps(payload, separators=(",", ":")).encode()
+                # API Priority and Fairness answers 429 with Retry-After: 1.
+                extra = "Retry-After: 1\r\n" if status == 429 else ""
+                writer.write(
+                    f"HTTP/1.1 {status} {_REASONS.get(status, 'OK') if status >= 400 else 'OK'}"
+                    f"\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+                    f"Audit-Id: {uuid.uuid4()}\r\n{extra}\r\n".encode("latin-1") + data)
+                await writer.drain()
+                if headers.get("connection", "").lower() == "close":
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError):
+            return
+        finally:
+            self._writers.discard(writer)
+            try:
+                writer.close()
+            except RuntimeError:
+                pass
+
+    def _handle(self, method: str, target: str, body: bytes,
+                authorization: str = "") -> Tuple[int, Any]:
+        parts = urlsplit(target)
+        path = unquote(parts.path).rstrip("/")
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        verb, handler, args = self._route(method, path)
+        token = authorization[7:] if authorization.startswith("Bearer ") else None
+        with self._lock:
+            self.requests[verb] += 1
+            failure = self._take_failure(verb)
+            if token not in self.tokens:
+                result = 401, status_body(401, "Unauthorized", "Unauthorized")
+            elif failure is not None:
+                result = failure.status, status_body(failure.status, failure.reason,
+                                                     failure.message)
+            elif handler is None:
+                result = 404, status_body(404, "NotFound", "the server could not find the "
+                                          "requested resource")
+            else:
+                try:
+                    obj = json.loads(body) if body else None
+                except ValueError as err:
+                    result = _bad_request(f"the body of the request was in an unknown format: "
+                                          f"{err}")
+                else:
+                    try:
+                        result = handler(*args, obj=obj, query=query)
+                    except DecodeError as err:
+                        result = _bad_request(f"ResourceSlice in version \"v1\" cannot be "
+                                              f"handled as a ResourceSlice: {err}")
+            self.request_log.append((method, path, result[0]))
+            wrote = result[0] < 300 and verb in ("create", "update", "delete")
+            if wrote:
+                self._notify()
+        hook = self.on_write
+        if wrote and hook is not None:
+            hook(verb, result[1])
+        return result
+
+    def _take_failure(self, verb: str) -> Optional[_Failure]:
+        for failure in self._failures:
+            if failure.remaining > 0 and (failure.verbs is None or verb in failure.verbs):
+                failure.remaining -= 1
+                if failure.remaining == 0:
+                    self._failures.remove(failure)
+                return failure
+        return None
+
+    def _route(self, method: str, path: str) -> Tuple[str, Any, Tuple[str, ...]]:
+        segs = path.strip("/").split("/")
+        if method == "GET" and len(segs) == 4 and segs[:3] == ["api", "v1", "nodes"]:
+            return "get", self._get_node, (segs[3],)
+        if path.startswith(RESOURCE_PREFIX):
+            rest = segs[3:]
+            if len(rest) == 4 and rest[0] == "namespaces" and rest[2] == "resourceclaims" \
+                    and method == "GET":
+                return "get", self._get_claim, (rest[1], rest[3])
+            if rest == ["resourceslices"]:
+                if method == "GET":
+                    return "list", self._list_slices, ()
+                if method == "POST":
+                    return "create", self._create_slice, ()
+            if len(rest) == 2 and rest[0] == "resourceslices":
+                if method == "GET":
+                    return "get", self._get_slice, (rest[1],)
+                if method == "PUT":
+                    return "update", self._update_slice, (rest[1],)
+                if method == "DELETE":
+                    return "delete", self._delete_slice, (rest[1],)
+        return method.lower(), None, ()
+
+    def _notify(self) -> None:
+        self._writes += 1
+        self._changed.notify_all()
+
+    def _bump(self) -> str:
+        self._state.revision += 1
+        return str(self._state.revision)
+
+    # -- handlers (called with the lock held) -------------------------------------------------
+
+    def _get_node(self, name: str, obj: Any, query: Dict[str, str]) -> Tuple[int, Any]:
+        node = self._state.nodes.get(name)
+        return (200, copy.deepcopy(node)) if node else _not_found("nodes", name)
+
+    def _get_claim(self, namespace: str, name: str, obj: Any,
+                   query: Dict[str, str]) -> Tuple[int, Any]:
+        claim = self._state.claims.get((namespace, name))
+        return (200, copy.deepcopy(claim)) if claim else _not_found("resourceclaims", name)
+
+    def _get_slice(self, name: str, obj: Any, query: Dict[str, str]) -> Tuple[int, Any]:
+        stored = self._state.slices.get(name)
+        return (200, copy.deepcopy(stored)) if stored else _not_found("resourceslices", name)
+
+    def _list_slices(self, obj: Any, query: Dict[str, str]) -> Tuple[int, Any]:
+        try:
+            terms = parse_field_selector(query.get("fieldSelector", ""))
+        except ValueError as err:
+            return _bad_request(str(err))
+        for name, _value, _equal in terms:
+            if name not in SLICE_FIELDS:
+                return _bad_request(f'field label not supported for {GROUP}/v1, '
+                                    f'Kind=ResourceSlice: {name}')
+        items = [copy.deepcopy(s) for _, s in sorted(self._state.slices.items())
+                 if all((_slice_field(s, n) == v) == eq for n, v, eq in terms)]
+        return 200, {"kind": "ResourceSliceList", "apiVersion": f"{GROUP}/v1",
+                     "metadata": {"resourceVersion": str(self._state.revision)},
+                     "items": items}
+
+    def _drop_disabled(self, obj: Dict[str, Any], old: Optional[Dict[str, Any]]) -> None:
+        """dropDisabledFields: taints go unless the gate is on or the old object had them."""
+        if self.device_taints:
+            return
+        old_had = any(d.get("taints") for d in ((old or {}).get("spec") or {}).get("devices")
+                      or [])
+        if old_had:
+            return
+        for device in (obj.get("spec") or {}).get("devices") or []:
+            if isinstance(device, dict):
+                device.pop("taints", None)
+
+    def _check_kind(self, obj: Any) -> Optional[Tuple[int, Any]]:
+        if not isinstance(obj, dict):
+            return _bad_request("the body of the request was in an unknown format")
+        kind, version = obj.get("kind"), obj.get("apiVersion")
+        if (kind and kind != "ResourceSlice") or (version and version != f"{GROUP}/v1"):
+            return _bad_request(f"the API version in the data ({version}) does not match the "
+                                f"expected API version ({GROUP}/v1)")
+        return None
+
+    def _create_slice(self, obj: Any, query: Dict[str, str]) -> Tuple[int, Any]:
+        bad = self._check_kind(obj)
+        if bad:
+            return bad
+        obj = copy.deepcopy(obj)
+        meta = obj.setdefault("metadata", {})
+        if meta.get("resourceVersion"):
+            return _bad_request("resourceVersion should not be set on objects to be created")
+        if not meta.get("name") and meta.get("generateName"):
+            suffix = "".join(random.choice(_GENERATE_CHARS) for _ in range(5))
+            meta["name"] = meta["generateName"][: 253 - 5] + suffix
+        self._drop_disabled(obj, None)
+        errors = resource_slice_errors(obj)
+        if errors:
+            return _invalid(meta.get("name") or meta.get("generateName") or "", errors)
+        name = meta["name"]
+        if name in self._state.slices:
+            return 409, status_body(409, "AlreadyExists",
+                                    f'resourceslices.{GROUP} "{name}" already exists',
+                                    {"name": name, "group": GROUP, "kind": "resourceslices"})
+        meta["uid"] = str(uuid.uuid4())
+        meta["creationTimestamp"] = _now()
+        meta["generation"] = 1
+        meta["resourceVersion"] = self._bump()
+        obj["kind"], obj["apiVersion"] = "ResourceSlice", f"{GROUP}/v1"
+        self._state.slices[name] = obj
+        return 201, copy.deepcopy(obj)
+
+    def _update_slice(self, name: str, obj: Any, query: Dict[str, str]) -> Tuple[int, Any]:
+        bad = self._check_kind(obj)
+        if bad:
+            return bad
+        obj = copy.deepcopy(obj)
+        meta = obj.setdefault("metadata", {})
+        if meta.get("name") != name:
+            return _bad_request(f"the name of the object ({meta.get('name')}) does not match "
+                                f"the name on the URL ({name})")
+        old = self._state.slices.get(name)
+        if old is None:
+            return _not_found("resourceslices", name)
+        version = meta.get("resourceVersion")
+        if version and version != old["metadata"]["resourceVersion"]:
+            return _conflict(name)
+        self._drop_disabled(obj, old)
+        errors = resource_slice_errors(obj, old)
+        if errors:
+            return _invalid(name, errors)
+        for key in ("uid", "creationTimestamp"):
+            meta[key] = old["metadata"][key]
+        obj["kind"], obj["apiVersion"] = "ResourceSlice", f"{GROUP}/v1"
+        if obj.get("spec") != old.get("spec"):
+            meta["generation"] = old["metadata"].get("generation", 1) + 1
+            meta["resourceVersion"] = self._bump()
+        else:
+            # A no-op update writes nothing and keeps the resourceVersion, as the real one.
+            meta["generation"] = old["metadata"].get("generation", 1)
+            meta["resourceVersion"] = old["metadata"]["resourceVersion"]
+        self._state.slices[name] = obj
+        return 200, copy.deepcopy(obj)
+
+    def _delete_slice(self, name: str, obj: Any, query: Dict[str, str]) -> Tuple[int, Any]:
+        old = self._state.slices.get(name)
+        if old is None:
+            return _not_found("resourceslices", name)
+        preconditions = (obj or {}).get("preconditions") or {}
+        want_rv = preconditions.get("resourceVersion")
+        if want_rv and want_rv != old["metadata"]["resourceVersion"]:
+            return _conflict(name, "Precondition failed: ResourceVersion in precondition: "
+                             f"{want_rv}, ResourceVersion in object meta: "
+                             f"{old['metadata']['resourceVersion']}")
+        want_uid = preconditions.get("uid")
+        if want_uid and want_uid != old["metadata"]["uid"]:
+            return _conflict(name, f"Precondition failed: UID in precondition: {want_uid}, "
+                             f"UID in object meta: {old['metadata']['uid']}")
+        del self._state.slices[name]
+        self._bump()
+        return 200, copy.deepcopy(old)
+
+
+# -- the real thing ---------------------------------------------------------------------------
+
+
+def kubebuilder_assets() -> Optional[str]:
+    """The directory named by KUBEBUILDER_ASSETS when it holds kube-apiserver and etcd."""
+    path = os.environ.get("KUBEBUILDER_ASSETS", "")
+    if path and all(os.access(os.path.join(path, b), os.X_OK) for b in ("kube-apiserver",
+                                                                          "etcd")):
+        return path
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RealApiServer:
+    """etcd + kube-apiserver from KUBEBUILDER_ASSETS, with the stand-in's helper methods.
+
+    Authentication is a static token in group system:masters (--token-auth-file); the
+    serving certificate (for 127.0.0.1) and the service-account signing key are made with the
+    ``openssl`` CLI, as envtest's own flags (--advertise-address 127.0.0.1, a service range)
+    are given. ``stop()``
+    stops kube-apiserver only (etcd keeps the data), as a control-plane restart does.
+    Counters and failure injection exist only in the stand-in.
+    """
+
+    TOKEN = "dph-envtest-token"
+
+    def __init__(self, assets: str, device_taints: bool = False) -> None:
+        self.assets = assets
+        self.device_taints = device_taints
+        self._dir = tempfile.mkdtemp(prefix="dph-envtest-")
+        self.kubeconfig_path = os.path.join(self._dir, "kubeconfig")
+        self.port = _free_port()
+        self._etcd: Optional[subprocess.Popen] = None
+        self._apiserver: Optional[subprocess.Popen] = None
+        self._etcd_port = _free_port()
+        self._etcd_peer = _free_port()
+        self.requests: Counter = Counter()
+
+    def __enter__(self) -> RealApiServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    def _log(self, name: str) -> Any:
+        return open(os.path.join(self._dir, f"{name}.log"), "ab")
+
+    def start(self) -> None:
+        if self._etcd is None:
+            data = os.path.join(self._dir, "etcd")
+            self._etcd = subprocess.Popen(
+                [os.path.join(self.assets, "etcd"), "--data-dir", data,
+                 "--listen-client-urls", f"http://127.0.0.1:{self._etcd_port}",
+                 "--advertise-client-urls", f"http://127.0.0.1:{self._etcd_port}",
+                 "--listen-peer-urls", f"http://127.0.0.1:{self._etcd_peer}",
+                 "--unsafe-no-fsync"],
+                stdout=self._log("etcd"), stderr=subprocess.STDOUT, start_new_session=True)
+        if self._apiserver is not None:
+            return
+        certs = os.path.join(self._dir, "certs")
+        os.makedirs(certs, exist_ok=True)
+        key = os.path.join(certs, "sa.key")
+        if not os.path.exists(key):
+            subprocess.run(["openssl", "genrsa", "-out", key, "2048"], check=True,
+                           capture_output=True)
+        # Our own serving certificate: the one --cert-dir makes names the advertise address
+        # and "localhost", which need not include 127.0.0.1.
+        serving_key = os.path.join(certs, "serving.key")
+        self.ca_path = os.path.join(certs, "serving.crt")
+        if not os.path.exists(self.ca_path):
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes",
+                            "-keyout", serving_key, "-out", self.ca_path, "-days", "2",
+                            "-subj", "/CN=127.0.0.1",
+                            "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                           check=True, capture_output=True)
+        tokens = os.path.join(self._dir, "tokens.csv")
+        with open(tokens, "w", encoding="utf-8") as handle:
+            handle.write(f'{self.TOKEN},admin,admin-uid,"system:masters"\n')
+        gates = "DRADeviceTaints=true" if self.device_taints else ""
+        args = [os.path.join(self.assets, "kube-apiserver"),
+                "--etcd-servers", f"http://127.0.0.1:{self._etcd_port}",
+                "--secure-port", str(self.port), "--bind-address", "127.0.0.1",
+                "--advertise-address", "127.0.0.1",
+                "--tls-cert-file", self.ca_path, "--tls-private-key-file", serving_key,
+                "--token-auth-file", tokens,
+                "--authorization-mode", "RBAC",
+                "--service-account-issuer", "https://kubernetes.default.svc",
+                "--service-account-key-file", key,
+                "--service-account-signing-key-file", key,
+                "--service-cluster-ip-range", "10.0.0.0/24",
+                "--disable-admission-plugins", "ServiceAccount"]
+        if gates:
+            args += ["--feature-gates", gates]
+        self._apiserver = subprocess.Popen(args, stdout=self._log("kube-apiserver"),
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+        self._write_kubeconfig(certs)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self._apiserver.poll() is not None:
+                raise RuntimeError(f"kube-apiserver exited; see {self._dir}/kube-apiserver.log")
+            try:
+                if self._request("GET", "/readyz")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)  # a child process start-up: nothing to wait on but the port
+        raise RuntimeError("kube-apiserver did not become ready in 60 s")
+
+    def _write_kubeconfig(self, certs: str) -> None:
+        config = {
+            "apiVersion": "v1", "kind": "Config", "current-context": "envtest",
+            "clusters": [{"name": "envtest", "cluster": {
+                "server": self.url, "certificate-authority": self.ca_path}}],
+            "contexts": [{"name": "envtest", "context": {"cluster": "envtest",
+                                                         "user": "admin"}}],
+            "users": [{"name": "admin", "user": {"token": self.TOKEN}}],
+        }
+        with open(self.kubeconfig_path, "w", encoding="utf-8") as handle:
+            json.dump(config, handle)
+
+    def _stop_process(self, proc: Optional[subprocess.Popen]) -> None:
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+    def stop(self) -> None:
+        self._stop_process(self._apiserver)
+        self._apiserver = None
+
+    def close(self) -> None:
+        self.stop()
+        self._stop_process(self._etcd)
+        self._etcd = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _request(self, method: str, path: str,
+                 body: Optional[Dict[str, Any]] = None) -> Tuple[int, Any]:
+        import http.client
+
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        conn = http.client.HTTPSConnection("127.0.0.1", self.port, context=ctx, timeout=10)
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+            conn.request(method, path, body=data, headers={
+                "Authorization": f"Bearer {self.TOKEN}", "Content-Type": "application/json",
+                "Accept": "application/json"})
+            response = conn.getresponse()
+            raw = response.read()
+            try:
+                return response.status, json.loads(raw) if raw else None
+            except ValueError:
+                return response.status, raw.decode(errors="replace")
+        finally:
+            conn.close()
+
+    def add_node(self, name: str) -> Dict[str, Any]:
+        status, obj = self._request("POST", "/api/v1/nodes", {
+            "apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+        if status == 409:
+            status, obj = self._request("GET", f"/api/v1/nodes/{name}")
+        if status >= 300:
+            raise RuntimeError(f"add_node: {status} {obj}")
+        return obj
+
+    def put_resource_claim(self, obj: Dict[str, Any]) -> Dict[str, Any]:
+        claim = copy.deepcopy(obj)
+        meta = claim.setdefault("metadata", {})
+        namespace = meta.setdefault("namespace", "default")
+        claim.setdefault("apiVersion", f"{GROUP}/v1")
+        claim.setdefault("kind", "ResourceClaim")
+        base = f"{RESOURCE_PREFIX}/namespaces/{namespace}/resourceclaims"
+        status_part = claim.pop("status", None)
+        self._request("DELETE", f"{base}/{meta['name']}")
+        code, created = self._request("POST", base, claim)
+        if code >= 300:
+            raise RuntimeError(f"put_resource_claim: {code} {created}")
+        if status_part:
+            created["status"] = status_part
+            code, created = self._request("PUT", f"{base}/{meta['name']}/status", created)
+            if code >= 300:
+                raise RuntimeError(f"put_resource_claim status: {code} {created}")
+        return created
+
+    def resource_slices(self, driver: Optional[str] = None,
+                        node: Optional[str] = None) -> List[Dict[str, Any]]:
+        terms = []
+        if driver:
+            terms.append(f"spec.driver={driver}")
+        if node:
+            terms.append(f"spec.nodeName={node}")
+        query = f"?fieldSelector={','.join(terms)}" if terms else ""
+        status, obj = self._request("GET", f"{RESOURCE_PREFIX}/resourceslices{query}")
+        if status != 200:
+            raise RuntimeError(f"list: {status} {obj}")
+        return list(obj.get("items") or [])
+
+    def devices(self, driver: Optional[str] = None,
+                node: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
+        return ApiServerStandIn.devices(self, driver, node)  # type: ignore[arg-type]
+
+    def delete_slices_of_node(self, node: str) -> int:
+        count = len(self.resource_slices(node=node))
+        self._request("DELETE", f"{RESOURCE_PREFIX}/resourceslices?fieldSelector="
+                      f"spec.nodeName={node}")
+        return count
+
+    def put_resource_slice(self, obj: Dict[str, Any]) -> Dict[str, Any]:
+        name = obj["metadata"]["name"]
+        body = copy.deepcopy(obj)
+        body["metadata"].pop("resourceVersion", None)
+        status, stored = self._request("PUT", f"{RESOURCE_PREFIX}/resourceslices/{name}", body)
+        if status == 404:
+            status, stored = self._request("POST", f"{RESOURCE_PREFIX}/resourceslices", body)
+        if status >= 300:
+            raise RuntimeError(f"put_resource_slice: {status} {stored}")
+        return stored
+
+    def wait_for(self, predicate: Any, timeout: float = 5.0) -> bool:
+        """The real server has no change hook here; a short poll (tests only)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if predicate(self):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
+
+def api_server_under_test(device_taints: bool = False) -> Iterator[Any]:
+    """The real API server where KUBEBUILDER_ASSETS says so, else the stand-in."""
+    assets = kubebuilder_assets()
+    server: Any = RealApiServer(assets, device_taints) if assets else \
+        ApiServerStandIn(device_taints=device_taints)
+    with server:
+        yield server
+
+
+
+
+def _fixture() -> Any:
+    try:
+        import pytest
+    except ImportError:  # the benchmarks use the stand-in without pytest
+        return None
+
+    @pytest.fixture
+    def kube_api() -> Iterator[Any]:
+        """The API server for a test: real with KUBEBUILDER_ASSETS, else the stand-in.
+
+        Import it into a test module or conftest: ``from host.testing.apiserver import
+        kube_api``. Tests of counters or failure injection take ``ApiServerStandIn`` itself.
+        """
+        yield from api_server_under_test()
+
+    return kube_api
+
+
+kube_api = _fixture()
+
+
+__all__ = ["ApiServerStandIn", "RealApiServer", "api_server_under_test", "kube_api",
+           "kubebuilder_assets", "parse_field_selector", "status_body"]

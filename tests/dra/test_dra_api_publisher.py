@@ -1,0 +1,335 @@
+"""The slice publisher against the API server (stand-in; real with KUBEBUILDER_ASSETS):
+attributes read back, 300 devices in 3 slices, hot-plug, health, outages, 422 and 409."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from host.dra.kube import KubeClient
+from host.dra.naming import dra_device_name, driver_name, pool_name
+from host.dra.publisher import SlicePublisher
+from host.metrics import HostMetrics
+from host.model import Device, Health
+from host.testing.apiserver import ApiServerStandIn, kube_api
+
+__all__ = ["kube_api"]
+
+NODE = "node-a"
+RESOURCE = "nvidia.com/gpu"
+DRIVER = driver_name(RESOURCE, None)
+POOL = pool_name(RESOURCE, NODE)
+
+
+def gpu(i: int, healthy: bool = True, numa: int = 0) -> Device:
+    address = f"0000:{0x10 + i // 32:02x}:{i % 32:02x}.0"
+    return Device(
+        id=address, numa_nodes=(numa,),
+        health=Health.HEALTHY if healthy else Health.UNHEALTHY,
+        health_reason="" if healthy else "XID 79: GPU has fallen off the bus",
+        attributes={"pci_address": address, "vendor": "0x10de", "device": "0x20b0",
+                    "kernel_driver": "nvidia", "model": "NVIDIA A100-SXM4-40GB",
+                    "device_minor": str(i), "pcie_root": "pci0000:00",
+                    "memory_bytes": str(40 << 30)})
+
+
+async def publishing(api, devices, body, **kwargs):
+    client = KubeClient.from_settings(api.kubeconfig_path, timeout_s=2)
+    publisher = SlicePublisher(client, NODE, **kwargs)
+    publisher.set_pool(DRIVER, POOL, devices)
+    await publisher.start()
+    try:
+        return await body(publisher)
+    finally:
+        await publisher.stop()
+        await client.close()
+
+
+def test_slices_with_the_right_attributes_read_back(kube_api, run):
+    node = kube_api.add_node(NODE)
+
+    async def body(publisher):
+        assert await publisher.wait_synced()
+
+    run(publishing(kube_api, [gpu(0, numa=1), gpu(1)], body))
+    slices = kube_api.resource_slices(DRIVER, NODE)
+    assert len(slices) == 1
+    spec = slices[0]["spec"]
+    assert spec["pool"] == {"name": POOL, "generation": 1, "resourceSliceCount": 1}
+    assert slices[0]["metadata"]["ownerReferences"][0]["uid"] == node["metadata"]["uid"]
+    assert slices[0]["metadata"]["ownerReferences"][0]["kind"] == "Node"
+    device = {d["name"]: d for d in spec["devices"]}[dra_device_name(gpu(0).id)]
+    attributes = device["attributes"]
+    assert attributes["resource.kubernetes.io/pcieRoot"] == {"string": "pci0000:00"}
+    assert attributes["resource.kubernetes.io/pciBusID"] == {"string": "0000:10:00.0"}
+    assert attributes["resource.kubernetes.io/numaNode"] == {"int": 1}
+    assert attributes["vendor"] == {"string": "0x10de"}
+    assert attributes["model"] == {"string": "NVIDIA A100-SXM4-40GB"}
+    assert attributes["device_minor"] == {"int": 0}
+    assert device["capacity"] == {"memory": {"value": "40Gi"}}
+
+
+def test_300_devices_in_3_slices(kube_api, run):
+    kube_api.add_node(NODE)
+
+    async def body(publisher):
+        assert await publisher.wait_synced()
+
+    run(publishing(kube_api, [gpu(i) for i in range(300)], body))
+    slices = kube_api.resource_slices(DRIVER, NODE)
+    assert sorted(len(s["spec"]["devices"]) for s in slices) == [44, 128, 128]
+    assert {s["spec"]["pool"]["resourceSliceCount"] for s in slices} == {3}
+    assert len(kube_api.devices(DRIVER, NODE)) == 300
+
+
+def test_hot_plug_and_health_update_the_slice(kube_api, run):
+    kube_api.add_node(NODE)
+    devices = [gpu(0), gpu(1)]
+
+    async def body(publisher):
+        assert await publisher.wait_synced()
+        publisher.set_pool(DRIVER, POOL, [*devices, gpu(2)])  # hot-plug
+        assert await publisher.wait_synced()
+        hot = kube_api.devices(DRIVER, NODE)
+        publisher.set_pool(DRIVER, POOL, [gpu(0), gpu(1, healthy=False), gpu(2)])
+        assert await publisher.wait_synced()
+        sick = kube_api.devices(DRIVER, NODE)
+        publisher.set_pool(DRIVER, POOL, [gpu(0), gpu(1), gpu(2)])
+        assert await publisher.wait_synced()
+        return hot, sick, kube_api.devices(DRIVER, NODE)
+
+    hot, sick, healed = run(publishing(kube_api, devices, body))
+    names = [dra_device_name(gpu(i).id) for i in range(3)]
+    assert sorted(hot) == sorted(names)
+    assert sorted(sick) == sorted([names[0], names[2]])  # unhealthy: left out
+    assert sorted(healed) == sorted(names)
+    assert kube_api.resource_slices(DRIVER, NODE)[0]["spec"]["pool"]["generation"] == 4
+
+
+def test_health_becomes_a_taint_where_the_server_keeps_taints(run):
+    with ApiServerStandIn(device_taints=True) as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+
+        run(publishing(api, [gpu(0), gpu(1, healthy=False)], body, taint_unhealthy=True))
+        sick = api.devices(DRIVER, NODE)[dra_device_name(gpu(1).id)]
+        assert sick["taints"] == [{"key": "device-plugin-host.io/unhealthy",
+                                   "value": "XID-79-GPU-has-fallen-off-the-bus",
+                                   "effect": "NoSchedule"}]
+
+
+def test_taints_dropped_by_the_server_fall_back_to_leaving_out(run):
+    with ApiServerStandIn(device_taints=False) as api:  # 1.34/1.35 defaults
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+
+        run(publishing(api, [gpu(0), gpu(1, healthy=False)], body, taint_unhealthy=True))
+        assert sorted(api.devices(DRIVER, NODE)) == [dra_device_name(gpu(0).id)]
+
+
+def test_api_server_down_during_a_change_then_back(run, caplog):
+    with ApiServerStandIn() as api, caplog.at_level(logging.INFO, logger="host.dra.publisher"):
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            api.stop()
+            publisher.set_pool(DRIVER, POOL, [gpu(0), gpu(1)])  # never blocks, never raises
+            deadline = asyncio.get_running_loop().time() + 10
+            while publisher.failures < 3:  # a few retries with backoff while it is away
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
+            assert publisher.last_error is not None and publisher.last_error.status == 0
+            assert not await publisher.wait_synced(0.05)
+            api.start()
+            assert await publisher.wait_synced(10)
+
+        run(publishing(api, [gpu(0)], body))
+        assert len(api.devices(DRIVER, NODE)) == 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert len([m for m in lines if "cannot publish" in m]) == 1  # once, not once a retry
+    assert len([m for m in lines if "published again" in m]) == 1
+
+
+def test_a_rejected_slice_is_logged_once_and_counted(run, caplog):
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+        metrics = HostMetrics()
+
+        async def scenario():
+            client = KubeClient.from_settings(api.kubeconfig_path)
+            publisher = SlicePublisher(client, NODE, metrics=metrics)
+            bad_pool = "node-a/Not_A_Subdomain"  # fails upstream validatePoolName
+            await publisher.start()
+            try:
+                publisher.set_pool(DRIVER, bad_pool, [gpu(0)])
+                assert await publisher.wait_synced()
+                publisher.set_pool(DRIVER, bad_pool, [gpu(0), gpu(1)])
+                assert await publisher.wait_synced()
+                publisher.set_pool(DRIVER, POOL, [gpu(0)])  # other pools keep working
+                assert await publisher.wait_synced()
+            finally:
+                await publisher.stop()
+                await client.close()
+
+        with caplog.at_level(logging.ERROR, logger="host.dra.publisher"):
+            run(scenario())
+        rejections = [r for r in caplog.records if "rejected" in r.getMessage()]
+        assert len(rejections) == 1
+        assert "spec.pool.name" in rejections[0].getMessage()
+        assert metrics.registry.get_sample_value(
+            "device_plugin_host_dra_slice_rejections_total",
+            {"driver": DRIVER, "pool": "node-a/Not_A_Subdomain"}) == 2
+        assert len(api.devices(DRIVER, NODE)) == 1
+
+
+def test_conflict_rereads_and_retries(run):
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            # Another writer touches our slice: our cached resourceVersion goes stale.
+            stored = api.resource_slices(DRIVER, NODE)[0]
+            stored["metadata"]["labels"] = {"touched": "yes"}
+            api.put_resource_slice(stored)
+            api.reset_counters()
+            publisher.set_pool(DRIVER, POOL, [gpu(0), gpu(1)])
+            assert await publisher.wait_synced()
+
+        run(publishing(api, [gpu(0)], body))
+        assert len(api.devices(DRIVER, NODE)) == 2
+        # update -> 409, list (re-read), update again.
+        assert [(m, code) for m, _p, code in api.request_log] == [
+            ("PUT", 409), ("GET", 200), ("PUT", 200)]
+
+
+def test_injected_conflicts_and_server_errors_are_retried(run):
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            api.fail_next(409, count=2, verbs={"update"})
+            api.fail_next(503, count=2, verbs={"list"})
+            publisher.set_pool(DRIVER, POOL, [gpu(0), gpu(1)])
+            assert await publisher.wait_synced()
+
+        run(publishing(api, [gpu(0)], body))
+        assert len(api.devices(DRIVER, NODE)) == 2
+
+
+def test_a_burst_of_events_is_coalesced(run):
+    with ApiServerStandIn(latency_s=0.01) as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            api.reset_counters()
+            for n in range(1, 51):
+                publisher.set_pool(DRIVER, POOL, [gpu(i) for i in range(n)])
+                await asyncio.sleep(0)
+            assert await publisher.wait_synced()
+
+        run(publishing(api, [gpu(0)], body))
+        assert len(api.devices(DRIVER, NODE)) == 50
+        assert api.requests["update"] <= 3  # one in flight, then the newest state
+
+
+def test_kubelet_restart_deletes_slices_and_republish_restores_them(run):
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            assert api.delete_slices_of_node(NODE) == 1
+            publisher.republish()
+            assert await publisher.wait_synced()
+
+        run(publishing(api, [gpu(0)], body))
+        assert len(api.devices(DRIVER, NODE)) == 1
+
+
+def test_remove_pool_and_stop_with_delete(run):
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def scenario():
+            client = KubeClient.from_settings(api.kubeconfig_path)
+            publisher = SlicePublisher(client, NODE)
+            publisher.set_pool(DRIVER, POOL, [gpu(0)])
+            publisher.set_pool("other.device-plugin-host.io", POOL, [gpu(1)])
+            await publisher.start()
+            try:
+                assert await publisher.wait_synced()
+                assert len(api.resource_slices(node=NODE)) == 2
+                publisher.remove_pool(DRIVER, POOL)
+                assert await publisher.wait_synced()
+                assert [s["spec"]["driver"] for s in api.resource_slices(node=NODE)] == [
+                    "other.device-plugin-host.io"]
+            finally:
+                await publisher.stop(delete=True)
+                await client.close()
+
+        run(scenario())
+        assert api.resource_slices(node=NODE) == []
+
+
+def test_an_empty_pool_is_one_empty_slice(kube_api, run):
+    kube_api.add_node(NODE)
+
+    async def body(publisher):
+        assert await publisher.wait_synced()
+
+    run(publishing(kube_api, [], body))
+    slices = kube_api.resource_slices(DRIVER, NODE)
+    assert len(slices) == 1 and not slices[0]["spec"].get("devices")
+
+
+@pytest.mark.parametrize("count", [1, 128, 129])
+def test_one_request_per_changed_slice(run, count):
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            api.reset_counters()
+            publisher.set_pool(DRIVER, POOL, [gpu(i, healthy=i != 0) for i in range(count)])
+            assert await publisher.wait_synced()
+            unchanged = dict(api.requests)
+            publisher.set_pool(DRIVER, POOL, [gpu(i, healthy=i != 0) for i in range(count)])
+            assert await publisher.wait_synced()
+            return unchanged
+
+        first = run(publishing(api, [gpu(i) for i in range(count)], body))
+        slices_before = -(-count // 128)
+        assert sum(first.values()) == slices_before  # one PUT per slice, no list, no get
+        assert sum(api.requests.values()) == sum(first.values())  # no change: no request
+
+
+def test_too_many_requests_waits_the_servers_retry_after(run):
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            api.fail_next(429, count=1, verbs={"update"})
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            publisher.set_pool(DRIVER, POOL, [gpu(0), gpu(1)])
+            assert await publisher.wait_synced()
+            return loop.time() - start
+
+        took = run(publishing(api, [gpu(0)], body))
+        assert took >= 1.0  # Retry-After: 1, not the 0.05 s first backoff
+        assert publisher_error_kinds(api) == [("PUT", 429), ("PUT", 200)]
+
+
+def publisher_error_kinds(api):
+    return [(m, code) for m, _p, code in api.request_log if m != "GET"][-2:]

@@ -1,0 +1,151 @@
+"""The generic pci driver on fake trees: boards whose kernel drivers make char devices under
+their PCI function (host/testing/fake_pci, fake_chardev)."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import pytest
+
+from drivers.pci.driver import PciDriver
+from host.driver import SelectorError
+from host.hostfs import HostFS
+from host.model import Device, Health, ResourceConfig
+from host.testing import fake_pci as fp
+from host.testing.fake_chardev import add_class_chardev
+from host.testing.tree import FakeTree
+
+HAILO = ResourceConfig("hailo.ai/npu", "pci", {"vendor": "0x1e60", "device": "0x2864"})
+
+
+@pytest.fixture
+def tree(tmp_path) -> FakeTree:
+    fake = FakeTree(tmp_path / "root")
+    fake.numa_nodes(2)
+    return fake
+
+
+def devices(tree: FakeTree, resource: ResourceConfig = HAILO) -> Dict[str, Device]:
+    found = PciDriver().discover(HostFS(tree.root), [resource])
+    return {d.id: d for d in found[resource.name]}
+
+
+def nodes(device: Device) -> List[str]:
+    return [n.host_path for n in device.device_nodes]
+
+
+def test_a_hailo8_behind_a_root_port_is_served_with_its_char_node(tree):
+    bridge = tree.pci_bridge("0000:00:1c.0", numa_node=-1)
+    fp.add_hailo8(tree, "0000:02:00.0", parent=bridge)
+    found = devices(tree)
+    assert list(found) == ["0000:02:00.0"]
+    device = found["0000:02:00.0"]
+    assert device.health is Health.HEALTHY, device.health_reason
+    assert nodes(device) == ["/dev/hailo0"]
+    assert device.numa_nodes == ()
+    assert device.attributes["char_devices"] == "hailo0:hailo_chardev:511:0"
+    assert device.attributes["kernel_driver"] == "hailo_pci"
+    # The bridge above it owns no char device: selecting it says so instead of taking hailo0.
+    bridge_only = ResourceConfig("x.com/b", "pci", {"pci_address": "00:1c.0"})
+    bridge_device = devices(tree, bridge_only)["0000:00:1c.0"]
+    assert bridge_device.health is Health.UNHEALTHY
+    assert "pcieport made no character device" in bridge_device.health_reason
+    assert nodes(bridge_device) == []
+
+
+def test_numa_comes_from_the_function(tree):
+    fp.add_hailo8(tree, "0000:81:00.0", numa_node=1)
+    assert devices(tree)["0000:81:00.0"].numa_nodes == (1,)
+
+
+def test_a_board_with_several_nodes_and_a_class_filter(tree):
+    expected = fp.add_xdma_board(tree, "0000:3b:00.0")
+    add_class_chardev(tree, "/sys/devices/pci0000:3b/0000:3b:00.0", "tty", "ttyXR0", 4, 70)
+    board = ResourceConfig("example.com/fpga-board", "pci", {"kernel_driver": "xdma"})
+    assert nodes(devices(tree, board)["0000:3b:00.0"]) == [
+        "/dev/ttyXR0", "/dev/xdma0_c2h_0", "/dev/xdma0_control", "/dev/xdma0_events_0",
+        "/dev/xdma0_h2c_0", "/dev/xdma0_user"]
+    only = ResourceConfig("example.com/fpga-board", "pci", {"kernel_driver": "xdma"},
+                          settings={"char_classes": ["xdma"]})
+    assert sorted(nodes(devices(tree, only)["0000:3b:00.0"])) == sorted(expected)
+    wrong = ResourceConfig("example.com/fpga-board", "pci", {"kernel_driver": "xdma"},
+                           settings={"char_classes": ["video4linux"]})
+    device = devices(tree, wrong)["0000:3b:00.0"]
+    assert device.health_reason.startswith("xdma made no character device of class video4linux")
+
+
+def test_the_node_path_is_the_uevent_devname(tree):
+    function = tree.pci_function("0000:05:00.0", vendor=0x1cd7, device=0x0017,
+                                 pci_class=0x048000, driver="mwcap", numa_node=0)
+    add_class_chardev(tree, function, "mwcap", "mwcap0", 240, 0, devname="mwcap/card0")
+    found = devices(tree, ResourceConfig("magewell.com/capture", "pci", {"vendor": "0x1cd7"}))
+    assert nodes(found["0000:05:00.0"]) == ["/dev/mwcap/card0"]
+
+
+def test_class_selector_matches_by_prefix(tree):
+    fp.add_hailo8(tree, "0000:02:00.0")
+    assert list(devices(tree, ResourceConfig("x.com/c", "pci", {"class": "0x0b40"}))) == [
+        "0000:02:00.0"]
+    assert devices(tree, ResourceConfig("x.com/c", "pci", {"class": "0x12"})) == {}
+
+
+@pytest.mark.parametrize(("kind", "reason"), [
+    ("no-driver", "no kernel driver bound"),
+    ("no-node", "device node /dev/hailo0 missing"),
+    ("disabled", "PCI function disabled (enable = 0)"),
+])
+def test_what_cannot_be_used_is_unhealthy_with_the_reason(tree, kind, reason):
+    function = fp.add_hailo8(tree, "0000:02:00.0", driver=None if kind == "no-driver" else
+                             "hailo_pci", node=kind != "no-node")
+    if kind == "disabled":
+        tree.attr(f"{function}/enable", "0")
+    device = devices(tree)["0000:02:00.0"]
+    assert device.health is Health.UNHEALTHY
+    assert device.health_reason == reason
+
+
+def test_passthrough_functions_only_where_the_driver_is_named(tree):
+    function = fp.add_hailo8(tree, "0000:02:00.0", driver=None, iommu_group=17)
+    tree.bind_driver(function, "vfio-pci")
+    tree.chardev("/dev/vfio/vfio", 10, 196)
+    tree.chardev("/dev/vfio/17", 242, 0)
+    assert devices(tree) == {}
+    vm = ResourceConfig("hailo.ai/npu-vm", "pci", {"vendor": "0x1e60", "kernel_driver": "vfio-pci"})
+    device = devices(tree, vm)["0000:02:00.0"]
+    assert device.health is Health.HEALTHY, device.health_reason
+    assert nodes(device) == ["/dev/vfio/vfio", "/dev/vfio/17"]
+
+
+def test_virtual_char_devices_belong_to_no_function(tree):
+    fp.add_hailo8(tree, "0000:02:00.0")
+    add_class_chardev(tree, None, "misc", "hailo_ctl", 10, 120)
+    assert nodes(devices(tree)["0000:02:00.0"]) == ["/dev/hailo0"]
+
+
+def test_a_stale_sys_dev_char_link_is_ignored(tree):
+    fp.add_hailo8(tree, "0000:02:00.0")
+    tree.link("/sys/dev/char/511:9", "/sys/devices/pci0000:02/0000:02:00.0/hailo_chardev/hailo9")
+    assert nodes(devices(tree)["0000:02:00.0"]) == ["/dev/hailo0"]
+
+
+def test_selectors_must_name_the_hardware():
+    with pytest.raises(SelectorError) as error:
+        PciDriver().check_selectors({})
+    assert error.value.key == "" and "serves only what config names" in error.value.reason
+    assert PciDriver().default_resources() == ()
+
+
+@pytest.mark.parametrize(("selectors", "key"), [({"class": "0x1"}, "class"),
+                                                ({"vendor": "nope"}, "vendor"),
+                                                ({"subsystem": "x"}, "subsystem")])
+def test_bad_selectors_are_rejected(selectors, key):
+    with pytest.raises(SelectorError) as error:
+        PciDriver().check_selectors(selectors)
+    assert error.value.key == key
+
+
+@pytest.mark.parametrize("settings", [{"char_classes": []}, {"char_classes": "xdma"},
+                                      {"char_classes": [""]}, {"char_classes": [1]}, {"x": 1}])
+def test_bad_settings_are_rejected(settings):
+    with pytest.raises(SelectorError):
+        PciDriver().check_settings(settings)

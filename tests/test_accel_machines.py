@@ -1,0 +1,90 @@
+"""The accelerator machines (host/testing/machines: gaudi-node, npu-laptop, trainium-node,
+edge-npu-box): each tree is what its fixture builders make, and ``discover --json`` on it with
+its example config prints exactly the golden output stored beside it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from host.testing.tree import load_machine
+
+REPO = Path(__file__).resolve().parents[1]
+MACHINES = REPO / "host" / "testing" / "machines"
+_spec = importlib.util.spec_from_file_location(
+    "gen_accel_machines", REPO / "tests" / "resources" / "gen_accel_machines.py")
+assert _spec is not None and _spec.loader is not None
+gen = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gen)
+
+
+@pytest.mark.parametrize("name", sorted(gen.BUILDERS))
+def test_the_tree_is_what_the_fixture_builders_make(name):
+    assert (MACHINES / f"{name}.tree").read_text(encoding="utf-8") == gen.tree_text(name), (
+        f"{name}.tree is stale: run tests/resources/gen_accel_machines.py")
+
+
+@pytest.mark.parametrize("name", sorted(gen.BUILDERS))
+def test_discover_json_matches_the_golden_output(name, tmp_path):
+    _, example = gen.BUILDERS[name]
+    load_machine(name, tmp_path / "root")
+    result = subprocess.run(
+        [sys.executable, "-m", "host", "discover", "--host-root", str(tmp_path / "root"),
+         "--config", str(REPO / "config" / "examples" / f"{example}.toml"), "--json"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert result.returncode == 0, result.stderr
+    golden = json.loads((MACHINES / f"{name}.json").read_text(encoding="utf-8"))
+    assert json.loads(result.stdout) == golden, (
+        f"discover output differs from {name}.json: if the change is intended, regenerate with "
+        "tests/resources/gen_accel_machines.py and review the diff")
+
+
+def test_the_goldens_show_what_each_machine_is_about():
+    rows = {name: json.loads((MACHINES / f"{name}.json").read_text(encoding="utf-8"))
+            for name in gen.BUILDERS}
+    gaudi = [r for r in rows["gaudi-node"] if r["resource"] == "habana.ai/gaudi"]
+    assert [r["numa_nodes"] for r in gaudi] == [[0]] * 4 + [[1]] * 4
+    assert all(len(r["device_nodes"]) == 2 for r in gaudi)
+    neuron = rows["trainium-node"]
+    assert [r["id"] for r in neuron] == [f"neuron{i}" for i in range(16)]
+    assert all(r["numa_nodes"] == [] for r in neuron)
+    (hailo,) = [r for r in rows["edge-npu-box"] if r["driver"] == "pci"]
+    assert [n["host_path"] for n in hailo["device_nodes"]] == ["/dev/hailo0"]
+    (npu,) = [r for r in rows["npu-laptop"] if r["driver"] == "accel"]
+    assert npu["resource"] == "npu.intel.com/accel" and npu["numa_nodes"] == []
+
+
+@pytest.mark.parametrize("name", sorted(gen.BUILDERS))
+def test_each_machine_survives_a_capture(name, tmp_path):
+    """``device-plugin-host capture`` keeps what the accel, neuron and pci drivers read
+    (the accel and neuron_device classes, /sys/dev/char, their attributes and /dev nodes):
+    discover on the recaptured tree gives the golden devices back."""
+    from host.testing.tree import FakeTree, capture_tree
+
+    _, example = gen.BUILDERS[name]
+    original = load_machine(name, tmp_path / "original")
+    lines = list(capture_tree(original.root, [
+        "/dev/accel/*", "/dev/neuron*", "/dev/hailo*", "/dev/dri/*", "/dev/dri/by-path/*"]))
+    FakeTree(tmp_path / "recaptured").load("\n".join(lines))
+    result = subprocess.run(
+        [sys.executable, "-m", "host", "discover", "--host-root", str(tmp_path / "recaptured"),
+         "--config", str(REPO / "config" / "examples" / f"{example}.toml"), "--json"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert result.returncode == 0, result.stderr
+    golden = json.loads((MACHINES / f"{name}.json").read_text(encoding="utf-8"))
+
+    def essentials(rows):
+        return [(r["resource"], r["id"], r["health"], r["numa_nodes"],
+                 [n["host_path"] for n in r["device_nodes"]], r["env"]) for r in rows]
+
+    assert essentials(json.loads(result.stdout)) == essentials(golden)

@@ -1,0 +1,105 @@
+"""The drain marks file: any valid name round-trips, old files are still read, bad keys and
+failing state directories are refused with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from host.drain import DrainError, NoSuchMark, clean_reason, key_error, read_drains, update_drains
+from host.resource_name import resource_name_error
+
+_NAMES = st.from_regex(
+    r"[a-z0-9]([a-z0-9-]{0,8}[a-z0-9])?(\.[a-z0-9]{1,6}){0,2}/[A-Za-z0-9]([A-Za-z0-9._-]{0,30}"
+    r"[A-Za-z0-9])?", fullmatch=True,
+).filter(lambda name: resource_name_error(name) is None)
+_IDS = st.text(min_size=1, max_size=256).filter(lambda d: key_error("example.com/x", d) is None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(marks=st.dictionaries(st.tuples(_NAMES, _IDS), st.text(max_size=200), max_size=6))
+def test_every_valid_name_and_any_reason_round_trip(marks):
+    with tempfile.TemporaryDirectory() as state:
+        path = os.path.join(state, "drained")
+        for key, reason in marks.items():
+            update_drains(path, key, reason)
+        assert read_drains(path) == {key: clean_reason(reason) for key, reason in marks.items()}
+        if marks:
+            with open(path, encoding="ascii") as handle:  # JSON lines, one object a line
+                records = [json.loads(line) for line in handle]
+            assert {(r["resource"], r["device"]) for r in records} == set(marks)
+
+
+def test_the_file_is_json_lines(tmp_path):
+    path = str(tmp_path / "drained")
+    update_drains(path, ("nvidia.com/gpu", "0000:18:00.0"), "bad ECC\nsee ticket #12\t\x1b[31m")
+    with open(path, encoding="utf-8") as handle:
+        lines = handle.read().splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"resource": "nvidia.com/gpu", "device": "0000:18:00.0",
+         "reason": "bad ECC see ticket #12 [31m"}]
+
+
+def test_a_file_in_the_old_format_is_read_and_rewritten_as_json_lines(tmp_path):
+    path = tmp_path / "drained"
+    path.write_text("# resource device-id reason (managed by device-plugin-host drain)\n"
+                    "nvidia.com/gpu 0000:18:00.0 bad ECC on row 3\n"
+                    "example.com/x x1\n")
+    assert read_drains(str(path)) == {("nvidia.com/gpu", "0000:18:00.0"): "bad ECC on row 3",
+                                      ("example.com/x", "x1"): "drained by an operator"}
+    update_drains(str(path), ("example.com/x", "x2"), "fan")
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {(r["resource"], r["device"], r["reason"]) for r in records} == {
+        ("nvidia.com/gpu", "0000:18:00.0", "bad ECC on row 3"),
+        ("example.com/x", "x1", "drained by an operator"), ("example.com/x", "x2", "fan")}
+
+
+def test_a_bad_line_is_skipped_and_the_other_marks_stay(tmp_path, caplog):
+    path = tmp_path / "drained"
+    path.write_text('{"resource": "example.com/x", "device": "x1", "reason": "r"}\n'
+                    '{"resource": "example.com/x", "device": 7}\n{not json\n[]\nlonely\n')
+    assert read_drains(str(path)) == {("example.com/x", "x1"): "r"}
+    assert sum("not a drain mark" in r.getMessage() for r in caplog.records) == 4
+
+
+@pytest.mark.parametrize(("resource", "device", "words"), [
+    ("Example.com/GPU", "x", "not a valid resource name"),
+    ("nvidia.com/gpu\nevil.com/x", "x", "not a valid resource name"),
+    ("gpu", "x", "not a valid resource name"),
+    ("nvidia.com/gpu", "", "empty"),
+    ("nvidia.com/gpu", "a b", "whitespace or control"),
+    ("nvidia.com/gpu", "a\tb", "whitespace or control"),
+    ("nvidia.com/gpu", "a\x1bb", "whitespace or control"),
+    ("nvidia.com/gpu", "a\u2028b", "whitespace or control"),
+    ("nvidia.com/gpu", "x" * 257, "at most 256"),
+    ("nvidia.com/gpu", "bad\udcffbyte", "not valid UTF-8"),
+])
+def test_keys_that_can_never_match_a_device_are_refused(resource, device, words):
+    problem = key_error(resource, device)
+    assert problem is not None and words in problem
+
+
+def test_removing_a_mark_that_is_not_there(tmp_path):
+    path = str(tmp_path / "drained")
+    update_drains(path, ("example.com/x", "x1"), "r")
+    with pytest.raises(NoSuchMark, match=r"example\.com/x x2 has no drain mark"):
+        update_drains(path, ("example.com/x", "x2"), None, missing_ok=False)
+    assert update_drains(path, ("example.com/x", "x2"), None) == {("example.com/x", "x1"): "r"}
+
+
+def test_unreadable_marks_raise_instead_of_reading_as_none(tmp_path):
+    (tmp_path / "drained").mkdir()
+    with pytest.raises(DrainError, match="cannot read the drain marks"):
+        read_drains(str(tmp_path / "drained"))
+
+
+def test_a_state_directory_that_is_a_file(tmp_path):
+    (tmp_path / "state").write_text("")
+    with pytest.raises(DrainError, match=r"marks in .*state: it exists and is not a directory"):
+        update_drains(str(tmp_path / "state" / "drained"), ("example.com/x", "x1"), "r")
+    assert os.listdir(tmp_path) == ["state"]

@@ -1,0 +1,170 @@
+"""Accelerator machines served by the real host to the kubelet simulator: a Gaudi node
+(accel driver), a Trainium node (neuron driver) and an edge box whose Hailo-8 is served by
+the generic pci driver from its example config. Real gRPC over real unix sockets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from host.config import default_config, load_config
+from host.plugins import load_drivers
+from host.testing.harness import running_host
+from host.testing.kubelet import KubeletSimulator
+from host.testing.tree import load_machine
+from host.watch import InjectedSource
+
+REPO = Path(__file__).resolve().parents[1]
+GAUDI = "habana.ai/gaudi"
+NEURON = "aws.amazon.com/neuron"
+HAILO = "hailo.ai/npu"
+
+
+def test_gaudi_allocation_carries_accel_and_control_nodes_and_a_bad_status_turns_unhealthy(
+    tmp_path, short_dir, run
+):
+    tree = load_machine("gaudi-node", tmp_path / "root")
+    registry = load_drivers()
+    config = default_config(registry.drivers).with_overrides(
+        plugin_dir=short_dir, host_root=str(tmp_path / "root"))
+    events = InjectedSource()
+
+    async def scenario():
+        sim = KubeletSimulator(short_dir, topology_policy="single-numa-node")
+        await sim.start()
+        try:
+            async with running_host(config, registry.drivers, events) as app:
+                await sim.wait_for(lambda s: s.resources[GAUDI].allocatable == 8,
+                                   what="8 Gaudi cards allocatable")
+                assert "npu.intel.com/accel" not in app.served()
+                result = await sim.allocate(GAUDI, 2, pod="train")
+                assert len(result.numa_nodes) == 1
+                indexes = sorted(int(i) for i in
+                                 result.response.envs["HABANA_VISIBLE_DEVICES"].split(","))
+                assert sorted(d.host_path for d in result.response.devices) == sorted(
+                    [f"/dev/accel/accel{i}" for i in indexes]
+                    + [f"/dev/accel/accel_controlD{i}" for i in indexes])
+                assert all(d.permissions == "rw" for d in result.response.devices)
+
+                # habanalabs says a card needs a reset; the next scan (the resource's
+                # health interval, or any event) makes it Unhealthy for the kubelet.
+                tree.attr("/sys/bus/pci/devices/0000:9c:00.0/status", "needs reset")
+                events.inject("accel")
+                await sim.wait_for(lambda s: "0000:9c:00.0" in s.resources[GAUDI].unhealthy,
+                                   what="the card needing a reset is Unhealthy")
+                assert sim.resources[GAUDI].allocatable == 7
+        finally:
+            await sim.stop()
+
+    run(scenario())
+
+
+def test_neuron_allocation_carries_its_dev_neuron_nodes(tmp_path, short_dir, run):
+    tree = load_machine("trainium-node", tmp_path / "root")
+    registry = load_drivers()
+    config = default_config(registry.drivers).with_overrides(
+        plugin_dir=short_dir, host_root=str(tmp_path / "root"))
+
+    async def scenario():
+        sim = KubeletSimulator(short_dir)
+        await sim.start()
+        try:
+            async with running_host(config, registry.drivers):
+                await sim.wait_for(lambda s: s.resources[NEURON].allocatable == 16,
+                                   what="16 Neuron devices allocatable")
+                result = await sim.allocate(NEURON, 2, pod="train")
+                indexes = [int(i[len("neuron"):]) for i in result.device_ids]
+                assert sorted(d.host_path for d in result.response.devices) == sorted(
+                    f"/dev/neuron{i}" for i in indexes)
+                visible = result.response.envs["AWS_NEURON_VISIBLE_DEVICES"].split(",")
+                assert sorted(int(v) for v in visible) == sorted(indexes)
+                assert not result.numa_nodes  # the tree proves none
+
+                # GetPreferredAllocation keeps a 4-device pod on devices wired to each other.
+                links = {}
+                for i in range(16):
+                    with open(tree.real(f"/sys/class/neuron_device/neuron{i}/connected_devices"),
+                              encoding="utf-8") as handle:
+                        peers = handle.read().split(",")
+                    links[f"neuron{i}"] = {f"neuron{p.strip()}" for p in peers}
+                second = await sim.allocate(NEURON, 4, pod="train-b")
+                assert second.preferred is not None and set(second.preferred) == set(
+                    second.device_ids)
+                picked = list(second.device_ids)
+                seen, stack = {picked[0]}, [picked[0]]
+                while stack:
+                    for other in links[stack.pop()] & set(picked):
+                        if other not in seen:
+                            seen.add(other)
+                            stack.append(other)
+                assert seen == set(picked), (picked, "not connected over device links")
+        finally:
+            await sim.stop()
+
+    run(scenario())
+
+
+def test_hailo_served_by_the_generic_pci_driver_from_its_example_config(
+    tmp_path, short_dir, run
+):
+    load_machine("edge-npu-box", tmp_path / "root")
+    registry = load_drivers()
+    config = load_config(str(REPO / "config" / "examples" / "edge-npu.toml"),
+                         registry.drivers).with_overrides(
+        plugin_dir=short_dir, host_root=str(tmp_path / "root"))
+
+    async def scenario():
+        sim = KubeletSimulator(short_dir)
+        await sim.start()
+        try:
+            async with running_host(config, registry.drivers):
+                await sim.wait_for(lambda s: s.resources[HAILO].allocatable == 1
+                                   and s.resources["gpu.intel.com/i915"].allocatable == 1,
+                                   what="the Hailo-8 and the iGPU allocatable")
+                result = await sim.allocate(HAILO, 1, pod="detect")
+                assert result.device_ids == ["0000:02:00.0"]
+                assert [(d.host_path, d.container_path, d.permissions)
+                        for d in result.response.devices] == [("/dev/hailo0", "/dev/hailo0", "rw")]
+        finally:
+            await sim.stop()
+
+    run(scenario())
+
+
+def test_loading_the_boards_kernel_driver_later_brings_its_node_to_the_kubelet(
+    tmp_path, short_dir, run
+):
+    """hailo_pci loaded after the host started: the PCI bind uevent rescans the pci driver and
+    the board appears with the node its driver made."""
+    from host.testing import fake_pci
+    from host.testing.fake_chardev import add_class_chardev
+    from host.testing.tree import FakeTree
+
+    tree = FakeTree(tmp_path / "root")
+    tree.numa_nodes(1)
+    function = fake_pci.add_hailo8(tree, "0000:02:00.0", driver=None)
+    registry = load_drivers()
+    config = load_config(str(REPO / "config" / "examples" / "edge-npu.toml"),
+                         registry.drivers).with_overrides(
+        plugin_dir=short_dir, host_root=str(tmp_path / "root"))
+    events = InjectedSource()
+
+    async def scenario():
+        sim = KubeletSimulator(short_dir)
+        await sim.start()
+        try:
+            async with running_host(config, registry.drivers, events):
+                await sim.wait_for(lambda s: HAILO in s.resources and s.resources[HAILO].live,
+                                   what="hailo.ai/npu registered, empty")
+                assert sim.resources[HAILO].allocatable == 0
+                tree.bind_driver(function, "hailo_pci")  # modprobe hailo_pci
+                add_class_chardev(tree, function, "hailo_chardev", "hailo0",
+                                  fake_pci.HAILO_MAJOR, 0)
+                events.inject("pci")  # the bind uevent
+                await sim.wait_for(lambda s: s.resources[HAILO].allocatable == 1,
+                                   what="the Hailo-8 allocatable once its driver bound")
+                result = await sim.allocate(HAILO, 1, pod="detect")
+                assert [d.host_path for d in result.response.devices] == ["/dev/hailo0"]
+        finally:
+            await sim.stop()
+
+    run(scenario())
