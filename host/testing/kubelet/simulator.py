@@ -3,6 +3,14 @@
 One asyncio loop (grpc.aio) runs the registration server, every dial-back channel and every
 ListAndWatch stream; ``stop()`` cancels and awaits all of it, so fifty restarts leak no task,
 channel or descriptor.
+
+Restarts are as unkind as the kubelet's (``dm/plugin/v1beta1/server.go`` Start/Stop,
+``dm/manager.go`` CleanupPluginDirectory, issue 10): a Register in flight when the kubelet stops
+fails (1.36: "failed to get device plugin options: context canceled"; 1.32: "client connection
+is closing"), the stopped kubelet's socket stays behind as a dead file that refuses connections
+(the process is gone, nothing unlinked it) unless ``stop(unlink=True)``, nothing listens for
+the whole outage, and the next start wipes every socket in the directory, the dead
+``kubelet.sock`` included, before the new one appears.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import json
 import logging
 import os
 import stat
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import grpc
@@ -35,6 +44,11 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_VERSIONS = (VERSION,)
 DIAL_TIMEOUT_S = 10.0  # the kubelet's blocking dial-back
+STOP_GRACE_S = 0.2  # time for in-flight Register handlers to answer with their error at stop
+_GRPC_PATH_MAX = 105  # grpcio refuses 106- and 107-byte unix socket paths (facts §8)
+CONTEXT_CANCELED = (
+    "failed to get device plugin options: rpc error: code = Canceled desc = context canceled"
+)
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # Go gRPC's default receive limit, which the kubelet keeps
 POLICIES = ("none", "best-effort", "restricted", "single-numa-node")
 _SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes including the terminating NUL
@@ -87,6 +101,13 @@ class KubeletSimulator:
         self.register_errors: List[str] = []
         self.register_calls: Dict[str, int] = {}  # every Register, before validation (the metric)
         self.starts = 0
+        self.started_at: Optional[float] = None  # time.monotonic() when kubelet.sock last listened
+        self.stopping = False
+        self._stop_event: Optional[asyncio.Event] = None
+        # A slow kubelet: each Register waits this long before its dial-back (tests use it to
+        # have Register calls in flight when the kubelet stops).
+        self.register_delay_s = 0.0
+        self.registers_in_flight = 0
         self.allocation_results: Dict[Key, AllocationResult] = {}
         self._server: Optional[grpc.aio.Server] = None
         self._generation = 0
@@ -116,13 +137,26 @@ class KubeletSimulator:
             state.forget_devices()
         server = grpc.aio.server(options=_SERVER_OPTIONS)
         api_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
+        # Listen under a hidden name, then rename it to kubelet.sock: the socket appears already
+        # listening (as the kubelet's does), and since grpc unlinks only the name it bound, the
+        # stopped server leaves kubelet.sock behind as a dead socket, like a kubelet that exited.
+        hidden = os.path.join(self.plugin_dir, f".kubelet-{os.getpid()}-{self._generation}.sock")
+        if len(os.fsencode(hidden)) > _GRPC_PATH_MAX:
+            hidden = self.socket_path  # no room for the hidden name: bind kubelet.sock itself
         try:
-            server.add_insecure_port("unix:" + self.socket_path)
+            if server.add_insecure_port("unix:" + hidden) == 0:
+                raise OSError(f"kubelet simulator: could not bind {hidden}")
             await server.start()
+            if hidden != self.socket_path:
+                os.rename(hidden, self.socket_path)
         except BaseException:
             await server.stop(None)
+            if hidden != self.socket_path and os.path.lexists(hidden):
+                os.unlink(hidden)
             raise
         self._server = server
+        self.stopping = False
+        self._stop_event = asyncio.Event()
         if self.pod_resources is not None:
             try:
                 await self.pod_resources.start()
@@ -132,14 +166,31 @@ class KubeletSimulator:
                 raise
         self._generation += 1
         self.starts += 1
+        self.started_at = time.monotonic()
         await self._notify()
 
-    async def stop(self) -> None:
-        """Stop serving, end every stream and close every plugin channel, and wait for it all."""
+    async def stop(self, *, unlink: bool = True) -> None:
+        """Stop serving, end every stream and close every plugin channel, and wait for it all.
+
+        Register calls in flight fail with the kubelet's "context canceled" error. ``unlink``:
+        remove kubelet.sock (connecting then fails with ENOENT); False leaves it behind dead
+        (ECONNREFUSED), as a kubelet that exited does, until the next ``start()`` wipes it.
+        """
         self._generation += 1
+        self.stopping = True
+        if self._stop_event is not None:
+            self._stop_event.set()
         server, self._server = self._server, None
         if server is not None:
-            await server.stop(None)  # cancels in-flight Register calls; unlinks kubelet.sock
+            # The grace lets the in-flight Register handlers send their error, as the kubelet's
+            # cancelled contexts do; nothing new is accepted meanwhile.
+            await server.stop(STOP_GRACE_S)
+        if unlink and os.path.lexists(self.socket_path):
+            try:
+                if stat.S_ISSOCK(os.lstat(self.socket_path).st_mode):
+                    os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
         if self.pod_resources is not None:
             await self.pod_resources.stop()
         for channel in list(self._dialing):
@@ -157,8 +208,12 @@ class KubeletSimulator:
                 state.current = None
         await self._notify()
 
-    async def restart(self) -> None:
-        await self.stop()
+    async def restart(self, outage_s: float = 0.0, *, unlink: bool = False) -> None:
+        """Stop, stay down ``outage_s`` seconds (the dead socket left behind unless ``unlink``),
+        start again. The outage is a real wait: it is the thing being simulated."""
+        await self.stop(unlink=unlink)
+        if outage_s > 0:
+            await asyncio.sleep(outage_s)
         await self.start()
 
     async def __aenter__(self) -> KubeletSimulator:
@@ -238,6 +293,8 @@ class KubeletSimulator:
         if name in self.resources:
             self.resources[name].registrations += 1
         generation = self._generation
+        self.registers_in_flight += 1
+        await self._notify()
         try:
             if request.version not in SUPPORTED_VERSIONS:
                 await self._reject(
@@ -247,12 +304,15 @@ class KubeletSimulator:
                 )
             if resource_name_error(name) is not None:
                 await self._reject(context, f"the ResourceName {go_quote(name)} is invalid")
+            if self.stopping or self._stop_event is None:
+                await self._reject(context, "grpc: the server has been stopped",
+                                   grpc.StatusCode.UNAVAILABLE)
             # filepath.Join: no validation, an absolute endpoint lands under the directory.
             path = os.path.normpath(self.plugin_dir + "/" + request.endpoint)
-            endpoint = await self._connect(path, context)
+            endpoint = await self._connect_unless_stopped(path, context, self._stop_event)
             if generation != self._generation:
                 await endpoint.channel.close(None)
-                await self._reject(context, "kubelet is shutting down", grpc.StatusCode.UNAVAILABLE)
+                await self._reject(context, CONTEXT_CANCELED)
             await self._accept(request, endpoint)
             return api.Empty()
         except asyncio.CancelledError:
@@ -265,6 +325,7 @@ class KubeletSimulator:
                 self.register_errors.append(f"Register of {go_quote(name)} abandoned: {why}")
             raise
         finally:
+            self.registers_in_flight -= 1
             await self._notify()
 
     async def _reject(
@@ -276,6 +337,30 @@ class KubeletSimulator:
         self.register_errors.append(message)
         log.info("kubelet simulator: Register rejected: %s", message)
         await context.abort(code, message)
+
+    async def _connect_unless_stopped(
+        self, path: str, context: grpc.aio.ServicerContext, stopped: asyncio.Event
+    ) -> Endpoint:
+        """The dial-back and options call, abandoned when the kubelet stops: its context is
+        cancelled, so the plugin's Register fails with "context canceled" (1.36)."""
+        connect = asyncio.ensure_future(self._delayed_connect(path, context))
+        stop_wait = asyncio.ensure_future(stopped.wait())
+        try:
+            await asyncio.wait({connect, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop_wait.cancel()
+            if not connect.done():
+                connect.cancel()
+            await asyncio.gather(stop_wait, return_exceptions=True)
+            await asyncio.gather(connect, return_exceptions=True)
+        if connect.cancelled():
+            await self._reject(context, CONTEXT_CANCELED)
+        return connect.result()
+
+    async def _delayed_connect(self, path: str, context: grpc.aio.ServicerContext) -> Endpoint:
+        if self.register_delay_s > 0:
+            await asyncio.sleep(self.register_delay_s)
+        return await self._connect(path, context)
 
     async def _connect(self, path: str, context: grpc.aio.ServicerContext) -> Endpoint:
         """Dial back and ask for the options; since 1.35 both run within the Register deadline."""
