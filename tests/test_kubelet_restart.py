@@ -5,11 +5,15 @@ must be back within 100 ms of the new kubelet.sock, with one or two Register cal
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 from host.model import ResourceConfig
 from host.testing.drivers import MemoryDriver, make_devices
 from host.testing.harness import kubelet_and_host, make_config
 
+REPO = Path(__file__).resolve().parents[1]
 NAMES = [f"example.com/r{i:02d}" for i in range(24)]
 BACK_WITHIN_S = 0.100
 
@@ -51,3 +55,33 @@ def test_all_back_within_100ms_after_2s_outage_with_a_register_in_flight(short_d
 
 def test_all_back_within_100ms_after_2s_outage_with_the_socket_gone(short_dir, run):
     _restart_with_register_in_flight(short_dir, run, outage_s=2.0, unlink=True)
+
+
+# -- 10.3: the socket path limit ----------------------------------------------------------------
+def test_a_plugin_dir_too_long_for_the_host_socket_names_is_refused_at_start(tmp_path):
+    """A 58-byte plugin dir passed the old check (dir + "/kubelet.sock" <= 107) although the
+    host's own socket paths then reached grpc's limit and never bound: exit 2 with the numbers."""
+    from host.socket_names import GRPC_MAX_SOCKET_PATH, MAX_SOCKET_NAME
+
+    plugin_dir = "/" + "p" * 57
+    config = tmp_path / "c.toml"
+    config.write_text(f'[host]\nplugin_dir = "{plugin_dir}"\n')
+    for args in (("check-config", str(config)), ("run", "--config", str(config))):
+        done = subprocess.run([sys.executable, "-m", "host", *args], capture_output=True,
+                              text=True, timeout=60, cwd=REPO, env=dict(os.environ,
+                              PYTHONPATH=str(REPO)))
+        assert done.returncode == 2, (args, done.stderr)
+        assert "Traceback" not in done.stderr
+        longest = 58 + 1 + MAX_SOCKET_NAME
+        for number in ("58 bytes", f"{longest} bytes", f"{GRPC_MAX_SOCKET_PATH}-byte"):
+            assert number in done.stderr, (number, done.stderr)
+    assert not os.path.exists(plugin_dir)
+
+
+def test_the_longest_socket_name_bounds_every_name_the_host_makes():
+    from host.socket_names import MAX_SOCKET_NAME, socket_file_name
+
+    names = [socket_file_name("example.com/" + "x" * 200, "f" * 14, g)
+             for g in (1, 999_999, 10**9 + 7)]
+    assert max(len(n) for n in names) <= MAX_SOCKET_NAME
+    assert len(set(names)) == 3
