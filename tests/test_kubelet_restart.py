@@ -85,3 +85,46 @@ def test_the_longest_socket_name_bounds_every_name_the_host_makes():
              for g in (1, 999_999, 10**9 + 7)]
     assert max(len(n) for n in names) <= MAX_SOCKET_NAME
     assert len(set(names)) == 3
+
+
+# -- 11.3: only the kubelet's own stream ending means re-registering ----------------------------
+def test_another_client_closing_a_listandwatch_stream_never_reregisters(short_dir, run):
+    import asyncio
+
+    import grpc
+
+    from host.protocol import api, api_grpc
+
+    name = NAMES[0]
+    driver = MemoryDriver("m", {name: make_devices("d", 2)})
+    config = make_config(short_dir, [ResourceConfig(name, "m")])
+
+    async def body():
+        async with kubelet_and_host(config, {"m": driver}) as (sim, app):
+            endpoint = app.registrar.endpoints[name]
+            generation, calls = endpoint.generation, sim.register_calls[name]
+            ended = asyncio.Event()
+            hook = endpoint.service.on_stream_end
+
+            def observed(tag, stream):
+                hook(tag, stream)
+                ended.set()
+
+            endpoint.service.on_stream_end = observed
+            async with grpc.aio.insecure_channel("unix:" + endpoint.socket_path) as channel:
+                call = api_grpc.DevicePluginStub(channel).ListAndWatch(api.Empty())
+                first = await call.read()
+                assert len(first.devices) == 2
+                call.cancel()
+                await asyncio.wait_for(ended.wait(), 5)
+            assert endpoint.registered_with is not None
+            await asyncio.sleep(0)  # let a (wrongly) poked reconcile run, if there were one
+            assert endpoint.generation == generation and sim.register_calls[name] == calls
+            assert sim.resources[name].connected and sim.resources[name].allocatable == 2
+            # The kubelet's own stream ending still does: it comes back on its own.
+            await sim.resources[name].current.channel.close(None)
+            await sim.wait_for(lambda k: k.register_calls[name] == calls + 1
+                               and k.resources[name].connected and k.resources[name].live,
+                               what="re-registered after the kubelet's stream ended")
+
+    run(body())
