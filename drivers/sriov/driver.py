@@ -27,7 +27,7 @@ from drivers.rdma.sysfs import CharIndex, scan_char_devices
 from drivers.sriov.selectors import index_ranges, parse_pf
 from drivers.sriov.sysfs import LINK_TYPES, VirtualFunction, list_virtual_functions
 from host.driver import Driver, SelectorError, selector_values
-from host.health import link_problem
+from host.health import TransitionLog, link_problem
 from host.hostfs import HostFS
 from host.model import Device, DeviceNode, Health, ResourceConfig
 from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors, matches_pci
@@ -62,6 +62,7 @@ class VfRecord:
     nodes: Tuple[DeviceNode, ...]
     problem: str  # why it is unusable now; empty when it is
     has_verbs: bool  # an RDMA device with a usable verbs node
+    link_down: str = ""  # the PF's link problem (part of ``problem``), logged once per PF
 
     def attributes(self) -> Dict[str, str]:
         vf = self.vf
@@ -156,12 +157,14 @@ def build_record(host: HostFS, vf: VirtualFunction, chars: Optional[CharIndex]) 
         mode = NETDEVICE
         if vf.rdma_devices and chars is not None:
             nodes, problems, has_verbs = _rdma(vf, chars)
+    down = ""
     if vf.pf.netdev:  # a VF of a PF whose link is down can carry no traffic
         down = link_problem(f"PF {vf.pf.netdev.name}", vf.pf.netdev.operstate)
         if down:
             problems.append(down)
     return VfRecord(
-        vf=vf, mode=mode, nodes=tuple(nodes), problem="; ".join(problems), has_verbs=has_verbs
+        vf=vf, mode=mode, nodes=tuple(nodes), problem="; ".join(problems), has_verbs=has_verbs,
+        link_down=down,
     )
 
 
@@ -176,6 +179,10 @@ class SriovDriver(Driver):
         "link_type": (str,),
         "rdma": (bool,),
     }
+
+    def __init__(self) -> None:
+        # What was last logged about each PF link and VF: health lines on change only.
+        self._health_log = TransitionLog(log)
 
     # -- configuration -----------------------------------------------------------------
     def check_selectors(self, selectors: Mapping[str, object]) -> None:
@@ -203,7 +210,29 @@ class SriovDriver(Driver):
     def scan(self, host: HostFS) -> SriovInventory:
         vfs = list_virtual_functions(host, host.machine_numa_nodes())
         chars = scan_char_devices(host) if any(vf.rdma_devices for vf in vfs) else None
-        return SriovInventory(vfs=tuple(build_record(host, vf, chars) for vf in vfs))
+        inventory = SriovInventory(vfs=tuple(build_record(host, vf, chars) for vf in vfs))
+        self._log_links(inventory)
+        return inventory
+
+    def _log_links(self, inventory: SriovInventory) -> None:
+        """One line when a PF's link goes down (with how many VFs it takes), one when it is
+        back: not one per VF per scan per resource (issues 10.5, 11.16)."""
+        pfs: Dict[str, Tuple[str, int]] = {}
+        for record in inventory.vfs:
+            netdev = record.vf.pf.netdev
+            if netdev is None:
+                continue
+            down, count = pfs.get(netdev.name, ("", 0))
+            pfs[netdev.name] = (record.link_down or down, count + 1)
+        for name, (down, count) in pfs.items():
+            self._health_log.update(
+                ("pf", name), down,
+                f"{down}: its {count} VF(s) are reported Unhealthy",
+                f"link of PF {name} is up again; its VFs are usable",
+            )
+        present = {record.vf.function.address for record in inventory.vfs}
+        self._health_log.retain([("pf", name) for name in pfs] + [
+            key for key in self._health_log.active if key[0] == "vf" and key[2] in present])
 
     def select(self, inventory: SriovInventory, resource: ResourceConfig) -> Sequence[Device]:
         key = env_name(resource.name)
@@ -218,9 +247,13 @@ class SriovDriver(Driver):
                     f"VF {record.vf.function.address} has RDMA device "
                     f"{','.join(record.vf.rdma_devices)} but no usable uverbs node"
                 )
-            if problem:
-                # Logged here, not in scan: a VF no resource selects is nobody's problem.
-                log.warning("resource %s: %s; reported Unhealthy", resource.name, problem)
+            # Logged here, not in scan: a VF no resource selects is nobody's problem. The PF's
+            # link is logged once per PF in scan; each problem once, when it starts.
+            own = "; ".join(p for p in problem.split("; ") if p and p != record.link_down)
+            self._health_log.update(
+                ("vf", resource.name, record.vf.function.address), own,
+                f"resource {resource.name}: {own}; reported Unhealthy",
+            )
             out.append(
                 Device(
                     id=record.vf.function.address,
