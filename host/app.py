@@ -27,7 +27,7 @@ from host.model import Device, ResourceConfig
 from host.registration import Endpoint, Registrar
 from host.service import DevicePluginService
 from host.snapshot import Snapshot
-from host.watch import EventSource, RescanScheduler, UdevSource
+from host.watch import EventSource, RescanScheduler, device_events
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +285,7 @@ class HostApp:
                           for s in getattr(self.drivers.get(name), "subsystems", ())}
             if not subsystems:
                 return
-            source: EventSource = UdevSource(subsystems)
+            source: EventSource = device_events(subsystems)  # + rtnetlink for "net"
         elif isinstance(spec, str):
             raise ValueError(f"unknown event source {spec!r}")
         else:
