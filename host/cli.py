@@ -120,7 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _discover(config, registry, as_json=args.json)
     if args.command in ("drain", "undrain"):
         return _drain(args, config)
-    setup_logging(config.host.log_level, config.host.log_format)
+    setup_logging(config.host.log_level, config.host.log_format, native_stderr=True)
     return _run(config, registry, args.config)
 
 

@@ -18,6 +18,7 @@ kubelet's left-over socket costs no Register calls while it is down.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import random
@@ -28,6 +29,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import grpc
 
+from host.health import TransitionLog
 from host.inotify import DirectoryWatch
 from host.protocol import KUBELET_SOCKET, VERSION, api, api_grpc
 from host.service import DevicePluginService
@@ -64,6 +66,29 @@ PROBE_TIMEOUT_S = 1.0
 CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0), ("grpc.use_local_subchannel_pool", 1)]
 
 
+class PluginDirError(OSError):
+    """Our socket cannot be created in the plugin directory (read-only, full, not a directory,
+    no permission): an operator's problem, told in one line with the OS reason, and retried."""
+
+
+def _bind_problem(path: str) -> Optional[str]:
+    """Bind a plain unix socket at ``path`` first (then remove it): the kernel's own reason
+    (EROFS, ENOSPC, EACCES, ENOTDIR) comes back as a clean error, where grpc's bind would only
+    say "Failed to bind" and print the reason on stderr (issue 11.8)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.bind(path)
+    except OSError as error:
+        return os.strerror(error.errno) if error.errno else str(error)
+    finally:
+        probe.close()
+    try:
+        os.unlink(path)
+    except OSError as error:
+        return os.strerror(error.errno) if error.errno else str(error)
+    return None
+
+
 def _accepts(path: str) -> Optional[str]:
     """None if something accepts connections on ``path``; else the OS reason. Non-blocking:
     a unix socket connect either succeeds, is refused, or (backlog full) says EAGAIN."""
@@ -77,6 +102,18 @@ def _accepts(path: str) -> Optional[str]:
     finally:
         sock.close()
     return None
+
+
+def _dir_problem(path: str) -> str:
+    """Why ``path`` cannot hold our sockets as a directory ("" when it is one)."""
+    try:
+        st = os.stat(path)
+    except OSError as error:
+        return f"{os.strerror(error.errno) if error.errno else error}"
+    if not stat.S_ISDIR(st.st_mode):
+        kind = "regular file" if stat.S_ISREG(st.st_mode) else "non-directory"
+        return f"{os.strerror(errno.ENOTDIR)} (it is a {kind})"
+    return ""
 
 
 class KubeletLink:
@@ -93,6 +130,24 @@ class KubeletLink:
         self._last_id: Optional[KubeletId] = None
         self._retired: List[grpc.aio.Channel] = []
         self._closing_tasks: Set[asyncio.Future] = set()
+        # Shared by every endpoint: a plugin_dir problem is one line, not one per resource.
+        self.dir_log = TransitionLog(log)
+
+    def dir_state(self, problem: str, detail: str = "") -> None:
+        """Log the plugin directory's state once per change (problem "" = usable)."""
+        self.dir_log.update(
+            "plugin_dir", problem,
+            f"plugin directory {self.plugin_dir}: {problem}{detail}",
+            f"plugin directory {self.plugin_dir} is usable again",
+        )
+
+    def kubelet_state(self, problem: str) -> None:
+        self.dir_log.update(
+            "kubelet", problem,
+            f"{self.socket_path} does not accept connections ({problem}): the kubelet is"
+            " down; waiting for it",
+            f"{self.socket_path} accepts connections again",
+        )
 
     def identity(self) -> Optional[KubeletId]:
         try:
@@ -246,6 +301,10 @@ class Endpoint:
                 # (the kubelet's channel replaced after a restart): not our cancellation, so
                 # the loop must live on, or this resource would never register again.
                 self._schedule_retry("a kubelet call was cancelled under us")
+            except PluginDirError as error:
+                why, name = error.args
+                self.link.dir_state(why, f" (creating socket {name}); retrying with backoff")
+                self._schedule_retry(f"cannot create socket {name}: {why}", quiet=True)
             except Exception as error:  # keep the loop alive whatever happens
                 log.exception("resource %s: reconcile failed", self.name)
                 self._schedule_retry(f"{type(error).__name__}: {error}")
@@ -263,12 +322,15 @@ class Endpoint:
     async def _reconcile(self) -> None:
         if self._closing:
             return
-        if not os.path.isdir(self.link.plugin_dir):
+        missing = _dir_problem(self.link.plugin_dir)
+        if missing:
+            # Waiting for it: the directory watch wakes us when it appears; the backoff
+            # retry is the safety net.
+            self.link.dir_state(missing, "; waiting for it")
             if self.server is not None:
-                log.warning("resource %s: plugin directory %s is gone; waiting for it",
-                            self.name, self.link.plugin_dir)
                 await self._stop_server()
             self.registered_with = None
+            self._schedule_retry(f"plugin directory {missing}", quiet=True)
             return
         if not self._socket_alive():
             if self.server is not None:
@@ -297,6 +359,7 @@ class Endpoint:
             await self._serve_fresh()
         if self._connect_failed_for == kid:
             why = self.link.accepts()
+            self.link.kubelet_state(why or "")
             if why is not None:
                 self._schedule_retry(f"{self.link.socket_path} does not accept connections"
                                      f" ({why}); waiting for the kubelet", quiet=True)
@@ -312,6 +375,9 @@ class Endpoint:
             raise OSError(f"socket path {path!r} is longer than {MAX_SOCKET_PATH} bytes")
         if os.path.lexists(path):  # never bind over something planted at our path
             os.unlink(path)
+        why = _bind_problem(path)
+        if why is not None:
+            raise PluginDirError(why, name)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         server.add_generic_rpc_handlers((self.service.handler(self.generation),))
         # The socket is born 0600 (only root, the kubelet, dials it). grpc binds inside
@@ -334,6 +400,7 @@ class Endpoint:
         os.chmod(path, 0o600)
         self._socket_inode = os.lstat(path).st_ino
         self.registered_with = None
+        self.link.dir_state("")
         log.debug("resource %s: serving on %s", self.name, path)
 
     async def _stop_server(self) -> None:
@@ -381,12 +448,12 @@ class Endpoint:
             self._on_registered(self)
 
     def _schedule_retry(self, reason: str, quiet: bool = False) -> None:
-        repeated = reason == self.last_error
         self.last_error = reason
         delay = self._backoff * (0.5 + random.random())
         self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
         self._not_before = time.monotonic() + delay
-        level = logging.DEBUG if (quiet and repeated) else logging.WARNING
+        # quiet: the cause is logged once for all resources by the link; details at DEBUG.
+        level = logging.DEBUG if quiet else logging.WARNING
         log.log(level, "resource %s: %s; retrying in %.2f s", self.name, reason, delay)
         self._arm_retry(delay)
 
@@ -409,6 +476,9 @@ class Endpoint:
             return
         self._kubelet_stream = None
         log.info("resource %s: the kubelet closed ListAndWatch; registering again", self.name)
+        # Usually the kubelet is stopping: check that its socket still accepts before a
+        # Register that would only fail (and be logged) once per resource.
+        self._connect_failed_for = self.registered_with
         self.registered_with = None
         self.poke()
 
