@@ -521,6 +521,69 @@ def test_restart_wipes_the_plugin_socket_and_waits_for_reregistration(short_dir,
     run(scenario())
 
 
+def test_a_register_in_flight_when_the_kubelet_stops_fails_with_context_canceled(short_dir, run):
+    async def scenario():
+        kubelet, plugin = await started(short_dir)
+        try:
+            kubelet.register_delay_s = 30.0
+            call = asyncio.ensure_future(plugin.register(timeout=20))
+            await kubelet.wait_for(lambda k: k.registers_in_flight == 1, what="in flight")
+            await kubelet.stop(unlink=False)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            assert caught.value.code() == grpc.StatusCode.UNKNOWN
+            assert "context canceled" in caught.value.details()
+            assert kubelet.registers_in_flight == 0
+        finally:
+            await kubelet.stop()
+            await plugin.stop()
+
+    run(scenario())
+
+
+def _connect_error(path: str) -> Optional[int]:
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.connect(path)
+    except OSError as error:
+        return error.errno
+    finally:
+        sock.close()
+    return None
+
+
+def test_a_stopped_kubelet_leaves_a_dead_socket_for_the_outage_then_a_new_one(short_dir, run):
+    import errno
+
+    async def scenario():
+        kubelet, plugin = await started(short_dir)
+        try:
+            first = os.stat(kubelet.socket_path)
+            restart = asyncio.ensure_future(kubelet.restart(outage_s=0.3))
+            await kubelet.wait_for(lambda k: not k.serving, what="stopped")
+            # Down: the file is still there (same inode), nothing accepts.
+            assert os.stat(kubelet.socket_path).st_ino == first.st_ino
+            assert _connect_error(kubelet.socket_path) == errno.ECONNREFUSED
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await plugin.register(timeout=1)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            await restart
+            # Back: a new kubelet.sock that listens, our socket wiped. (The kernel may hand
+            # the freed inode number out again: the change time tells the files apart.)
+            again = os.stat(kubelet.socket_path)
+            assert (again.st_ino, again.st_ctime_ns) != (first.st_ino, first.st_ctime_ns)
+            assert _connect_error(kubelet.socket_path) is None
+            assert not os.path.exists(plugin.socket)
+            assert kubelet.started_at is not None and kubelet.starts == 2
+            await kubelet.stop(unlink=True)
+            assert _connect_error(kubelet.socket_path) == errno.ENOENT
+        finally:
+            await kubelet.stop()
+            await plugin.stop()
+
+    run(scenario())
+
+
 def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
