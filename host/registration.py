@@ -45,6 +45,7 @@ BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 5.0
 SERVER_STOP_GRACE_S = 0.05  # streams run forever: grace only lets a unary call finish
 RETIRE_AFTER_S = 1.0
+STREAM_END_GRACE_S = 0.05
 PROBE_TIMEOUT_S = 1.0
 
 # Issue 10.1: after a Register failed to connect (the kubelet stopping, its dead socket left
@@ -428,8 +429,9 @@ class Endpoint:
         except grpc.aio.AioRpcError as error:
             # "Maybe registered": the kubelet may hold a stream of ours; a retry on the same
             # server simply replaces it (the kubelet keys by name; the old stream stays ours).
-            if error.code() == grpc.StatusCode.UNAVAILABLE:
-                self._connect_failed_for = kid
+            # A failure is most often a kubelet going away ("context canceled", "connection
+            # is closing", refused): check its socket accepts before the next attempt.
+            self._connect_failed_for = kid
             self._schedule_retry(f"Register failed: {error.code().name}: {error.details()}")
             return
         except asyncio.CancelledError:
@@ -476,11 +478,13 @@ class Endpoint:
             return
         self._kubelet_stream = None
         log.info("resource %s: the kubelet closed ListAndWatch; registering again", self.name)
-        # Usually the kubelet is stopping: check that its socket still accepts before a
-        # Register that would only fail (and be logged) once per resource.
+        # Usually the kubelet is stopping (its Stop ends the streams before the listener): a
+        # moment's grace, then a check that its socket still accepts, before a Register that
+        # would only fail (and be logged) once per resource.
         self._connect_failed_for = self.registered_with
         self.registered_with = None
-        self.poke()
+        self._not_before = time.monotonic() + STREAM_END_GRACE_S
+        self._arm_retry(STREAM_END_GRACE_S)
 
 
 class Registrar:
