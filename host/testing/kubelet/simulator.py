@@ -304,12 +304,14 @@ class KubeletSimulator:
                 )
             if resource_name_error(name) is not None:
                 await self._reject(context, f"the ResourceName {go_quote(name)} is invalid")
-            if self.stopping or self._stop_event is None:
+            stopped = self._stop_event
+            if self.stopping or stopped is None:
                 await self._reject(context, "grpc: the server has been stopped",
                                    grpc.StatusCode.UNAVAILABLE)
+                return api.Empty()  # not reached: the abort raises
             # filepath.Join: no validation, an absolute endpoint lands under the directory.
             path = os.path.normpath(self.plugin_dir + "/" + request.endpoint)
-            endpoint = await self._connect_unless_stopped(path, context, self._stop_event)
+            endpoint = await self._connect_unless_stopped(path, context, stopped)
             if generation != self._generation:
                 await endpoint.channel.close(None)
                 await self._reject(context, CONTEXT_CANCELED)
