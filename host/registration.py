@@ -441,6 +441,9 @@ class Endpoint:
             return
         self.registered_with = kid
         self.last_error = None
+        if self._retry is not None:  # an earlier failure's retry has nothing left to do
+            self._retry.cancel()
+            self._retry = None
         self._backoff = BACKOFF_START_S
         self._not_before = 0.0
         self._connect_failed_for = None

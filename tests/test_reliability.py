@@ -52,7 +52,8 @@ def test_100_kubelet_restarts_with_outages_leave_idle_cpu_and_fds_unchanged(shor
     rng = random.Random(10)
     from host.registration import RETIRE_AFTER_S
 
-    async def idle_cpu_pct(window: float = 1.5) -> float:
+    async def idle_cpu_pct(window: float = 3.0) -> float:
+        # cpu_times counts 10 ms ticks: one tick in 3 s is 0.33 %, within the allowance.
         before = process.cpu_times()
         started = asyncio.get_running_loop().time()
         await asyncio.sleep(window)  # the measured window itself
