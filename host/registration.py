@@ -432,6 +432,7 @@ class Endpoint:
             # A failure is most often a kubelet going away ("context canceled", "connection
             # is closing", refused): check its socket accepts before the next attempt.
             self._connect_failed_for = kid
+            self._claim_open = False  # a stream opened from now on is not that Register's
             self._schedule_retry(f"Register failed: {error.code().name}: {error.details()}")
             return
         except asyncio.CancelledError:
