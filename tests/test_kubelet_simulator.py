@@ -187,7 +187,7 @@ def registered(resource: str = GPU):
     return check
 
 
-_SIM_ARGS = ("numa_nodes", "topology_policy", "dial_timeout")
+_SIM_ARGS = ("numa_nodes", "topology_policy", "dial_timeout", "kubelet_version")
 
 
 async def started(plugin_dir: str, **kwargs: Any) -> Tuple[KubeletSimulator, FakePlugin]:
@@ -321,6 +321,44 @@ def test_register_deadline_bounds_the_options_call(short_dir, run):
                 assert GPU not in kubelet.resources
             finally:
                 await plugin.stop()
+
+    run(scenario())
+
+
+def test_before_1_35_the_kubelet_registers_a_plugin_whose_register_timed_out(short_dir, run):
+    """Facts §8: with a background context (1.32) the options call outlives the plugin's
+    deadline: the plugin sees DEADLINE_EXCEEDED and is registered all the same."""
+
+    async def scenario():
+        async with KubeletSimulator(short_dir, kubelet_version=(1, 32)) as kubelet:
+            plugin = FakePlugin(short_dir)
+            plugin.options_delay = 0.5
+            await plugin.serve()
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await plugin.register(timeout=0.2)
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                await kubelet.wait_for(registered(), timeout=3, what="registered anyway")
+            finally:
+                await plugin.stop()
+
+    run(scenario())
+
+
+def test_before_1_35_a_stop_fails_register_with_connection_closing(short_dir, run):
+    async def scenario():
+        kubelet, plugin = await started(short_dir, kubelet_version=(1, 32))
+        try:
+            kubelet.register_delay_s = 30.0
+            call = asyncio.ensure_future(plugin.register(timeout=20))
+            await kubelet.wait_for(lambda k: k.registers_in_flight == 1, what="in flight")
+            await kubelet.stop()
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            assert "the client connection is closing" in caught.value.details()
+        finally:
+            await kubelet.stop()
+            await plugin.stop()
 
     run(scenario())
 

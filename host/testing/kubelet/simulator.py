@@ -49,6 +49,15 @@ _GRPC_PATH_MAX = 105  # grpcio refuses 106- and 107-byte unix socket paths (fact
 CONTEXT_CANCELED = (
     "failed to get device plugin options: rpc error: code = Canceled desc = context canceled"
 )
+CONNECTION_CLOSING = (  # the same stop as seen by kubelets before 1.35
+    "failed to get device plugin options: rpc error: code = Canceled desc = grpc: the client"
+    " connection is closing"
+)
+DEADLINE_IN_REGISTER = (1, 35)  # from here on, dial-back and options run in Register's context
+
+
+class _Rejected(Exception):
+    """The kubelet's Register fails with this message."""
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # Go gRPC's default receive limit, which the kubelet keeps
 POLICIES = ("none", "best-effort", "restricted", "single-numa-node")
 _SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes including the terminating NUL
@@ -77,6 +86,10 @@ class KubeletSimulator:
     resource's devices report, as kubelet 1.36 does); ``dial_timeout`` shortens the kubelet's
     10 s dial-back for tests of plugins that are not serving. ``pod_resources_socket``: also
     serve the PodResources v1 API there (``self.pod_resources``) while started.
+    ``kubelet_version``: before (1, 35) the dial-back and GetDevicePluginOptions ignore the
+    plugin's Register deadline (a plugin can end up registered although its Register failed
+    with DEADLINE_EXCEEDED, facts §8) and a stop fails Register with "client connection is
+    closing"; from 1.35 on both run within the deadline and a stop says "context canceled".
     """
 
     def __init__(
@@ -87,6 +100,7 @@ class KubeletSimulator:
         topology_policy: str = "best-effort",
         dial_timeout: float = DIAL_TIMEOUT_S,
         pod_resources_socket: Optional[str] = None,
+        kubelet_version: Tuple[int, int] = (1, 36),
     ) -> None:
         if topology_policy not in POLICIES:
             raise ValueError(f"topology_policy must be one of {POLICIES}, not {topology_policy!r}")
@@ -97,6 +111,7 @@ class KubeletSimulator:
         self.numa_nodes = None if numa_nodes is None else tuple(sorted(set(numa_nodes)))
         self.topology_policy = topology_policy
         self.dial_timeout = dial_timeout
+        self.kubelet_version = tuple(kubelet_version)
         self.resources: Dict[str, ResourceState] = {}
         self.register_errors: List[str] = []
         self.register_calls: Dict[str, int] = {}  # every Register, before validation (the metric)
@@ -311,11 +326,19 @@ class KubeletSimulator:
                 return api.Empty()  # not reached: the abort raises
             # filepath.Join: no validation, an absolute endpoint lands under the directory.
             path = os.path.normpath(self.plugin_dir + "/" + request.endpoint)
-            endpoint = await self._connect_unless_stopped(path, context, stopped)
-            if generation != self._generation:
-                await endpoint.channel.close(None)
-                await self._reject(context, CONTEXT_CANCELED)
-            await self._accept(request, endpoint)
+            if self.kubelet_version < DEADLINE_IN_REGISTER:
+                # A background context: the plugin hanging up does not stop the connect.
+                job = asyncio.ensure_future(self._connect_and_accept(
+                    request, path, None, stopped, generation))
+                self._tasks.add(job)
+                job.add_done_callback(self._tasks.discard)
+                failure = await asyncio.shield(job)
+                if failure is not None:
+                    await self._reject(context, failure)
+                return api.Empty()
+            failure = await self._connect_and_accept(request, path, context, stopped, generation)
+            if failure is not None:
+                await self._reject(context, failure)
             return api.Empty()
         except asyncio.CancelledError:
             # gRPC cancels the handler when the plugin's Register deadline passes or it hangs up.
@@ -340,8 +363,33 @@ class KubeletSimulator:
         log.info("kubelet simulator: Register rejected: %s", message)
         await context.abort(code, message)
 
+    async def _connect_and_accept(
+        self,
+        request: api.RegisterRequest,
+        path: str,
+        context: Optional[grpc.aio.ServicerContext],
+        stopped: asyncio.Event,
+        generation: int,
+    ) -> Optional[str]:
+        """Dial back, take the options, accept; the failure message, or None when accepted.
+        ``context`` None: not bounded by the plugin's deadline (kubelets before 1.35)."""
+        try:
+            endpoint = await self._connect_unless_stopped(path, context, stopped)
+        except _Rejected as rejected:
+            return str(rejected)
+        if generation != self._generation:
+            await endpoint.channel.close(None)
+            return self._stop_message()
+        await self._accept(request, endpoint)
+        await self._notify()
+        return None
+
+    def _stop_message(self) -> str:
+        return CONTEXT_CANCELED if self.kubelet_version >= DEADLINE_IN_REGISTER else (
+            CONNECTION_CLOSING)
+
     async def _connect_unless_stopped(
-        self, path: str, context: grpc.aio.ServicerContext, stopped: asyncio.Event
+        self, path: str, context: Optional[grpc.aio.ServicerContext], stopped: asyncio.Event
     ) -> Endpoint:
         """The dial-back and options call, abandoned when the kubelet stops: its context is
         cancelled, so the plugin's Register fails with "context canceled" (1.36)."""
@@ -356,34 +404,38 @@ class KubeletSimulator:
             await asyncio.gather(stop_wait, return_exceptions=True)
             await asyncio.gather(connect, return_exceptions=True)
         if connect.cancelled():
-            await self._reject(context, CONTEXT_CANCELED)
+            raise _Rejected(self._stop_message())
         return connect.result()
 
-    async def _delayed_connect(self, path: str, context: grpc.aio.ServicerContext) -> Endpoint:
+    async def _delayed_connect(
+        self, path: str, context: Optional[grpc.aio.ServicerContext]
+    ) -> Endpoint:
         if self.register_delay_s > 0:
             await asyncio.sleep(self.register_delay_s)
         return await self._connect(path, context)
 
-    async def _connect(self, path: str, context: grpc.aio.ServicerContext) -> Endpoint:
-        """Dial back and ask for the options; since 1.35 both run within the Register deadline."""
+    async def _connect(
+        self, path: str, context: Optional[grpc.aio.ServicerContext]
+    ) -> Endpoint:
+        """Dial back and ask for the options; since 1.35 both run within the Register deadline
+        (``context`` given), before that with the dial's own 10 s and no deadline."""
         channel = grpc.aio.insecure_channel("unix:" + path, options=_CHANNEL_OPTIONS)
         self._dialing.add(channel)
         connected = False
         try:
-            remaining = context.time_remaining()
+            remaining = None if context is None else context.time_remaining()
             timeout = self.dial_timeout if remaining is None else min(self.dial_timeout, remaining)
             try:
                 await asyncio.wait_for(channel.channel_ready(), max(timeout, 0.0))
             except asyncio.TimeoutError:
-                message = "failed to dial device plugin: context deadline exceeded"
-                await self._reject(context, message)
+                raise _Rejected("failed to dial device plugin: context deadline exceeded") from None
             stub = api_grpc.DevicePluginStub(channel)
             try:
                 options = await stub.GetDevicePluginOptions(
-                    api.Empty(), timeout=context.time_remaining()
+                    api.Empty(), timeout=None if context is None else context.time_remaining()
                 )
             except grpc.aio.AioRpcError as err:
-                await self._reject(context, f"failed to get device plugin options: {go_error(err)}")
+                raise _Rejected(f"failed to get device plugin options: {go_error(err)}") from None
             connected = True
             return Endpoint(path, channel, stub, options)
         finally:
