@@ -147,7 +147,7 @@ class KubeletLink:
             "kubelet", problem,
             f"{self.socket_path} does not accept connections ({problem}): the kubelet is"
             " down; waiting for it",
-            f"{self.socket_path} accepts connections again",
+            f"{self.socket_path} accepts connections again: a kubelet is back",
         )
 
     def identity(self) -> Optional[KubeletId]:
@@ -442,6 +442,7 @@ class Endpoint:
             return
         self.registered_with = kid
         self.last_error = None
+        self.link.kubelet_state("")  # a "kubelet is down" line is followed by one "back" line
         if self._retry is not None:  # an earlier failure's retry has nothing left to do
             self._retry.cancel()
             self._retry = None

@@ -169,3 +169,35 @@ def test_another_client_closing_a_listandwatch_stream_never_reregisters(short_di
                                what="re-registered after the kubelet's stream ended")
 
     run(body())
+
+
+def test_a_kubelet_outage_is_one_line_however_many_resources_and_each_outage_is_told(
+        short_dir, run, caplog):
+    import logging
+
+    driver = MemoryDriver("m", {n: make_devices(f"d{i}-", 1) for i, n in enumerate(NAMES)})
+    config = make_config(short_dir, [ResourceConfig(n, "m") for n in NAMES])
+    caplog.set_level(logging.DEBUG, logger="host.registration")
+
+    def down_lines():
+        return [r for r in caplog.records if "does not accept connections" in r.getMessage()
+                and r.levelno >= logging.WARNING]
+
+    async def body():
+        async with kubelet_and_host(config, {"m": driver}) as (sim, _app):
+            for outage in range(2):
+                await sim.stop(unlink=False)
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 5
+                while len(down_lines()) < outage + 1 and loop.time() < deadline:
+                    await asyncio.sleep(0.02)  # a log line has no event to wait on
+                await sim.start()
+                await sim.wait_for(_all_live, timeout=10, what="back")
+
+    run(body(), timeout=60)
+    assert len(down_lines()) == 2, [r.getMessage() for r in down_lines()]
+    back = [r for r in caplog.records if "a kubelet is back" in r.getMessage()]
+    assert len(back) == 2
+    failed = [r for r in caplog.records if "Register failed" in r.getMessage()
+              and r.levelno >= logging.WARNING]
+    assert failed == [], [r.getMessage() for r in failed]  # no Register against a dead socket
