@@ -249,7 +249,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _discover(config, registry, as_json=args.json)
     if args.command in ("drain", "undrain"):
         return _drain(args, config)
-    setup_logging(config.host.log_level, config.host.log_format)
+    setup_logging(config.host.log_level, config.host.log_format, native_stderr=True)
     return _run(config, registry, args.config)
 
 
