@@ -31,7 +31,7 @@ from host.overlap import Overlap
 from host.registration import Endpoint, Registrar
 from host.service import DevicePluginService
 from host.snapshot import Snapshot
-from host.watch import EventSource, RescanScheduler, UdevSource
+from host.watch import EventSource, RescanScheduler, device_events
 
 if TYPE_CHECKING:  # host.dra is imported only when a resource needs it
     from host.dra.frontend import DraFrontEnd
@@ -413,25 +413,29 @@ class HostApp:
 
     # -- periodic health and operator drains ---------------------------------------------------
     def _arm_health_checks(self) -> None:
+        # One timer per driver, at its resources' shortest interval: a rescan covers every
+        # resource of the driver, so a timer per resource rescanned it N times (issue 10.5).
         loop = asyncio.get_running_loop()
-        wanted = {r.name: r for r in self.config.resources if r.health_interval_s > 0}
+        wanted: Dict[str, float] = {}
+        for r in self.config.resources:
+            if r.health_interval_s > 0:
+                wanted[r.driver] = min(wanted.get(r.driver, r.health_interval_s),
+                                       r.health_interval_s)
         for name in list(self._health_timers):
             if name not in wanted:
                 self._health_timers.pop(name).cancel()
 
-        def check(resource: ResourceConfig) -> None:
+        def check(driver: str, interval: float) -> None:
             if self._stopped:
                 return
-            self.request_rescan([resource.driver])
-            self._health_timers[resource.name] = loop.call_later(
-                resource.health_interval_s, check, resource)
+            self.request_rescan([driver])
+            self._health_timers[driver] = loop.call_later(interval, check, driver, interval)
 
-        for name, resource in wanted.items():
-            timer = self._health_timers.pop(name, None)
+        for driver, interval in wanted.items():
+            timer = self._health_timers.pop(driver, None)
             if timer is not None:
                 timer.cancel()
-            self._health_timers[name] = loop.call_later(resource.health_interval_s, check,
-                                                         resource)
+            self._health_timers[driver] = loop.call_later(interval, check, driver, interval)
 
     def _watch_drains(self) -> None:
         path = self.config.host.drain_file
@@ -478,7 +482,7 @@ class HostApp:
                           for s in getattr(self.drivers.get(name), "subsystems", ())}
             if not subsystems:
                 return
-            source: EventSource = UdevSource(subsystems)
+            source: EventSource = device_events(subsystems)  # + rtnetlink for "net"
         elif isinstance(spec, str):
             raise ValueError(f"unknown event source {spec!r}")
         else:

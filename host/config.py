@@ -30,6 +30,7 @@ from host.driver import Driver, SelectorError
 from host.model import ResourceConfig
 from host.overlap import Overlap
 from host.resource_name import resource_name_error
+from host.socket_names import GRPC_MAX_SOCKET_PATH, MAX_SOCKET_NAME, longest_socket_path
 
 try:
     import tomllib
@@ -242,12 +243,22 @@ def _check_path(file: str, key: str, field_name: str, value: object) -> str:
         raise ConfigError(
             file, key, f"is {size} bytes; a unix socket path can be at most {_MAX_SOCKET_PATH}"
         )
-    if field_name == "plugin_dir" and size + 1 + len(_KUBELET_SOCKET) > _MAX_SOCKET_PATH:
+    if field_name == "plugin_dir" and os.path.lexists(path) and not os.path.isdir(path):
+        # A missing directory is waited for (the kubelet creates it); a file in its place
+        # is the operator's mistake and never becomes a directory by itself (issue 11.8).
+        raise ConfigError(file, key, f"{path} exists and is not a directory")
+    if field_name == "plugin_dir" and longest_socket_path(path) > GRPC_MAX_SOCKET_PATH:
+        # Checked against the longest socket name the host creates (issue 10.3), not only
+        # kubelet.sock: grpcio binds at most 105 bytes, and a resource that cannot bind
+        # would otherwise retry forever.
         raise ConfigError(
             file,
             key,
-            f"is {size} bytes; sockets inside it (like {_KUBELET_SOCKET}) would pass the"
-            f" {_MAX_SOCKET_PATH}-byte unix socket path limit",
+            f"is {size} bytes; with the host's socket names of up to {MAX_SOCKET_NAME} bytes"
+            f" (next to {_KUBELET_SOCKET}) its socket paths would be"
+            f" {longest_socket_path(path)} bytes, over grpc's {GRPC_MAX_SOCKET_PATH}-byte"
+            f" unix socket path limit; use a directory of at most"
+            f" {GRPC_MAX_SOCKET_PATH - 1 - MAX_SOCKET_NAME} bytes",
         )
     return path
 

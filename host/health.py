@@ -9,8 +9,10 @@ drivers stay stateless.
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
-from typing import Dict, Iterable, Mapping, Optional, Tuple
+from typing import Dict, Hashable, Iterable, Mapping, Optional, Tuple
 
 from host.hostfs import HostFS
 
@@ -24,6 +26,50 @@ def link_problem(interface: str, operstate: Optional[str]) -> str:
     if operstate and operstate.lower() in LINK_DOWN:
         return f"link of {interface} is {operstate}"
     return ""
+
+
+class TransitionLog:
+    """Logs a condition when it starts and when it clears, never again while it lasts.
+
+    Health is re-evaluated on every scan (each ``health_interval_s``, each uevent); logging
+    each scan's verdict repeated one warning per VF per scan per resource (issue 10.5: 264
+    lines in 12 s). Keyed by what the condition is about (a PF, a resource's VF), so one PF
+    down is one line however many VFs and resources it affects. Thread-safe: scans run in
+    the driver's worker thread.
+    """
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._log = logger
+        self._active: Dict[Hashable, str] = {}
+        self._lock = threading.Lock()
+
+    def update(self, key: Hashable, problem: str, message: str, cleared: str = "") -> None:
+        """``problem`` is the condition now ("" when fine); ``message``/``cleared`` are logged
+        (WARNING / INFO) when it appears or changes / when it clears."""
+        with self._lock:
+            before = self._active.get(key, "")
+            if problem == before:
+                return
+            if problem:
+                self._active[key] = problem
+            else:
+                del self._active[key]
+        if problem:
+            self._log.warning("%s", message)
+        elif cleared:
+            self._log.info("%s", cleared)
+
+    def retain(self, keys: Iterable[Hashable]) -> None:
+        """Forget conditions about things that are gone (a removed VF logs nothing more)."""
+        keep = set(keys)
+        with self._lock:
+            for key in [k for k in self._active if k not in keep]:
+                del self._active[key]
+
+    @property
+    def active(self) -> Dict[Hashable, str]:
+        with self._lock:
+            return dict(self._active)
 
 
 def rdma_ports_problem(device: str, states: Iterable[Tuple[int, Optional[str]]]) -> str:

@@ -68,7 +68,14 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def setup_logging(level: str = "info", fmt: str = "plain", stream: Optional[object] = None) -> None:
+def setup_logging(level: str = "info", fmt: str = "plain", stream: Optional[object] = None,
+                  native_stderr: bool = False) -> None:
+    """``native_stderr``: with JSON, also turn what native code (gRPC) prints on fd 2 into
+    JSON lines (host.native_stderr); only for the host process, never inside tests."""
+    if native_stderr and fmt == "json" and stream is None:
+        from host.native_stderr import json_stderr
+
+        stream = json_stderr()
     handler = logging.StreamHandler(stream or sys.stderr)  # type: ignore[arg-type]
     handler.setFormatter(JsonFormatter() if fmt == "json" else PlainFormatter())
     handler.addFilter(ContextFilter())

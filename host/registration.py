@@ -2,49 +2,124 @@
 
 Each resource has an Endpoint that converges on one goal: *a live socket of ours in the plugin
 directory, served, and registered with the kubelet instance that owns kubelet.sock now*. File
-system events (our socket deleted, a new kubelet.sock) and a ListAndWatch stream ended by the
-kubelet only mark endpoints dirty; the endpoint's reconcile loop does the rest. Every
-registration gets a fresh server on a fresh socket name: the old server is stopped (closing its
-stream) before the new one registers, which avoids the kubelet's same-name races (facts §3.4)
-and the grpcio unlink-on-stop race (facts §8).
+system events (our socket deleted by someone else, a new kubelet.sock) and the end of the
+kubelet's own ListAndWatch stream only mark endpoints dirty; the endpoint's reconcile loop does
+the rest. A new kubelet (a new kubelet.sock identity) gets a fresh server on a fresh socket
+name: the old server is stopped (closing its stream) before the new one registers, which avoids
+the kubelet's same-name races (facts §3.4) and the grpcio unlink-on-stop race (facts §8).
+
+Retries (issue 10.2): a failed Register is retried on the same server after a jittered,
+doubling backoff, and nothing but a new kubelet identity cuts that backoff short; events
+caused by our own socket changes never wake a registration. After a connect failure the next
+attempts first check with a plain connect() that the socket accepts at all, so a dead
+kubelet's left-over socket costs no Register calls while it is down.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import errno
 import logging
 import os
 import random
-import re
+import socket
 import stat
 import time
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import grpc
 
+from host.health import TransitionLog
 from host.inotify import DirectoryWatch
 from host.protocol import KUBELET_SOCKET, VERSION, api, api_grpc
 from host.service import DevicePluginService
+from host.socket_names import GRPC_MAX_SOCKET_PATH, socket_file_name
 
 log = logging.getLogger(__name__)
 
+__all__ = ["Endpoint", "KubeletLink", "Registrar", "socket_file_name"]
+
 KubeletId = Tuple[int, int]  # (inode, ctime_ns) of kubelet.sock: a new kubelet, a new id
-MAX_SOCKET_PATH = 107
+MAX_SOCKET_PATH = GRPC_MAX_SOCKET_PATH
 BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 5.0
 SERVER_STOP_GRACE_S = 0.05  # streams run forever: grace only lets a unary call finish
+RETIRE_AFTER_S = 1.0
+STREAM_END_GRACE_S = 0.05
+PROBE_TIMEOUT_S = 1.0
+
+# Issue 10.1: after a Register failed to connect (the kubelet stopping, its dead socket left
+# behind), that subchannel sits in reconnect backoff and keeps retrying on its own; by default a
+# new channel to the same target shares it through gRPC's *global* subchannel pool, so the new
+# kubelet's first Register fails fast ("connect failed") until that backoff runs out. Measured
+# with benchmarks/reconnect_probe.py (grpcio 1.85, 2 vCPU, 2 runs each, time from the new
+# kubelet.sock listening to the first successful Register, outage 0.5 / 2 / 10 s, medians):
+#   global pool, fresh channel (before)    587 / 653 / 5,837 ms
+#   grpc.use_local_subchannel_pool = 1       1.7 / 2.1 / 2.1 ms
+#   fresh channel + unique arg per identity  1.4 / 1.6 / 1.3 ms
+#   bounded backoff 50/100 ms                2.0 / 1.5 / 1.7 ms  (fast only because its other
+#                                            args key a separate subchannel; on a shared one it
+#                                            still waits up to 100 ms, and reconnects 10x/s)
+#   dial waiting for accept (wait_for_ready) 392 / 605 / 5,018 ms (waits out the same backoff)
+# Chosen: a fresh channel per kubelet identity with a local subchannel pool. It removes the
+# cause (no connection state shared with a dead kubelet's channel, whatever the other args),
+# costs no reconnect traffic while the kubelet is down, and needs no grpc-internal arg hack.
+CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0), ("grpc.use_local_subchannel_pool", 1)]
 
 
-def socket_file_name(resource: str, token: str, generation: int) -> str:
-    """A bare, unique, short socket file name: readable prefix, hash for uniqueness."""
-    digest = hashlib.sha1(resource.encode()).hexdigest()[:8]
-    readable = re.sub(r"[^A-Za-z0-9]+", "-", resource).strip("-")[:32]
-    return f"dph-{readable}-{digest}-{token}-{generation}.sock"
+class PluginDirError(OSError):
+    """Our socket cannot be created in the plugin directory (read-only, full, not a directory,
+    no permission): an operator's problem, told in one line with the OS reason, and retried."""
+
+
+def _bind_problem(path: str) -> Optional[str]:
+    """Bind a plain unix socket at ``path`` first (then remove it): the kernel's own reason
+    (EROFS, ENOSPC, EACCES, ENOTDIR) comes back as a clean error, where grpc's bind would only
+    say "Failed to bind" and print the reason on stderr (issue 11.8)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.bind(path)
+    except OSError as error:
+        return os.strerror(error.errno) if error.errno else str(error)
+    finally:
+        probe.close()
+    try:
+        os.unlink(path)
+    except OSError as error:
+        return os.strerror(error.errno) if error.errno else str(error)
+    return None
+
+
+def _accepts(path: str) -> Optional[str]:
+    """None if something accepts connections on ``path``; else the OS reason. Non-blocking:
+    a unix socket connect either succeeds, is refused, or (backlog full) says EAGAIN."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+    try:
+        sock.connect(path)
+    except BlockingIOError:
+        return None  # alive, only busy
+    except OSError as error:
+        return os.strerror(error.errno) if error.errno else str(error)
+    finally:
+        sock.close()
+    return None
+
+
+def _dir_problem(path: str) -> str:
+    """Why ``path`` cannot hold our sockets as a directory ("" when it is one)."""
+    try:
+        st = os.stat(path)
+    except OSError as error:
+        return f"{os.strerror(error.errno) if error.errno else error}"
+    if not stat.S_ISDIR(st.st_mode):
+        kind = "regular file" if stat.S_ISREG(st.st_mode) else "non-directory"
+        return f"{os.strerror(errno.ENOTDIR)} (it is a {kind})"
+    return ""
 
 
 class KubeletLink:
-    """What the host knows about the kubelet: its socket's identity and one shared channel."""
+    """What the host knows about the kubelet: its socket's identity and one channel per
+    kubelet identity (see CHANNEL_OPTIONS for why)."""
 
     def __init__(self, plugin_dir: str, register_timeout_s: float) -> None:
         self.plugin_dir = plugin_dir
@@ -56,6 +131,28 @@ class KubeletLink:
         self._last_id: Optional[KubeletId] = None
         self._retired: List[grpc.aio.Channel] = []
         self._closing_tasks: Set[asyncio.Future] = set()
+        # Shared by every endpoint: a plugin_dir problem is one line, not one per resource.
+        self.dir_log = TransitionLog(log)
+        # Called whenever one of our sockets was just bound in the plugin directory (so it
+        # exists and is writable): the host's single-instance lock waits for that moment when
+        # the directory was missing or read-only at start.
+        self.on_dir_usable: Optional[Callable[[], None]] = None
+
+    def dir_state(self, problem: str, detail: str = "") -> None:
+        """Log the plugin directory's state once per change (problem "" = usable)."""
+        self.dir_log.update(
+            "plugin_dir", problem,
+            f"plugin directory {self.plugin_dir}: {problem}{detail}",
+            f"plugin directory {self.plugin_dir} is usable again",
+        )
+
+    def kubelet_state(self, problem: str) -> None:
+        self.dir_log.update(
+            "kubelet", problem,
+            f"{self.socket_path} does not accept connections ({problem}): the kubelet is"
+            " down; waiting for it",
+            f"{self.socket_path} accepts connections again: a kubelet is back",
+        )
 
     def identity(self) -> Optional[KubeletId]:
         try:
@@ -70,21 +167,38 @@ class KubeletLink:
         self._last_id = kid
         return kid
 
-    async def register(self, kid: KubeletId, request: api.RegisterRequest) -> None:
+    def accepts(self) -> Optional[str]:
+        """Why kubelet.sock does not accept connections now (None: it does)."""
+        return _accepts(self.socket_path)
+
+    def _channel_of(self, kid: KubeletId) -> grpc.aio.Channel:
         if self._channel_for != kid or self._channel is None:
-            old = self._channel
+            self._retire()
             self._channel = grpc.aio.insecure_channel(
-                f"unix://{self.socket_path}", options=[("grpc.enable_http_proxy", 0)]
+                f"unix://{self.socket_path}", options=CHANNEL_OPTIONS
             )
             self._channel_for = kid
-            if old is not None:
-                # Calls still on the old channel belong to a kubelet that is gone; give them
-                # a moment to fail on their own instead of cancelling them under their caller.
-                self._retired.append(old)
-                asyncio.get_running_loop().call_later(1.0, self._close_retired, old)
-        channel = self._channel
+        return self._channel
+
+    def _retire(self) -> None:
+        old, self._channel, self._channel_for = self._channel, None, None
+        if old is not None:
+            # Calls still on the old channel belong to a kubelet that is gone; give them
+            # a moment to fail on their own instead of cancelling them under their caller.
+            self._retired.append(old)
+            asyncio.get_running_loop().call_later(RETIRE_AFTER_S, self._close_retired, old)
+
+    async def register(self, kid: KubeletId, request: api.RegisterRequest) -> None:
+        channel = self._channel_of(kid)
         stub = api_grpc.RegistrationStub(channel)
-        await stub.Register(request, timeout=self.register_timeout_s)
+        try:
+            await stub.Register(request, timeout=self.register_timeout_s)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNAVAILABLE and channel is self._channel:
+                # The connection itself failed: drop the channel so its subchannel stops
+                # reconnecting in the background; the next attempt dials anew.
+                self._retire()
+            raise
 
     def _close_retired(self, channel: grpc.aio.Channel) -> None:
         if channel in self._retired:
@@ -98,6 +212,8 @@ class KubeletLink:
         for old in [*retired, channel]:
             if old is not None:
                 await old.close()
+        if self._closing_tasks:
+            await asyncio.gather(*self._closing_tasks, return_exceptions=True)
 
 
 class Endpoint:
@@ -119,16 +235,23 @@ class Endpoint:
         self.socket_name: Optional[str] = None
         self._socket_inode: Optional[int] = None
         self.registered_with: Optional[KubeletId] = None
-        self.registrations = 0
+        self.registrations = 0  # Register calls made (each failed one counts too)
         self.last_error: Optional[str] = None
         self._dirty = asyncio.Event()
         self._task: Optional[asyncio.Task] = None
         self._retry: Optional[asyncio.TimerHandle] = None
         self._backoff = BACKOFF_START_S
+        self._not_before = 0.0  # monotonic: no Register to the same kubelet before this
         self._closing = False
-        self._server_used = False
+        self._server_kid: Optional[KubeletId] = None  # the kubelet this server registered with
         self._last_kid: Optional[KubeletId] = None
+        self._connect_failed_for: Optional[KubeletId] = None
+        # Issue 11.3: the kubelet's own stream is the first ListAndWatch opened on the current
+        # server after our Register went out; only its end means "registering again".
+        self._claim_open = False
+        self._kubelet_stream: Optional[object] = None
         self._on_registered = on_registered
+        service.on_stream_start = self._stream_started
         service.on_stream_end = self._stream_ended
 
     @property
@@ -149,7 +272,11 @@ class Endpoint:
         self._dirty.set()
 
     def socket_event(self, names: Optional[List[str]]) -> None:
-        if names is None or KUBELET_SOCKET in names or (self.socket_name in names):
+        """A directory event. Our own socket appearing (or an old one of ours vanishing) is
+        our doing and wakes nothing (issue 10.2); our current socket gone, kubelet.sock
+        changing or the directory itself coming or going does."""
+        ours_gone = self.socket_name in (names or ()) and not self._socket_alive()
+        if names is None or KUBELET_SOCKET in names or ours_gone:
             self.poke()
 
     async def close(self) -> None:
@@ -179,6 +306,10 @@ class Endpoint:
                 # (the kubelet's channel replaced after a restart): not our cancellation, so
                 # the loop must live on, or this resource would never register again.
                 self._schedule_retry("a kubelet call was cancelled under us")
+            except PluginDirError as error:
+                why, name = error.args
+                self.link.dir_state(why, f" (creating socket {name}); retrying with backoff")
+                self._schedule_retry(f"cannot create socket {name}: {why}", quiet=True)
             except Exception as error:  # keep the loop alive whatever happens
                 log.exception("resource %s: reconcile failed", self.name)
                 self._schedule_retry(f"{type(error).__name__}: {error}")
@@ -196,12 +327,15 @@ class Endpoint:
     async def _reconcile(self) -> None:
         if self._closing:
             return
-        if not os.path.isdir(self.link.plugin_dir):
+        missing = _dir_problem(self.link.plugin_dir)
+        if missing:
+            # Waiting for it: the directory watch wakes us when it appears; the backoff
+            # retry is the safety net.
+            self.link.dir_state(missing, "; waiting for it")
             if self.server is not None:
-                log.warning("resource %s: plugin directory %s is gone; waiting for it",
-                            self.name, self.link.plugin_dir)
                 await self._stop_server()
             self.registered_with = None
+            self._schedule_retry(f"plugin directory {missing}", quiet=True)
             return
         if not self._socket_alive():
             if self.server is not None:
@@ -213,14 +347,28 @@ class Endpoint:
             self.registered_with = None
             return  # no kubelet yet: a new kubelet.sock will poke us
         if kid != self._last_kid:
+            # A new kubelet deserves a prompt first try: the only thing that cuts a backoff.
             self._last_kid = kid
-            self._backoff = BACKOFF_START_S  # a new kubelet deserves a prompt first try
+            self._backoff = BACKOFF_START_S
+            self._not_before = 0.0
+            self._connect_failed_for = None
         if self.registered_with == kid:
             return
-        if self._server_used:
-            # A new kubelet, the old one dropped our stream, or a Register that may have half
-            # worked: a fresh server for the new registration, so no stale stream outlives it.
+        wait = self._not_before - time.monotonic()
+        if wait > 0:
+            self._arm_retry(wait)  # a poke during the backoff: keep the announced time
+            return
+        if self._server_kid is not None and self._server_kid != kid:
+            # A new kubelet: a fresh server for it, so no stale stream of the old one
+            # outlives the new registration (the kubelet's same-name race, facts §3.4).
             await self._serve_fresh()
+        if self._connect_failed_for == kid:
+            why = self.link.accepts()
+            self.link.kubelet_state(why or "")
+            if why is not None:
+                self._schedule_retry(f"{self.link.socket_path} does not accept connections"
+                                     f" ({why}); waiting for the kubelet", quiet=True)
+                return
         await self._register(kid)
 
     async def _serve_fresh(self) -> None:
@@ -228,10 +376,13 @@ class Endpoint:
         self.generation += 1
         name = socket_file_name(self.name, self.token, self.generation)
         path = os.path.join(self.link.plugin_dir, name)
-        if len(path) > MAX_SOCKET_PATH:
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH:
             raise OSError(f"socket path {path!r} is longer than {MAX_SOCKET_PATH} bytes")
         if os.path.lexists(path):  # never bind over something planted at our path
             os.unlink(path)
+        why = _bind_problem(path)
+        if why is not None:
+            raise PluginDirError(why, name)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         server.add_generic_rpc_handlers((self.service.handler(self.generation),))
         # The socket is born 0600 (only root, the kubelet, dials it). grpc binds inside
@@ -247,16 +398,24 @@ class Endpoint:
         # Kept before the await: a close() arriving during start() must find and stop it.
         self.server = server
         self.socket_name = name
+        self._server_kid = None
+        self._kubelet_stream = None
+        self._claim_open = False
         await server.start()
         os.chmod(path, 0o600)
-        self._server_used = False
         self._socket_inode = os.lstat(path).st_ino
         self.registered_with = None
+        self.link.dir_state("")
+        if self.link.on_dir_usable is not None:
+            self.link.on_dir_usable()
         log.debug("resource %s: serving on %s", self.name, path)
 
     async def _stop_server(self) -> None:
         server, self.server = self.server, None
         self.registered_with = None
+        self._server_kid = None
+        self._kubelet_stream = None
+        self._claim_open = False
         if server is not None:
             await server.stop(SERVER_STOP_GRACE_S)
 
@@ -268,12 +427,18 @@ class Endpoint:
             options=self.service.options,
         )
         started = time.monotonic()
-        self._server_used = True
+        self._server_kid = kid
+        self._claim_open = True  # the next stream on this server is the kubelet's
+        self.registrations += 1
         try:
             await self.link.register(kid, request)
         except grpc.aio.AioRpcError as error:
-            # "Maybe registered": the retry runs on a fresh server, so it is harmless.
-            self.registrations += 1
+            # "Maybe registered": the kubelet may hold a stream of ours; a retry on the same
+            # server simply replaces it (the kubelet keys by name; the old stream stays ours).
+            # A failure is most often a kubelet going away ("context canceled", "connection
+            # is closing", refused): check its socket accepts before the next attempt.
+            self._connect_failed_for = kid
+            self._claim_open = False  # a stream opened from now on is not that Register's
             self._schedule_retry(f"Register failed: {error.code().name}: {error.details()}")
             return
         except asyncio.CancelledError:
@@ -281,30 +446,56 @@ class Endpoint:
                 raise
             self._schedule_retry("Register was cancelled: the kubelet's channel was replaced")
             return
-        self.registrations += 1
         self.registered_with = kid
         self.last_error = None
+        self.link.kubelet_state("")  # a "kubelet is down" line is followed by one "back" line
+        if self._retry is not None:  # an earlier failure's retry has nothing left to do
+            self._retry.cancel()
+            self._retry = None
         self._backoff = BACKOFF_START_S
+        self._not_before = 0.0
+        self._connect_failed_for = None
         log.info("resource %s: registered with the kubelet as %s (%.1f ms)", self.name,
                  self.socket_name, (time.monotonic() - started) * 1000)
         if self._on_registered is not None:
             self._on_registered(self)
 
-    def _schedule_retry(self, reason: str) -> None:
+    def _schedule_retry(self, reason: str, quiet: bool = False) -> None:
         self.last_error = reason
         delay = self._backoff * (0.5 + random.random())
         self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
-        log.warning("resource %s: %s; retrying in %.2f s", self.name, reason, delay)
+        self._not_before = time.monotonic() + delay
+        # quiet: the cause is logged once for all resources by the link; details at DEBUG.
+        level = logging.DEBUG if quiet else logging.WARNING
+        log.log(level, "resource %s: %s; retrying in %.2f s", self.name, reason, delay)
+        self._arm_retry(delay)
+
+    def _arm_retry(self, delay: float) -> None:
         if self._retry is not None:
             self._retry.cancel()
         self._retry = asyncio.get_running_loop().call_later(delay, self.poke)
 
-    def _stream_ended(self, generation: object) -> None:
+    def _stream_started(self, generation: object, stream: object) -> None:
+        if generation == self.generation and self._claim_open:
+            self._claim_open = False
+            self._kubelet_stream = stream
+
+    def _stream_ended(self, generation: object, stream: object) -> None:
         if self._closing or generation != self.generation or self.server is None:
             return  # our own server stopping, or an older generation
+        if stream is not self._kubelet_stream:
+            log.debug("resource %s: a ListAndWatch client other than the kubelet hung up",
+                      self.name)
+            return
+        self._kubelet_stream = None
         log.info("resource %s: the kubelet closed ListAndWatch; registering again", self.name)
+        # Usually the kubelet is stopping (its Stop ends the streams before the listener): a
+        # moment's grace, then a check that its socket still accepts, before a Register that
+        # would only fail (and be logged) once per resource.
+        self._connect_failed_for = self.registered_with
         self.registered_with = None
-        self.poke()
+        self._not_before = time.monotonic() + STREAM_END_GRACE_S
+        self._arm_retry(STREAM_END_GRACE_S)
 
 
 class Registrar:

@@ -104,7 +104,7 @@ class DevicePluginService:
         calls: DriverCalls,
         *,
         allocate_timeout_s: float,
-        on_stream_end: Optional[Callable[[object], None]] = None,
+        on_stream_end: Optional[Callable[[object, object], None]] = None,
         observer: Optional[object] = None,
     ) -> None:
         self.resource = resource
@@ -113,6 +113,8 @@ class DevicePluginService:
         self.calls = calls
         self.allocate_timeout_s = allocate_timeout_s
         self.on_stream_end = on_stream_end
+        # (server tag, stream) for every ListAndWatch that opens / ends.
+        self.on_stream_start: Optional[Callable[[object, object], None]] = None
         self.observer = observer  # metrics hooks (optional)
         # Whether CDI names are in the spec on disk (set by the host when it writes specs).
         self.cdi_resolvable: Optional[Callable[[str, Sequence[str]], bool]] = None
@@ -213,15 +215,19 @@ class DevicePluginService:
         """Full snapshot at once, then one on every change; never returns on its own (the
         kubelet treats a returned stream as a disconnected plugin)."""
         seen = -1
+        stream = object()  # this stream's identity: the endpoint tells the kubelet's apart
+        if self.on_stream_start is not None:
+            self.on_stream_start(tag, stream)
         try:
             while True:
                 seen, payload = await self.snapshot.next_payload(seen)
                 yield payload
         finally:
-            # Whether this was the kubelet going away or our own server stopping, the
-            # endpoint decides: only the current server's lost stream means re-register.
+            # Whether this was the kubelet going away, another client hanging up or our own
+            # server stopping, the endpoint decides: only the kubelet's own stream on the
+            # current server means re-register (issue 11.3).
             if self.on_stream_end is not None:
-                self.on_stream_end(tag)
+                self.on_stream_end(tag, stream)
 
     # -- Allocate --------------------------------------------------------------------------
     async def _allocate(

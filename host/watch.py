@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Callable, Iterable, Optional, Protocol, Set
+from typing import Callable, Iterable, List, Optional, Protocol, Sequence, Set
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,45 @@ class UdevSource:
         if self._monitor is not None and self._loop is not None:
             self._loop.remove_reader(self._monitor.fileno())
             self._monitor = None
+
+
+class CombinedSource:
+    """Several sources feeding one scheduler; one that cannot start (no netlink permission,
+    no pyudev) costs only its own events, and only all of them failing is an error."""
+
+    def __init__(self, sources: Sequence[EventSource]) -> None:
+        self.sources = list(sources)
+        self._started: List[EventSource] = []
+
+    def start(self, emit: Callable[[str], None]) -> None:
+        failures = []
+        for source in self.sources:
+            try:
+                source.start(emit)
+            except Exception as error:
+                failures.append(error)
+                log.warning("%s unavailable: %s", type(source).__name__, error)
+            else:
+                self._started.append(source)
+        if not self._started and failures:
+            raise failures[0]
+
+    def close(self) -> None:
+        for source in self._started:
+            source.close()
+        self._started.clear()
+
+
+def device_events(subsystems: Iterable[str]) -> EventSource:
+    """uevents for the subsystems, plus rtnetlink link changes when a driver watches ``net``:
+    link up/down has no uevent (issue 10.4)."""
+    wanted = set(subsystems)
+    udev = UdevSource(wanted)
+    if "net" not in wanted:
+        return udev
+    from host.netlink import LinkSource
+
+    return CombinedSource([udev, LinkSource()])
 
 
 class InjectedSource:

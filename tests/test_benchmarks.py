@@ -22,6 +22,8 @@ CONTRACT_KEYS = {
     "allocate_median_us", "allocate_p99_us", "preferred_median_us",
     "startup_ms_1", "startup_ms_16", "startup_ms_64",
     "reregister_p99_ms_16", "reregister_p99_ms_64",
+    "reregister_p99_ms_64_outage_0.5", "reregister_p99_ms_64_outage_2",
+    "reregister_p99_ms_64_outage_10", "reregister_attempts_64",
     "listwatch_p99_ms_10", "listwatch_p99_ms_1000", "listwatch_p99_ms_10000",
     "discovery_ms_2048", "discovery_ms_sriov_1024", "discovery_ms_qat_256", "discovery_ms_cpx_64",
     "rss_mb_1r", "rss_mb_16r", "rss_mb_64r_10k", "idle_cpu_pct_64r", "preferred_ms_1024_8numa",

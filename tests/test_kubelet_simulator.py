@@ -187,7 +187,7 @@ def registered(resource: str = GPU):
     return check
 
 
-_SIM_ARGS = ("numa_nodes", "topology_policy", "dial_timeout")
+_SIM_ARGS = ("numa_nodes", "topology_policy", "dial_timeout", "kubelet_version")
 
 
 async def started(plugin_dir: str, **kwargs: Any) -> Tuple[KubeletSimulator, FakePlugin]:
@@ -321,6 +321,44 @@ def test_register_deadline_bounds_the_options_call(short_dir, run):
                 assert GPU not in kubelet.resources
             finally:
                 await plugin.stop()
+
+    run(scenario())
+
+
+def test_before_1_35_the_kubelet_registers_a_plugin_whose_register_timed_out(short_dir, run):
+    """Facts §8: with a background context (1.32) the options call outlives the plugin's
+    deadline: the plugin sees DEADLINE_EXCEEDED and is registered all the same."""
+
+    async def scenario():
+        async with KubeletSimulator(short_dir, kubelet_version=(1, 32)) as kubelet:
+            plugin = FakePlugin(short_dir)
+            plugin.options_delay = 0.5
+            await plugin.serve()
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await plugin.register(timeout=0.2)
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                await kubelet.wait_for(registered(), timeout=3, what="registered anyway")
+            finally:
+                await plugin.stop()
+
+    run(scenario())
+
+
+def test_before_1_35_a_stop_fails_register_with_connection_closing(short_dir, run):
+    async def scenario():
+        kubelet, plugin = await started(short_dir, kubelet_version=(1, 32))
+        try:
+            kubelet.register_delay_s = 30.0
+            call = asyncio.ensure_future(plugin.register(timeout=20))
+            await kubelet.wait_for(lambda k: k.registers_in_flight == 1, what="in flight")
+            await kubelet.stop()
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            assert "the client connection is closing" in caught.value.details()
+        finally:
+            await kubelet.stop()
+            await plugin.stop()
 
     run(scenario())
 
@@ -514,6 +552,69 @@ def test_restart_wipes_the_plugin_socket_and_waits_for_reregistration(short_dir,
             # The checkpointed allocation still holds its device.
             result = await kubelet.allocate(GPU, 3, pod="other")
             assert not set(result.device_ids) & set(kubelet.allocations[0][4])
+        finally:
+            await kubelet.stop()
+            await plugin.stop()
+
+    run(scenario())
+
+
+def test_a_register_in_flight_when_the_kubelet_stops_fails_with_context_canceled(short_dir, run):
+    async def scenario():
+        kubelet, plugin = await started(short_dir)
+        try:
+            kubelet.register_delay_s = 30.0
+            call = asyncio.ensure_future(plugin.register(timeout=20))
+            await kubelet.wait_for(lambda k: k.registers_in_flight == 1, what="in flight")
+            await kubelet.stop(unlink=False)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            assert caught.value.code() == grpc.StatusCode.UNKNOWN
+            assert "context canceled" in caught.value.details()
+            assert kubelet.registers_in_flight == 0
+        finally:
+            await kubelet.stop()
+            await plugin.stop()
+
+    run(scenario())
+
+
+def _connect_error(path: str) -> Optional[int]:
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.connect(path)
+    except OSError as error:
+        return error.errno
+    finally:
+        sock.close()
+    return None
+
+
+def test_a_stopped_kubelet_leaves_a_dead_socket_for_the_outage_then_a_new_one(short_dir, run):
+    import errno
+
+    async def scenario():
+        kubelet, plugin = await started(short_dir)
+        try:
+            first = os.stat(kubelet.socket_path)
+            restart = asyncio.ensure_future(kubelet.restart(outage_s=0.3))
+            await kubelet.wait_for(lambda k: not k.serving, what="stopped")
+            # Down: the file is still there (same inode), nothing accepts.
+            assert os.stat(kubelet.socket_path).st_ino == first.st_ino
+            assert _connect_error(kubelet.socket_path) == errno.ECONNREFUSED
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await plugin.register(timeout=1)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            await restart
+            # Back: a new kubelet.sock that listens, our socket wiped. (The kernel may hand
+            # the freed inode number out again: the change time tells the files apart.)
+            again = os.stat(kubelet.socket_path)
+            assert (again.st_ino, again.st_ctime_ns) != (first.st_ino, first.st_ctime_ns)
+            assert _connect_error(kubelet.socket_path) is None
+            assert not os.path.exists(plugin.socket)
+            assert kubelet.started_at is not None and kubelet.starts == 2
+            await kubelet.stop(unlink=True)
+            assert _connect_error(kubelet.socket_path) == errno.ENOENT
         finally:
             await kubelet.stop()
             await plugin.stop()

@@ -38,7 +38,7 @@ from drivers.sriov.selectors import index_ranges, parse_pf
 from drivers.sriov.sysfs import LINK_TYPES, VirtualFunction, list_virtual_functions
 from host import devinfo
 from host.driver import Driver, SelectorError, normalise_hex_ids, selector_values
-from host.health import link_problem
+from host.health import TransitionLog, link_problem
 from host.hostfs import HostFS
 from host.model import ContainerAllocation, Device, DeviceNode, Health, ResourceConfig
 from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors
@@ -80,6 +80,7 @@ class VfRecord:
     cdev_nodes: Tuple[DeviceNode, ...] = ()
     cdev_problem: str = ""
     group_problems: Tuple[str, ...] = ()  # the part of ``problem`` about group nodes
+    link_down: str = ""  # the PF's link problem (part of ``problem``), logged once per PF
 
     @property
     def kind(self) -> str:
@@ -194,12 +195,14 @@ def build_record(host: HostFS, vf: VirtualFunction, chars: Optional[CharIndex]) 
         mode = NETDEVICE
         if vf.rdma_devices and chars is not None:
             nodes, problems, has_verbs = _rdma(vf, chars)
+    down = ""
     if vf.pf.netdev:  # a VF of a PF whose link is down can carry no traffic
         down = link_problem(f"PF {vf.pf.netdev.name}", vf.pf.netdev.operstate)
         if down:
             problems.append(down)
     return VfRecord(
-        vf=vf, mode=mode, nodes=tuple(nodes), problem="; ".join(problems), has_verbs=has_verbs
+        vf=vf, mode=mode, nodes=tuple(nodes), problem="; ".join(problems), has_verbs=has_verbs,
+        link_down=down,
     )
 
 
@@ -221,6 +224,10 @@ class SriovDriver(Driver):
         "device_info": (bool,),
         "device_info_dir": (str,),
     }
+
+    def __init__(self) -> None:
+        # What was last logged about each PF link and VF: health lines on change only.
+        self._health_log = TransitionLog(log)
 
     # -- configuration -----------------------------------------------------------------
     def check_selectors(self, selectors: Mapping[str, object]) -> None:
@@ -282,7 +289,29 @@ class SriovDriver(Driver):
                                  group_problems=tuple(_vfio(host, vf)[1]))
             records.append(record)
         qat = {address: facts for address, facts in seen.items() if facts is not None}
-        return SriovInventory(vfs=tuple(records), qat=qat)
+        inventory = SriovInventory(vfs=tuple(records), qat=qat)
+        self._log_links(inventory)
+        return inventory
+
+    def _log_links(self, inventory: SriovInventory) -> None:
+        """One line when a PF's link goes down (with how many VFs it takes), one when it is
+        back: not one per VF per scan per resource (issues 10.5, 11.16)."""
+        pfs: Dict[str, Tuple[str, int]] = {}
+        for record in inventory.vfs:
+            netdev = record.vf.pf.netdev
+            if netdev is None:
+                continue
+            down, count = pfs.get(netdev.name, ("", 0))
+            pfs[netdev.name] = (record.link_down or down, count + 1)
+        for name, (down, count) in pfs.items():
+            self._health_log.update(
+                ("pf", name), down,
+                f"{down}: its {count} VF(s) are reported Unhealthy",
+                f"link of PF {name} is up again; its VFs are usable",
+            )
+        present = {record.vf.function.address for record in inventory.vfs}
+        self._health_log.retain([("pf", name) for name in pfs] + [
+            key for key in self._health_log.active if key[0] == "vf" and key[2] in present])
 
     def select(self, inventory: SriovInventory, resource: ResourceConfig) -> Sequence[Device]:
         key = env_name(resource.name)
@@ -313,9 +342,13 @@ class SriovDriver(Driver):
                     f"VF {record.vf.function.address} has RDMA device "
                     f"{','.join(record.vf.rdma_devices)} but no usable uverbs node"
                 )
-            if problem:
-                # Logged here, not in scan: a VF no resource selects is nobody's problem.
-                log.warning("resource %s: %s; reported Unhealthy", resource.name, problem)
+            # Logged here, not in scan: a VF no resource selects is nobody's problem. The PF's
+            # link is logged once per PF in scan; each problem once, when it starts.
+            own = "; ".join(p for p in problem.split("; ") if p and p != record.link_down)
+            self._health_log.update(
+                ("vf", resource.name, record.vf.function.address), own,
+                f"resource {resource.name}: {own}; reported Unhealthy",
+            )
             out.append(
                 Device(
                     id=record.vf.function.address,

@@ -3,6 +3,14 @@
 One asyncio loop (grpc.aio) runs the registration server, every dial-back channel and every
 ListAndWatch stream; ``stop()`` cancels and awaits all of it, so fifty restarts leak no task,
 channel or descriptor.
+
+Restarts are as unkind as the kubelet's (``dm/plugin/v1beta1/server.go`` Start/Stop,
+``dm/manager.go`` CleanupPluginDirectory, issue 10): a Register in flight when the kubelet stops
+fails (1.36: "failed to get device plugin options: context canceled"; 1.32: "client connection
+is closing"), the stopped kubelet's socket stays behind as a dead file that refuses connections
+(the process is gone, nothing unlinked it) unless ``stop(unlink=True)``, nothing listens for
+the whole outage, and the next start wipes every socket in the directory, the dead
+``kubelet.sock`` included, before the new one appears.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import json
 import logging
 import os
 import stat
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import grpc
@@ -35,6 +44,20 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_VERSIONS = (VERSION,)
 DIAL_TIMEOUT_S = 10.0  # the kubelet's blocking dial-back
+STOP_GRACE_S = 0.2  # time for in-flight Register handlers to answer with their error at stop
+_GRPC_PATH_MAX = 105  # grpcio refuses 106- and 107-byte unix socket paths (facts §8)
+CONTEXT_CANCELED = (
+    "failed to get device plugin options: rpc error: code = Canceled desc = context canceled"
+)
+CONNECTION_CLOSING = (  # the same stop as seen by kubelets before 1.35
+    "failed to get device plugin options: rpc error: code = Canceled desc = grpc: the client"
+    " connection is closing"
+)
+DEADLINE_IN_REGISTER = (1, 35)  # from here on, dial-back and options run in Register's context
+
+
+class _Rejected(Exception):
+    """The kubelet's Register fails with this message."""
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # Go gRPC's default receive limit, which the kubelet keeps
 POLICIES = ("none", "best-effort", "restricted", "single-numa-node")
 _SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes including the terminating NUL
@@ -63,6 +86,10 @@ class KubeletSimulator:
     resource's devices report, as kubelet 1.36 does); ``dial_timeout`` shortens the kubelet's
     10 s dial-back for tests of plugins that are not serving. ``pod_resources_socket``: also
     serve the PodResources v1 API there (``self.pod_resources``) while started.
+    ``kubelet_version``: before (1, 35) the dial-back and GetDevicePluginOptions ignore the
+    plugin's Register deadline (a plugin can end up registered although its Register failed
+    with DEADLINE_EXCEEDED, facts §8) and a stop fails Register with "client connection is
+    closing"; from 1.35 on both run within the deadline and a stop says "context canceled".
     """
 
     def __init__(
@@ -73,6 +100,7 @@ class KubeletSimulator:
         topology_policy: str = "best-effort",
         dial_timeout: float = DIAL_TIMEOUT_S,
         pod_resources_socket: Optional[str] = None,
+        kubelet_version: Tuple[int, int] = (1, 36),
     ) -> None:
         if topology_policy not in POLICIES:
             raise ValueError(f"topology_policy must be one of {POLICIES}, not {topology_policy!r}")
@@ -83,10 +111,18 @@ class KubeletSimulator:
         self.numa_nodes = None if numa_nodes is None else tuple(sorted(set(numa_nodes)))
         self.topology_policy = topology_policy
         self.dial_timeout = dial_timeout
+        self.kubelet_version = tuple(kubelet_version)
         self.resources: Dict[str, ResourceState] = {}
         self.register_errors: List[str] = []
         self.register_calls: Dict[str, int] = {}  # every Register, before validation (the metric)
         self.starts = 0
+        self.started_at: Optional[float] = None  # time.monotonic() when kubelet.sock last listened
+        self.stopping = False
+        self._stop_event: Optional[asyncio.Event] = None
+        # A slow kubelet: each Register waits this long before its dial-back (tests use it to
+        # have Register calls in flight when the kubelet stops).
+        self.register_delay_s = 0.0
+        self.registers_in_flight = 0
         self.allocation_results: Dict[Key, AllocationResult] = {}
         self._server: Optional[grpc.aio.Server] = None
         self._generation = 0
@@ -116,13 +152,26 @@ class KubeletSimulator:
             state.forget_devices()
         server = grpc.aio.server(options=_SERVER_OPTIONS)
         api_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
+        # Listen under a hidden name, then rename it to kubelet.sock: the socket appears already
+        # listening (as the kubelet's does), and since grpc unlinks only the name it bound, the
+        # stopped server leaves kubelet.sock behind as a dead socket, like a kubelet that exited.
+        hidden = os.path.join(self.plugin_dir, f".kubelet-{os.getpid()}-{self._generation}.sock")
+        if len(os.fsencode(hidden)) > _GRPC_PATH_MAX:
+            hidden = self.socket_path  # no room for the hidden name: bind kubelet.sock itself
         try:
-            server.add_insecure_port("unix:" + self.socket_path)
+            if server.add_insecure_port("unix:" + hidden) == 0:
+                raise OSError(f"kubelet simulator: could not bind {hidden}")
             await server.start()
+            if hidden != self.socket_path:
+                os.rename(hidden, self.socket_path)
         except BaseException:
             await server.stop(None)
+            if hidden != self.socket_path and os.path.lexists(hidden):
+                os.unlink(hidden)
             raise
         self._server = server
+        self.stopping = False
+        self._stop_event = asyncio.Event()
         if self.pod_resources is not None:
             try:
                 await self.pod_resources.start()
@@ -132,14 +181,31 @@ class KubeletSimulator:
                 raise
         self._generation += 1
         self.starts += 1
+        self.started_at = time.monotonic()
         await self._notify()
 
-    async def stop(self) -> None:
-        """Stop serving, end every stream and close every plugin channel, and wait for it all."""
+    async def stop(self, *, unlink: bool = True) -> None:
+        """Stop serving, end every stream and close every plugin channel, and wait for it all.
+
+        Register calls in flight fail with the kubelet's "context canceled" error. ``unlink``:
+        remove kubelet.sock (connecting then fails with ENOENT); False leaves it behind dead
+        (ECONNREFUSED), as a kubelet that exited does, until the next ``start()`` wipes it.
+        """
         self._generation += 1
+        self.stopping = True
+        if self._stop_event is not None:
+            self._stop_event.set()
         server, self._server = self._server, None
         if server is not None:
-            await server.stop(None)  # cancels in-flight Register calls; unlinks kubelet.sock
+            # The grace lets the in-flight Register handlers send their error, as the kubelet's
+            # cancelled contexts do; nothing new is accepted meanwhile.
+            await server.stop(STOP_GRACE_S)
+        if unlink and os.path.lexists(self.socket_path):
+            try:
+                if stat.S_ISSOCK(os.lstat(self.socket_path).st_mode):
+                    os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
         if self.pod_resources is not None:
             await self.pod_resources.stop()
         for channel in list(self._dialing):
@@ -157,8 +223,12 @@ class KubeletSimulator:
                 state.current = None
         await self._notify()
 
-    async def restart(self) -> None:
-        await self.stop()
+    async def restart(self, outage_s: float = 0.0, *, unlink: bool = False) -> None:
+        """Stop, stay down ``outage_s`` seconds (the dead socket left behind unless ``unlink``),
+        start again. The outage is a real wait: it is the thing being simulated."""
+        await self.stop(unlink=unlink)
+        if outage_s > 0:
+            await asyncio.sleep(outage_s)
         await self.start()
 
     async def __aenter__(self) -> KubeletSimulator:
@@ -238,6 +308,8 @@ class KubeletSimulator:
         if name in self.resources:
             self.resources[name].registrations += 1
         generation = self._generation
+        self.registers_in_flight += 1
+        await self._notify()
         try:
             if request.version not in SUPPORTED_VERSIONS:
                 await self._reject(
@@ -247,13 +319,26 @@ class KubeletSimulator:
                 )
             if resource_name_error(name) is not None:
                 await self._reject(context, f"the ResourceName {go_quote(name)} is invalid")
+            stopped = self._stop_event
+            if self.stopping or stopped is None:
+                await self._reject(context, "grpc: the server has been stopped",
+                                   grpc.StatusCode.UNAVAILABLE)
+                return api.Empty()  # not reached: the abort raises
             # filepath.Join: no validation, an absolute endpoint lands under the directory.
             path = os.path.normpath(self.plugin_dir + "/" + request.endpoint)
-            endpoint = await self._connect(path, context)
-            if generation != self._generation:
-                await endpoint.channel.close(None)
-                await self._reject(context, "kubelet is shutting down", grpc.StatusCode.UNAVAILABLE)
-            await self._accept(request, endpoint)
+            if self.kubelet_version < DEADLINE_IN_REGISTER:
+                # A background context: the plugin hanging up does not stop the connect.
+                job = asyncio.ensure_future(self._connect_and_accept(
+                    request, path, None, stopped, generation))
+                self._tasks.add(job)
+                job.add_done_callback(self._tasks.discard)
+                failure = await asyncio.shield(job)
+                if failure is not None:
+                    await self._reject(context, failure)
+                return api.Empty()
+            failure = await self._connect_and_accept(request, path, context, stopped, generation)
+            if failure is not None:
+                await self._reject(context, failure)
             return api.Empty()
         except asyncio.CancelledError:
             # gRPC cancels the handler when the plugin's Register deadline passes or it hangs up.
@@ -265,6 +350,7 @@ class KubeletSimulator:
                 self.register_errors.append(f"Register of {go_quote(name)} abandoned: {why}")
             raise
         finally:
+            self.registers_in_flight -= 1
             await self._notify()
 
     async def _reject(
@@ -277,26 +363,79 @@ class KubeletSimulator:
         log.info("kubelet simulator: Register rejected: %s", message)
         await context.abort(code, message)
 
-    async def _connect(self, path: str, context: grpc.aio.ServicerContext) -> Endpoint:
-        """Dial back and ask for the options; since 1.35 both run within the Register deadline."""
+    async def _connect_and_accept(
+        self,
+        request: api.RegisterRequest,
+        path: str,
+        context: Optional[grpc.aio.ServicerContext],
+        stopped: asyncio.Event,
+        generation: int,
+    ) -> Optional[str]:
+        """Dial back, take the options, accept; the failure message, or None when accepted.
+        ``context`` None: not bounded by the plugin's deadline (kubelets before 1.35)."""
+        try:
+            endpoint = await self._connect_unless_stopped(path, context, stopped)
+        except _Rejected as rejected:
+            return str(rejected)
+        if generation != self._generation:
+            await endpoint.channel.close(None)
+            return self._stop_message()
+        await self._accept(request, endpoint)
+        await self._notify()
+        return None
+
+    def _stop_message(self) -> str:
+        return CONTEXT_CANCELED if self.kubelet_version >= DEADLINE_IN_REGISTER else (
+            CONNECTION_CLOSING)
+
+    async def _connect_unless_stopped(
+        self, path: str, context: Optional[grpc.aio.ServicerContext], stopped: asyncio.Event
+    ) -> Endpoint:
+        """The dial-back and options call, abandoned when the kubelet stops: its context is
+        cancelled, so the plugin's Register fails with "context canceled" (1.36)."""
+        connect = asyncio.ensure_future(self._delayed_connect(path, context))
+        stop_wait = asyncio.ensure_future(stopped.wait())
+        try:
+            await asyncio.wait({connect, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop_wait.cancel()
+            if not connect.done():
+                connect.cancel()
+            await asyncio.gather(stop_wait, return_exceptions=True)
+            await asyncio.gather(connect, return_exceptions=True)
+        if connect.cancelled():
+            raise _Rejected(self._stop_message())
+        return connect.result()
+
+    async def _delayed_connect(
+        self, path: str, context: Optional[grpc.aio.ServicerContext]
+    ) -> Endpoint:
+        if self.register_delay_s > 0:
+            await asyncio.sleep(self.register_delay_s)
+        return await self._connect(path, context)
+
+    async def _connect(
+        self, path: str, context: Optional[grpc.aio.ServicerContext]
+    ) -> Endpoint:
+        """Dial back and ask for the options; since 1.35 both run within the Register deadline
+        (``context`` given), before that with the dial's own 10 s and no deadline."""
         channel = grpc.aio.insecure_channel("unix:" + path, options=_CHANNEL_OPTIONS)
         self._dialing.add(channel)
         connected = False
         try:
-            remaining = context.time_remaining()
+            remaining = None if context is None else context.time_remaining()
             timeout = self.dial_timeout if remaining is None else min(self.dial_timeout, remaining)
             try:
                 await asyncio.wait_for(channel.channel_ready(), max(timeout, 0.0))
             except asyncio.TimeoutError:
-                message = "failed to dial device plugin: context deadline exceeded"
-                await self._reject(context, message)
+                raise _Rejected("failed to dial device plugin: context deadline exceeded") from None
             stub = api_grpc.DevicePluginStub(channel)
             try:
                 options = await stub.GetDevicePluginOptions(
-                    api.Empty(), timeout=context.time_remaining()
+                    api.Empty(), timeout=None if context is None else context.time_remaining()
                 )
             except grpc.aio.AioRpcError as err:
-                await self._reject(context, f"failed to get device plugin options: {go_error(err)}")
+                raise _Rejected(f"failed to get device plugin options: {go_error(err)}") from None
             connected = True
             return Endpoint(path, channel, stub, options)
         finally:

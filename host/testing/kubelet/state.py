@@ -90,6 +90,7 @@ class ResourceState:
     snapshots: int = 0
     last_snapshot_at: float = 0.0
     registered_at: float = 0.0
+    live_at: float = 0.0  # time.monotonic() of the current registration's first snapshot
     stopped_at: Optional[float] = None
     last_error: Optional[str] = None  # why the last stream ended
     current: Optional[Endpoint] = field(default=None, repr=False)
@@ -126,6 +127,8 @@ class ResourceState:
         self.devices = {d.ID: d for d in self.snapshot}
         self.snapshots += 1
         self.last_snapshot_at = time.monotonic()
+        if not self.live:
+            self.live_at = self.last_snapshot_at
         self.live = True
 
     def attach(self, request: api.RegisterRequest, endpoint: Endpoint) -> Optional[Endpoint]:

@@ -1,0 +1,34 @@
+"""The names of the host's unix sockets, and the longest one it can ever create.
+
+grpcio refuses to bind unix socket paths of 106 and 107 bytes (facts §8), although sun_path
+holds 107 plus the NUL. Every name is bounded (readable prefix cut, fixed-size hash, token and
+generation field), so config validation can check ``plugin_dir`` once, at start, against the
+longest path the host will bind, instead of a resource that never binds and retries forever.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+#: The longest unix socket path grpcio binds (bytes).
+GRPC_MAX_SOCKET_PATH = 105
+READABLE_MAX = 20
+TOKEN_MAX = 10  # pid (pid_max <= 2**22: at most 6 hex digits) + 4 random hex digits
+GENERATION_WRAP = 1_000_000  # the generation field is 6 digits; old sockets never live that long
+
+
+def socket_file_name(resource: str, token: str, generation: int) -> str:
+    """A bare, unique, short socket file name: readable prefix, hash for uniqueness."""
+    digest = hashlib.sha1(resource.encode()).hexdigest()[:8]
+    readable = re.sub(r"[^A-Za-z0-9]+", "-", resource).strip("-")[:READABLE_MAX]
+    return f"dph-{readable}-{digest}-{token[:TOKEN_MAX]}-{generation % GENERATION_WRAP:06d}.sock"
+
+
+#: The longest name socket_file_name can return.
+MAX_SOCKET_NAME = len(socket_file_name("x" * READABLE_MAX, "f" * TOKEN_MAX, GENERATION_WRAP - 1))
+
+
+def longest_socket_path(plugin_dir: str) -> int:
+    """Bytes of the longest socket path the host binds in ``plugin_dir``."""
+    return len(plugin_dir.rstrip("/").encode("utf-8")) + 1 + MAX_SOCKET_NAME
