@@ -333,3 +333,65 @@ def test_too_many_requests_waits_the_servers_retry_after(run):
 
 def publisher_error_kinds(api):
     return [(m, code) for m, _p, code in api.request_log if m != "GET"][-2:]
+
+
+def test_slices_deleted_by_the_kubelet_after_our_republish_come_back(run):
+    # The kubelet's start-up wipe runs in the background with retries (Node GET first, backoff
+    # from 1 s: DRAPluginManager.wipeResourceSlices), so it can land after our registration
+    # already republished: nothing else would make us publish again until a device changes.
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 5
+            while api.watches == 0 and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            assert api.delete_slices_of_node(NODE) == 1
+            ok = await loop.run_in_executor(
+                None, lambda: api.wait_for(lambda a: len(a.devices(DRIVER, NODE)) == 2, 5))
+            return ok
+
+        assert run(publishing(api, [gpu(0), gpu(1)], body))
+
+
+def test_our_own_deletes_cost_no_extra_requests_and_a_broken_watch_resumes(run):
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            api.reset_counters()
+            publisher.set_pool(DRIVER, POOL, [gpu(i) for i in range(10)])  # 130 -> 1 slice
+            assert await publisher.wait_synced()
+            await asyncio.sleep(0.2)  # the DELETED event of our own delete has arrived
+            assert publisher.republished_after_delete == 0
+            assert [m for m, _p, _c in api.request_log] == ["PUT", "DELETE"]
+            # An outage cuts the watch; a wipe while we are away is seen after it resumes.
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, api.stop)
+            api.delete_slices_of_node(NODE)
+            await loop.run_in_executor(None, api.start)
+            ok = await loop.run_in_executor(
+                None, lambda: api.wait_for(lambda a: len(a.devices(DRIVER, NODE)) == 10, 10))
+            return ok
+
+        assert run(publishing(api, [gpu(i) for i in range(130)], body))
+
+
+def test_an_expired_watch_reads_every_pool_again(run):
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, api.stop)
+            api.delete_slices_of_node(NODE)
+            api.compact()  # the deletion's event is gone from the watch cache: 410 on resume
+            await loop.run_in_executor(None, api.start)
+            return await loop.run_in_executor(
+                None, lambda: api.wait_for(lambda a: len(a.devices(DRIVER, NODE)) == 1, 10))
+
+        assert run(publishing(api, [gpu(0)], body))
