@@ -106,6 +106,7 @@ class DraKubeletSimulator:
         call_timeout_s: float = CALL_TIMEOUT_S,
         kube: Optional[Any] = None,
         wiping_delay_s: float = WIPING_DELAY_S,
+        startup_wipe_delay_s: Optional[float] = None,
     ) -> None:
         self.registry_dir = registry_dir
         self.plugins_dir = plugins_dir
@@ -118,6 +119,11 @@ class DraKubeletSimulator:
         # its last plugin is gone (cancelled when one registers again).
         self._kube = kube
         self.wiping_delay_s = wiping_delay_s
+        # None: the start-up wipe is done before the plugin watcher starts. A number: as the
+        # real DRAPluginManager does it, in the background after that long (its Node GET and
+        # backoff from 1 s), racing the plugins' registration.
+        self.startup_wipe_delay_s = startup_wipe_delay_s
+        self._startup_wipe: Optional[asyncio.Task] = None
         self._wipes: Dict[str, asyncio.Task] = {}
         self.wiped_drivers: List[str] = []
         self.claims: Dict[str, ClaimInfo] = {}
@@ -136,11 +142,21 @@ class DraKubeletSimulator:
         self._health_tasks: Dict[str, asyncio.Task] = {}
 
     # -- lifecycle -----------------------------------------------------------------------
+    async def _wipe_node(self, delay_s: float = 0.0) -> None:
+        if delay_s:
+            await asyncio.sleep(delay_s)
+        assert self._wipe_slices is not None
+        result = self._wipe_slices(self.node_name)
+        if asyncio.iscoroutine(result):
+            await result
+
     async def start(self) -> None:
         if self._wipe_slices is not None:
-            result = self._wipe_slices(self.node_name)
-            if asyncio.iscoroutine(result):
-                await result
+            if self.startup_wipe_delay_s is None:
+                await self._wipe_node()
+            else:
+                self._startup_wipe = asyncio.get_running_loop().create_task(
+                    self._wipe_node(self.startup_wipe_delay_s), name="kubelet start-up wipe")
         self.watcher = PluginWatcher(self.registry_dir,
                                      get_info_timeout_s=self.get_info_timeout_s,
                                      on_register=self._registered,
@@ -154,6 +170,9 @@ class DraKubeletSimulator:
         health, self._health_tasks = list(self._health_tasks.values()), {}
         health += list(self._wipes.values())
         self._wipes.clear()
+        if self._startup_wipe is not None:
+            health.append(self._startup_wipe)
+            self._startup_wipe = None
         for task in health:
             task.cancel()
         await asyncio.gather(*health, return_exceptions=True)
