@@ -436,7 +436,8 @@ class ApiServerStandIn:
                 if self.latency_s:
                     await asyncio.sleep(self.latency_s)
                 if self._is_watch(method, target):
-                    await self._serve_watch(target, headers.get("authorization", ""), writer)
+                    await self._serve_watch(target, headers.get("authorization", ""), reader,
+                                            writer)
                     return  # the real server ends a watch by closing its response
                 status, payload = self._handle(method, target, body,
                                                headers.get("authorization", ""))
@@ -569,7 +570,7 @@ class ApiServerStandIn:
             f"{RESOURCE_PREFIX}/resourceslices" and query.get("watch") in ("1", "true")
 
     async def _serve_watch(self, target: str, authorization: str,
-                           writer: asyncio.StreamWriter) -> None:
+                           reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A ResourceSlice watch as the real server streams it: chunked JSON lines of
         {"type", "object"}; from ``resourceVersion`` (events after it) or, without one, the
         matching objects as ADDED first; ended by the server after ``timeoutSeconds``."""
@@ -614,6 +615,7 @@ class ApiServerStandIn:
                      b"Transfer-Encoding: chunked\r\n\r\n")
         waker = asyncio.Event()
         self._watch_wakers.add(waker)
+        gone = asyncio.ensure_future(reader.read())  # the client closed (or was cut off)
         deadline = time.monotonic() + float(query.get("timeoutSeconds") or 1800)
         try:
             with self._lock:
@@ -643,16 +645,18 @@ class ApiServerStandIn:
                 if fresh:
                     continue
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 or gone.done():
                     break
-                try:
-                    await asyncio.wait_for(waker.wait(), remaining)
-                except asyncio.TimeoutError:
-                    pass
-            writer.write(b"0\r\n\r\n")
-            await writer.drain()
+                woken = asyncio.ensure_future(waker.wait())
+                await asyncio.wait({woken, gone}, timeout=remaining,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                woken.cancel()
+            if not gone.done():
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
         finally:
             self._watch_wakers.discard(waker)
+            gone.cancel()
 
     # -- handlers (called with the lock held) -------------------------------------------------
 
