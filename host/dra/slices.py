@@ -101,7 +101,15 @@ def device_attributes(device: Device) -> Dict[str, Dict[str, Any]]:
 
 
 def _quantity(size: int) -> str:
-    for suffix, scale in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
+    """``size`` bytes as the API server stores it (resource.Quantity's canonical form), so a
+    slice read back compares equal to the one we would write: binary suffixes when the size
+    is a whole number of KiB, else decimal ones ("16000000000" is stored as "16G")."""
+    for suffix, scale in (("Ei", 1 << 60), ("Pi", 1 << 50), ("Ti", 1 << 40), ("Gi", 1 << 30),
+                          ("Mi", 1 << 20), ("Ki", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale}{suffix}"
+    for suffix, scale in (("E", 10 ** 18), ("P", 10 ** 15), ("T", 10 ** 12), ("G", 10 ** 9),
+                          ("M", 10 ** 6), ("k", 10 ** 3)):
         if size >= scale and size % scale == 0:
             return f"{size // scale}{suffix}"
     return str(size)

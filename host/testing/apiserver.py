@@ -58,6 +58,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from host.testing.resource_validation import (
     DecodeError,
     FieldError,
+    canonicalize_quantities,
     resource_slice_errors,
 )
 
@@ -724,6 +725,7 @@ class ApiServerStandIn:
         errors = resource_slice_errors(obj)
         if errors:
             return _invalid(meta.get("name") or meta.get("generateName") or "", errors)
+        canonicalize_quantities(obj)  # decoded into resource.Quantity, stored canonical
         name = meta["name"]
         if name in self._state.slices:
             return 409, status_body(409, "AlreadyExists",
@@ -757,6 +759,7 @@ class ApiServerStandIn:
         errors = resource_slice_errors(obj, old)
         if errors:
             return _invalid(name, errors)
+        canonicalize_quantities(obj)
         for key in ("uid", "creationTimestamp"):
             meta[key] = old["metadata"][key]
         obj["kind"], obj["apiVersion"] = "ResourceSlice", f"{GROUP}/v1"

@@ -4,6 +4,7 @@ attributes read back, 300 devices in 3 slices, hot-plug, health, outages, 422 an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import pytest
@@ -395,3 +396,24 @@ def test_an_expired_watch_reads_every_pool_again(run):
                 None, lambda: api.wait_for(lambda a: len(a.devices(DRIVER, NODE)) == 1, 10))
 
         assert run(publishing(api, [gpu(0)], body))
+
+
+def test_a_decimal_memory_size_is_written_as_the_server_stores_it(run):
+    # resource.Quantity decodes "5000000000" and stores "5G": a capacity written in another
+    # form never compares equal to what we read back, and every rescan would rewrite the pool
+    # with a new generation.
+    decimal = dataclasses.replace(gpu(0), attributes=dict(gpu(0).attributes,
+                                                          memory_bytes=str(5 * 10 ** 9)))
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            api.reset_counters()
+            publisher.set_pool(DRIVER, POOL, [decimal])
+            assert await publisher.wait_synced()
+
+        run(publishing(api, [decimal], body))
+        assert sum(api.requests.values()) == 0
+        [device] = api.devices(DRIVER, NODE).values()
+        assert device["capacity"] == {"memory": {"value": "5G"}}
