@@ -136,6 +136,10 @@ class DraKubeletSimulator:
         # DRAResourceHealth (ResourceHealthStatus on, the 1.36 default): per driver, per
         # "pool/device"; the stream errors the kubelet would log every 5 s.
         self.watch_health = True
+        # Newer DRA plugin managers (pickHealthService) open the health stream only for a
+        # plugin that lists the health service ("v1alpha1.DRAResourceHealth") among its
+        # supported_versions; 1.36.2 opens it for every plugin.
+        self.health_requires_advertised = False
         self.device_health: Dict[str, Dict[str, DeviceHealth]] = {}
         self.health_errors: List[str] = []
         self.health_messages = 0
@@ -232,7 +236,8 @@ class DraKubeletSimulator:
                 # grpc.NewClient + Connect(): created once, connects on demand.
                 self._channels[plugin.endpoint] = grpc.aio.insecure_channel(
                     f"unix://{plugin.endpoint}", options=[("grpc.enable_http_proxy", 0)])
-            if self.watch_health:
+            advertised = DRA_HEALTH_SERVICE in plugin.supported
+            if self.watch_health and (advertised or not self.health_requires_advertised):
                 old = self._health_tasks.pop(plugin.name, None)
                 if old is not None:
                     old.cancel()
