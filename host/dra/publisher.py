@@ -240,6 +240,10 @@ class SlicePublisher:
                 return
             state.observed = None
             state.version += 1
+            # The garbage collector deletes slices whose Node owner is gone (a Node deleted
+            # and registered again has a new UID): read the Node again, or the next slices
+            # would carry the dead UID and be collected again, over and over.
+            self._node_uid = None
         self.republished_after_delete += 1
         log.info("DRA: ResourceSlice %s of pool %s was deleted by someone else; publishing it "
                  "again", meta.get("name"), key[1])

@@ -417,3 +417,29 @@ def test_a_decimal_memory_size_is_written_as_the_server_stores_it(run):
         assert sum(api.requests.values()) == 0
         [device] = api.devices(DRIVER, NODE).values()
         assert device["capacity"] == {"memory": {"value": "5G"}}
+
+
+def test_slices_collected_with_a_replaced_node_come_back_owned_by_the_new_one(run):
+    # A Node deleted and registered again gets a new UID; the garbage collector deletes the
+    # slices owned by the old one. Republished with the cached old UID they would be
+    # collected again, forever.
+    with ApiServerStandIn() as api:
+        old = api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            new = api.add_node(NODE)
+            assert new["metadata"]["uid"] != old["metadata"]["uid"]
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 5
+            while api.watches == 0 and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            api.delete_slices_of_node(NODE)  # what the garbage collector does
+            ok = await loop.run_in_executor(
+                None, lambda: api.wait_for(lambda a: len(a.resource_slices(DRIVER, NODE)), 5))
+            return ok, new["metadata"]["uid"]
+
+        ok, uid = run(publishing(api, [gpu(0)], body))
+        assert ok
+        [piece] = api.resource_slices(DRIVER, NODE)
+        assert piece["metadata"]["ownerReferences"][0]["uid"] == uid
