@@ -203,10 +203,11 @@ class SlicePublisher:
         events in between are lost, so every pool is read again."""
         version: Optional[str] = None
         backoff = BACKOFF_MIN_S
+        warned = False
         while True:
             try:
                 async for event in self.client.watch_node_slices(self.node_name, version):
-                    backoff = BACKOFF_MIN_S
+                    backoff, warned = BACKOFF_MIN_S, False
                     obj = event.get("object") or {}
                     seen = (obj.get("metadata") or {}).get("resourceVersion")
                     if seen:
@@ -221,6 +222,14 @@ class SlicePublisher:
                     self._deleted_uids.clear()
                     self.republish()
                     continue
+                refused = 400 <= err.status < 500 and err.status != 429
+                if refused and not warned:
+                    # 403: the account may not watch resourceslices (RBAC of an older
+                    # overlay, a kubeconfig user); slices deleted by others then stay gone.
+                    warned = True
+                    log.warning("DRA: cannot watch ResourceSlices (%s %s: %s); slices deleted "
+                                "by others are not published again until this works",
+                                err.status, err.reason, err.message)
                 log.debug("DRA: ResourceSlice watch failed (%s); again in %.2f s", err,
                           backoff)
                 await asyncio.sleep(backoff * random.uniform(0.8, 1.2))

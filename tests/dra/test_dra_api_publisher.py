@@ -443,3 +443,23 @@ def test_slices_collected_with_a_replaced_node_come_back_owned_by_the_new_one(ru
         assert ok
         [piece] = api.resource_slices(DRIVER, NODE)
         assert piece["metadata"]["ownerReferences"][0]["uid"] == uid
+
+
+def test_a_refused_watch_is_said_once(run, caplog):
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+        api.fail_next(403, count=3, verbs={"watch"}, reason="Forbidden",
+                      message='resourceslices.resource.k8s.io is forbidden: cannot "watch"')
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 5
+            while api.watches < 4 and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            return api.watches
+
+        with caplog.at_level(logging.WARNING, logger="host.dra.publisher"):
+            assert run(publishing(api, [gpu(0)], body)) >= 4
+        said = [r for r in caplog.records if "cannot watch ResourceSlices" in r.getMessage()]
+        assert len(said) == 1 and "forbidden" in said[0].getMessage()
