@@ -720,7 +720,8 @@ class ApiServerStandIn:
             return _bad_request("resourceVersion should not be set on objects to be created")
         if not meta.get("name") and meta.get("generateName"):
             suffix = "".join(random.choice(_GENERATE_CHARS) for _ in range(5))
-            meta["name"] = meta["generateName"][: 253 - 5] + suffix
+            # names.SimpleNameGenerator: the base is cut to 63 - 5 characters first
+            meta["name"] = meta["generateName"][: 63 - 5] + suffix
         self._drop_disabled(obj, None)
         errors = resource_slice_errors(obj)
         if errors:

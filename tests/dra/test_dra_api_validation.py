@@ -191,3 +191,14 @@ def test_field_selectors():
         assert [i["metadata"]["name"] for i in body["items"]] == ["s-n2"]
         _status, body = _request(api, "GET", f"{SLICES}?fieldSelector=spec.nodeName!%3Dn2")
         assert [i["metadata"]["name"] for i in body["items"]] == ["s-n1"]
+
+
+def test_generate_name_is_cut_to_58_characters_as_upstream_does():
+    # apiserver/pkg/storage/names: maxGeneratedNameLength = 63 - 5, whatever the resource.
+    with ApiServerStandIn() as api:
+        obj = good()
+        obj["metadata"] = {"generateName": "n" * 100 + "-"}
+        status, created = _request(api, "POST", SLICES, obj)
+        assert status == 201
+        assert created["metadata"]["name"].startswith("n" * 58)
+        assert len(created["metadata"]["name"]) == 63
