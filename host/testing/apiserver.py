@@ -764,14 +764,15 @@ class ApiServerStandIn:
         for key in ("uid", "creationTimestamp"):
             meta[key] = old["metadata"][key]
         obj["kind"], obj["apiVersion"] = "ResourceSlice", f"{GROUP}/v1"
-        if obj.get("spec") != old.get("spec"):
-            meta["generation"] = old["metadata"].get("generation", 1) + 1
+        # Only a spec change bumps metadata.generation (PrepareForUpdate); any change, the
+        # metadata's too (labels, owner references), is a write with a new resourceVersion.
+        spec_changed = obj.get("spec") != old.get("spec")
+        meta["generation"] = old["metadata"].get("generation", 1) + (1 if spec_changed else 0)
+        meta["resourceVersion"] = old["metadata"]["resourceVersion"]
+        if obj != old:
             meta["resourceVersion"] = self._bump()
             self._event("MODIFIED", obj)
-        else:
-            # A no-op update writes nothing and keeps the resourceVersion, as the real one.
-            meta["generation"] = old["metadata"].get("generation", 1)
-            meta["resourceVersion"] = old["metadata"]["resourceVersion"]
+        # else: a no-op update writes nothing and keeps the resourceVersion, as the real one.
         self._state.slices[name] = obj
         return 200, copy.deepcopy(obj)
 
