@@ -216,7 +216,9 @@ def label_name_errors(key: str, field: str) -> List[FieldError]:
 def _attribute_errors(value: Dict[str, Any], field: str) -> List[FieldError]:
     errs: List[FieldError] = []
     present = [k for k in ("int", "bool", "string", "version") if value.get(k) is not None]
-    if "string" in present and len(value["string"]) > ATTRIBUTE_VALUE_MAX:
+    # Go's len: bytes of the UTF-8 text, not characters.
+    if "string" in present and len(value["string"].encode("utf-8", "surrogatepass")) > \
+            ATTRIBUTE_VALUE_MAX:
         errs.append(_too_long(f"{field}.string", ATTRIBUTE_VALUE_MAX))
     if "version" in present:
         version = value["version"]
