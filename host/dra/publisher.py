@@ -425,7 +425,8 @@ class SlicePublisher:
         self._synced(key, state, version)
 
     async def _delete(self, state: _Pool, name: str, obj: Dict[str, Any]) -> None:
-        assert state.observed is not None
+        # state.observed may be dropped meanwhile (republish, a watched deletion): then the
+        # next reconcile reads the pool again, and there is nothing to forget here.
         uid = obj["metadata"].get("uid")
         if uid:
             self._deleted_uids.add(uid)
@@ -437,7 +438,8 @@ class SlicePublisher:
                 self._deleted_uids.discard(uid)  # still there: its deletion is not ours
             if err.status != 404:
                 raise
-        state.observed.pop(name, None)
+        if state.observed is not None:
+            state.observed.pop(name, None)
 
     @staticmethod
     def _taints_lost(sent: Dict[str, Any], stored: Dict[str, Any]) -> bool:

@@ -463,3 +463,28 @@ def test_a_refused_watch_is_said_once(run, caplog):
             assert run(publishing(api, [gpu(0)], body)) >= 4
         said = [r for r in caplog.records if "cannot watch ResourceSlices" in r.getMessage()]
         assert len(said) == 1 and "forbidden" in said[0].getMessage()
+
+
+def test_a_republish_while_a_reconcile_deletes_slices_does_not_kill_the_publisher(run):
+    # republish() (a kubelet restart) or a watched deletion can drop the pool's view while a
+    # reconcile is between its update and its deletion of a slice no longer needed.
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+
+            def on_write(verb, obj):
+                if verb == "update":
+                    api.on_write = None
+                    publisher.republish()  # from the server's thread, as the hook runs
+
+            api.on_write = on_write
+            publisher.set_pool(DRIVER, POOL, [gpu(i) for i in range(10)])  # 2 slices -> 1
+            assert await publisher.wait_synced()
+            publisher.set_pool(DRIVER, POOL, [gpu(i) for i in range(11)])
+            assert await publisher.wait_synced()  # the owner task still runs
+
+        run(publishing(api, [gpu(i) for i in range(130)], body))
+        assert len(api.resource_slices(DRIVER, NODE)) == 1
+        assert len(api.devices(DRIVER, NODE)) == 11
