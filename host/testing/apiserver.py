@@ -188,6 +188,7 @@ class ApiServerStandIn:
         self._thread: Optional[threading.Thread] = None
         self._server: Optional[asyncio.AbstractServer] = None
         self._writers: Set[asyncio.StreamWriter] = set()
+        self._serving: Set[asyncio.Task] = set()  # one per open connection
         self._tmpdir = tempfile.mkdtemp(prefix="dph-apiserver-")
         self.kubeconfig_path = os.path.join(self._tmpdir, "kubeconfig")
         self.ca_path = os.path.join(self._tmpdir, "ca.crt")
@@ -291,6 +292,8 @@ class ApiServerStandIn:
             transport = writer.transport
             transport.abort()  # a dead process: RST, no graceful close
         self._writers.clear()
+        if self._serving:  # let each connection's task see its end before the loop stops
+            await asyncio.wait(set(self._serving), timeout=2)
         if server is not None:
             await server.wait_closed()
 
@@ -416,6 +419,10 @@ class ApiServerStandIn:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
+        task = asyncio.current_task()
+        if task is not None:
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
         try:
             while True:
                 line = await reader.readline()
@@ -658,6 +665,8 @@ class ApiServerStandIn:
         finally:
             self._watch_wakers.discard(waker)
             gone.cancel()
+            if gone.done() and not gone.cancelled():
+                gone.exception()  # a reset connection: retrieved, not reported as lost
 
     # -- handlers (called with the lock held) -------------------------------------------------
 
