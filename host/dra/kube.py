@@ -332,13 +332,6 @@ class KubeClient:
             params={"fieldSelector": f"spec.driver={driver},spec.nodeName={node_name}"})
         return list((result or {}).get("items") or [])
 
-    async def list_node_slices(self, node_name: str) -> Dict[str, Any]:
-        """The node's ResourceSlices as the List object (its metadata.resourceVersion is
-        where a watch of them starts)."""
-        result = await self._call("GET", f"{RESOURCE_API}/resourceslices",
-                                  params={"fieldSelector": f"spec.nodeName={node_name}"})
-        return result or {}
-
     async def watch_node_slices(self, node_name: str, resource_version: Optional[str],
                                 timeout_s: int = WATCH_TIMEOUT_S
                                 ) -> AsyncIterator[Dict[str, Any]]:
