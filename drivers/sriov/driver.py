@@ -222,6 +222,12 @@ class SriovDriver(Driver):
         "device_info_dir": (str,),
     }
 
+    def __init__(self) -> None:
+        super().__init__()
+        # Per resource, the problems logged by the last scan: a PF that is down is one line
+        # when it goes down, not one per VF on every scan (issue 11 item 16).
+        self._warned: Dict[str, frozenset] = {}
+
     # -- configuration -----------------------------------------------------------------
     def check_selectors(self, selectors: Mapping[str, object]) -> None:
         super().check_selectors(selectors)
@@ -292,6 +298,7 @@ class SriovDriver(Driver):
         qat_problems = {address: facts.problem(address) for address, facts in
                         inventory.qat.items()}
         out = []
+        problems: Dict[str, int] = {}  # problem -> how many VFs it takes down
         for record in inventory.vfs:
             pf_address = record.vf.pf.function.address
             qat = inventory.qat.get(pf_address)
@@ -314,8 +321,7 @@ class SriovDriver(Driver):
                     f"{','.join(record.vf.rdma_devices)} but no usable uverbs node"
                 )
             if problem:
-                # Logged here, not in scan: a VF no resource selects is nobody's problem.
-                log.warning("resource %s: %s; reported Unhealthy", resource.name, problem)
+                problems[problem] = problems.get(problem, 0) + 1
             out.append(
                 Device(
                     id=record.vf.function.address,
@@ -327,6 +333,15 @@ class SriovDriver(Driver):
                     attributes=record.attributes(qat),
                 )
             )
+        # Logged here, not in scan: a VF no resource selects is nobody's problem. A PF's own
+        # problem reads the same for each of its VFs: one line with the count.
+        warned = self._warned.get(resource.name, frozenset())
+        for problem, count in problems.items():
+            if problem not in warned:
+                many = f" ({count} VFs)" if count > 1 else ""
+                log.warning("resource %s: %s%s; reported Unhealthy", resource.name, problem,
+                            many)
+        self._warned[resource.name] = frozenset(problems)
         return out
 
     # -- allocation ------------------------------------------------------------------------
