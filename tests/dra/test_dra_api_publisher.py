@@ -393,9 +393,11 @@ def test_an_expired_watch_reads_every_pool_again(run):
             api.compact()  # the deletion's event is gone from the watch cache: 410 on resume
             await loop.run_in_executor(None, api.start)
             return await loop.run_in_executor(
-                None, lambda: api.wait_for(lambda a: len(a.devices(DRIVER, NODE)) == 1, 10))
+                # Beyond BACKOFF_MAX_S: a loaded machine can stretch the outage over several
+                # retries of the watch, and each waits longer (a deadline, not a sleep).
+                None, lambda: api.wait_for(lambda a: len(a.devices(DRIVER, NODE)) == 1, 40))
 
-        assert run(publishing(api, [gpu(0)], body))
+        assert run(publishing(api, [gpu(0)], body), timeout=60)
 
 
 def test_a_decimal_memory_size_is_written_as_the_server_stores_it(run):
