@@ -183,6 +183,10 @@ def _check_host_value(file: str, key: str, field_name: str, value: object) -> ob
         path = _check_path(file, key, field_name, value)
         if str(value).endswith("/"):
             raise ConfigError(file, key, f"must name a file, got {_show(value)}")
+        if os.path.isdir(str(path)):  # NFD's docs name the directory; a rename onto it fails
+            example = _show(str(path).rstrip("/") + "/device-plugin-host")
+            raise ConfigError(file, key, f"{_show(value)} is a directory: name the file NFD"
+                                         f" reads in it, such as {example}")
         return path
     if field_name == "node_name":
         return _check_node_name(file, key, value)
