@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import traceback
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
@@ -31,7 +30,7 @@ from host.isolation import DriverCalls
 from host.lock import HostLock, LockHeld, running_host
 from host.logs import setup_logging
 from host.model import Device, ResourceConfig
-from host.plugins import DriverRegistry, load_drivers
+from host.plugins import DriverRegistry, configured_drivers, load_drivers
 from host.protocol import POD_RESOURCES_SOCKET
 from host.reload import ConfigReloader, is_empty
 from host.systemd import Notifier
@@ -229,7 +228,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         if not args.json and os.path.isdir(args.dra_state_dir):
             _claims(args, quiet=True)
         return code
-    registry = load_drivers()
+    if args.command == "run":  # the configured drivers first; the others once serving
+        path = args.config or (DEFAULT_CONFIG_PATH if os.path.lexists(DEFAULT_CONFIG_PATH)
+                               else None)
+        registry = load_drivers(first=configured_drivers(path))
+    else:
+        registry = load_drivers()
     try:
         if args.command == "check-config":
             config = load_config(args.file, registry.with_unavailable())
@@ -362,6 +366,13 @@ async def _announce_ready(app: HostApp, notifier: Notifier, config: Config) -> N
         notifier.ready(f"serving; registration pending for {', '.join(pending)}")
 
 
+def _load_rest(registry: DriverRegistry, app: HostApp) -> None:
+    if registry.load_pending():
+        for name, driver in registry.with_unavailable().items():
+            app.drivers.setdefault(name, driver)
+            app.inventory.drivers.setdefault(name, driver)
+
+
 def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -> int:
     from host.app import HostApp
 
@@ -408,6 +419,10 @@ def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -
             await app.metrics.start(config.host.metrics_address)
             await app.start()
             reloader.start()
+            # The drivers no resource uses load once serving (a reload may name them; a broken
+            # package is still reported): a moment after all are registered, or in 5 s.
+            app.on_ready.append(lambda: loop.call_later(0.5, _load_rest, registry, app))
+            loop.call_later(5.0, _load_rest, registry, app)
             announce = loop.create_task(_announce_ready(app, notifier, config))
             await stop.wait()
             announce.cancel()
@@ -657,6 +672,8 @@ def _capture(args: argparse.Namespace) -> int:
         return 0
     # Written beside the target and renamed: a failed capture leaves no half file behind.
     directory = os.path.dirname(os.path.abspath(args.output))
+    import tempfile  # random, shutil and compressors: only for capture
+
     try:
         fd, temp = tempfile.mkstemp(dir=directory, prefix=".capture.", suffix=".tmp")
     except OSError as error:
