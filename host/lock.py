@@ -135,8 +135,9 @@ class HostLock:
             "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         data = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
-        os.ftruncate(fd, 0)
+        # Overwrite in place, then cut: never an empty file for a reader to find.
         os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
         self._fd = fd
 
     @property
@@ -149,15 +150,23 @@ class HostLock:
             self._fd = None
 
 
-def read_holder_file(path: str) -> Holder:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            record = json.loads(handle.read() or "{}")
-    except (OSError, ValueError):
-        record = {}
-    if not isinstance(record, dict):
-        record = {}
-    pid = record.get("pid")
+def read_holder_file(path: str, wait_s: float = 0.5) -> Holder:
+    """The lock file's record. Called by someone who just found the lock taken: the holder
+    takes the flock first and writes its record right after, so a record without a PID is
+    read again for up to ``wait_s`` before it is reported as unknown."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                record = json.loads(handle.read() or "{}")
+        except (OSError, ValueError):
+            record = {}
+        if not isinstance(record, dict):
+            record = {}
+        pid = record.get("pid")
+        if isinstance(pid, int) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
     return Holder(pid=pid if isinstance(pid, int) else None,
                   how=str(record.get("how") or "an unknown way"),
                   since=str(record.get("since") or ""))
