@@ -24,7 +24,7 @@ _PCI_ROOT = re.compile(r"pci[0-9a-f]{4,8}:[0-9a-f]{2}\Z")  # VMD domains have 5 
 def pcie_root(path: str) -> Optional[str]:
     """The root complex a canonical /sys/devices path hangs under, or None (not PCI-rooted)."""
     for part in path.split("/"):
-        if _PCI_ROOT.match(part):
+        if part[:3] == "pci" and _PCI_ROOT.match(part):  # the regex only for candidates
             return part
     return None
 
