@@ -83,10 +83,7 @@ class HostFS:
         return True
 
     def is_dir(self, host_path: str) -> bool:
-        try:
-            return _S_ISDIR(_stat(self._prefix + host_path).st_mode)
-        except (OSError, ValueError):
-            return False
+        return _is_dir(self._prefix + host_path)
 
     def listdir(self, host_path: str) -> List[str]:
         """Sorted entry names; empty when the directory is missing or unreadable."""
@@ -136,7 +133,7 @@ class HostFS:
         if target is None or target.startswith("/"):
             return None
         candidate = _join_up(host_path, target)
-        if candidate.startswith("/sys/devices/") and self.is_dir(candidate):
+        if candidate.startswith("/sys/devices/") and _is_dir(self._prefix + candidate):
             return candidate
         return None
 
@@ -206,6 +203,14 @@ def is_pci_address(name: str) -> bool:
     except ValueError:
         return False
     return len(domain) >= 4 and len(bus) == 2 and len(slot) == 2 and len(func) == 1
+
+
+def _is_dir(real_path: str) -> bool:
+    """os.path.isdir without its extra frame."""
+    try:
+        return _S_ISDIR(_stat(real_path).st_mode)
+    except (OSError, ValueError):
+        return False
 
 
 def _join_up(host_path: str, target: str) -> str:

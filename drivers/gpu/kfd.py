@@ -144,12 +144,10 @@ def read_topology(host: HostFS, gpus: AbstractSet[str] = frozenset()) -> List[Kf
         text = host.read(f"{base}/properties")
         if not text:
             continue
-        fields = parse_properties(text)
-        if not _int(fields, "simd_count") or _int(fields, "cpu_cores_count"):
+        simd, cpus, location, domain, render = _node_values(text)
+        if not simd or cpus:
             continue  # a CPU node (APUs have both; their GPU is not a partition case)
-        location = _int(fields, "location_id")
-        domain = _int(fields, "domain") or 0
-        render = _int(fields, "drm_render_minor")
+        domain = domain or 0
         if location is None or not render or render < 0:
             continue
         address, partition = _owner(*pci_address(domain, location), gpus)
@@ -168,6 +166,34 @@ def read_topology(host: HostFS, gpus: AbstractSet[str] = frozenset()) -> List[Kf
     return out
 
 
+_NODE_KEYS = ("simd_count", "cpu_cores_count", "location_id", "domain", "drm_render_minor")
+_NODE_NEEDLES = tuple(f"\n{key} " for key in _NODE_KEYS)
+
+
+def _node_values(text: str) -> List[Optional[int]]:
+    """simd_count, cpu_cores_count, location_id, domain and drm_render_minor of a node's
+    ``properties`` (None where missing or not a number), as parse_properties + int would
+    give them. node_show's own layout (kfd_topology.c: "cpu_cores_count" first, then one
+    "<key> <value>" a line, each key once) is searched for the five keys instead of split
+    into a dict of ~40 (66 such files on an MI300X node in CPX); anything else is parsed."""
+    if not text.startswith("cpu_cores_count "):
+        fields = parse_properties(text)
+        return [_int(fields, key) for key in _NODE_KEYS]
+    lined = f"\n{text}\n"
+    out: List[Optional[int]] = []
+    for needle in _NODE_NEEDLES:
+        start = lined.find(needle)
+        if start < 0:
+            out.append(None)
+            continue
+        start += len(needle)
+        try:
+            out.append(int(lined[start:lined.index("\n", start)], 0))
+        except ValueError:
+            out.append(None)
+    return out
+
+
 def _xgmi_links(host: HostFS, base: str) -> Tuple[Tuple[int, int], ...]:
     links = []
     folder = f"{base}/io_links/"
@@ -182,8 +208,13 @@ def _xgmi_links(host: HostFS, base: str) -> Tuple[Tuple[int, int], ...]:
             if text.startswith("type "):
                 if not text.startswith(_XGMI_TYPE):
                     continue  # PCIe to the CPU, or another kind: says nothing about peers
-                to = _value_after(text, "\nnode_to ")
-                weight = _value_after(text, "\nweight ")
+                # node_to and weight are the 5th and 6th lines: one split finds them.
+                lines = text.split("\n", 6)
+                if len(lines) > 5 and lines[4][:8] == "node_to " and lines[5][:7] == "weight ":
+                    to, weight = int(lines[4][8:]), int(lines[5][7:])
+                else:
+                    to = _value_after(text, "\nnode_to ")
+                    weight = _value_after(text, "\nweight ")
             else:
                 fields = parse_properties(text)
                 if int(fields["type"]) != IOLINK_XGMI:
