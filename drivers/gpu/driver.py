@@ -47,7 +47,7 @@ import functools
 import logging
 import re
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from drivers.gpu import amd
 from drivers.gpu.drm import drm_nodes
@@ -114,8 +114,7 @@ NO_NVML = NvmlView(False, "not needed: no NVIDIA GPU bound to nvidia")
 MIG_SELECTORS = ("mig_profile", "mig_parent", "mig_gi", "mig_ci")
 
 
-@dataclass(frozen=True)
-class GpuEntry:
+class GpuEntry(NamedTuple):  # one per served device and scan: a tuple is cheapest to build
     function: PciFunction
     device: Device
     passthrough: bool
@@ -660,29 +659,34 @@ def _amd_devices(
     duplicates = amd.duplicate_indices(parts)
     count = len(parts)
     base["partition_count"] = str(count)
+    if vram:
+        base["memory_bytes"] = str(vram // count)  # the GPU's memory over its partitions
     out = []
     kfd_node = _node(KFD)
-    share = str(vram // count) if vram else None  # the GPU's memory over its partitions
-    for part in parts:  # kept tight: 64 of these per scan on an MI300X node in CPX
-        problems = list(shared)
-        nodes = [kfd_node]
-        attributes = dict(base)
-        attributes["partition_index"] = str(part.number)
-        attributes["drm_render"] = part.render
+    exists = host.exists
+    address, numa = fn.address, fn.numa_nodes
+    # Kept tight: 64 of these per scan on an MI300X node in CPX. A healthy partition (the
+    # common case) skips the problem list; the attributes keep base's key order.
+    for part in parts:
         render = "/dev/dri/" + part.render
-        nodes.append(_node(render))
-        if not host.exists(render):
-            problems.append(f"device node {render} missing")
-        if part.number in duplicates:
-            problems.append(f"KFD lists partition {part.number} {duplicates[part.number]} times")
-        if share is not None:
-            attributes["memory_bytes"] = share
+        attributes = {**base, "partition_index": str(part.number), "drm_render": part.render}
+        missing = not exists(render)
+        if missing or shared or part.number in duplicates:
+            problems = list(shared)
+            if missing:
+                problems.append(f"device node {render} missing")
+            if part.number in duplicates:
+                problems.append(
+                    f"KFD lists partition {part.number} {duplicates[part.number]} times")
+            health, reason = Health.UNHEALTHY, "; ".join(dict.fromkeys(problems))
+        else:
+            health, reason = Health.HEALTHY, ""
         out.append(Device(
-            id=amd.partition_id(fn.address, part.number),
-            health=Health.UNHEALTHY if problems else Health.HEALTHY,
-            health_reason="; ".join(dict.fromkeys(problems)),
-            numa_nodes=fn.numa_nodes,
-            device_nodes=tuple(nodes),
+            id=amd.partition_id(address, part.number),
+            health=health,
+            health_reason=reason,
+            numa_nodes=numa,
+            device_nodes=(kfd_node, _node(render)),
             attributes=attributes,
         ))
     return out

@@ -156,13 +156,8 @@ def read_topology(host: HostFS, gpus: AbstractSet[str] = frozenset()) -> List[Kf
         # node in CPX has 64 x 65 link files; this reads 8 x 65).
         first = address not in linked
         linked.add(address)
-        out.append(KfdNode(
-            node=int(name),
-            address=address,
-            partition=partition,
-            render_minor=render,
-            xgmi=_xgmi_links(host, base) if first else (),
-        ))
+        out.append(KfdNode(  # (node, address, partition, render_minor, xgmi)
+            int(name), address, partition, render, _xgmi_links(host, base) if first else ()))
     return out
 
 
@@ -195,32 +190,38 @@ def _node_values(text: str) -> List[Optional[int]]:
 
 
 def _xgmi_links(host: HostFS, base: str) -> Tuple[Tuple[int, int], ...]:
-    links = []
+    links: List[Tuple[int, int]] = []
+    append = links.append
     folder = f"{base}/io_links/"
     read = host.read
+    xgmi = _XGMI_TYPE[:-1]
     for link in host.listdir(folder[:-1]):
-        text = read(folder + link + "/properties") or ""
+        text = read(f"{folder}{link}/properties") or ""
         # An MI300X node has hundreds of these 13-line files and only two values of each
-        # matter, so iolink_show's own layout ("type" first, then version_major,
-        # version_minor, node_from, node_to, weight, ... one "<key> <value>" a line) is read
-        # with string searches; any other layout goes through the general parser.
+        # matter. iolink_show's own layout ("type" first, then version_major,
+        # version_minor, node_from, node_to, weight, ... one "<key> <value>" a line) has
+        # them on the 5th and 6th lines: one split finds them. Anything else goes the
+        # slower way below (string searches, or the general parser), with the same result.
+        lines = text.split("\n", 6)
+        if (lines[0] == xgmi and len(lines) > 5 and lines[4][:8] == "node_to "
+                and lines[5][:7] == "weight "):
+            try:
+                append((int(lines[4][8:]), int(lines[5][7:])))
+            except ValueError:  # not a number
+                pass
+            continue
         try:
             if text.startswith("type "):
                 if not text.startswith(_XGMI_TYPE):
                     continue  # PCIe to the CPU, or another kind: says nothing about peers
-                # node_to and weight are the 5th and 6th lines: one split finds them.
-                lines = text.split("\n", 6)
-                if len(lines) > 5 and lines[4][:8] == "node_to " and lines[5][:7] == "weight ":
-                    to, weight = int(lines[4][8:]), int(lines[5][7:])
-                else:
-                    to = _value_after(text, "\nnode_to ")
-                    weight = _value_after(text, "\nweight ")
+                to = _value_after(text, "\nnode_to ")
+                weight = _value_after(text, "\nweight ")
             else:
                 fields = parse_properties(text)
                 if int(fields["type"]) != IOLINK_XGMI:
                     continue
                 to, weight = int(fields["node_to"]), int(fields["weight"])
-            links.append((to, weight))
+            append((to, weight))
         except (KeyError, ValueError):  # a key missing or a value that is not a number
             continue
     return tuple(links)
@@ -241,10 +242,12 @@ def xgmi_peers(nodes: List[KfdNode]) -> Dict[str, set]:
     by_node = {n.node: n.address for n in nodes}
     peers: Dict[str, set] = {}
     for node in nodes:
-        for to, weight in node.xgmi:
-            if weight > XGMI_DIRECT_WEIGHT:
-                continue  # more than one hop
-            other = by_node.get(to)
-            if other is not None and other != node.address:
-                peers.setdefault(node.address, set()).add(other)
+        if not node.xgmi:
+            continue
+        # One hop only; a set per node, since one GPU's partitions repeat every peer GPU.
+        found = {by_node.get(to) for to, weight in node.xgmi if weight <= XGMI_DIRECT_WEIGHT}
+        found.discard(None)
+        found.discard(node.address)
+        if found:
+            peers.setdefault(node.address, set()).update(found)
     return peers
