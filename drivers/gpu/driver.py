@@ -609,10 +609,7 @@ def _drm_device(host: HostFS, fn: PciFunction, vendor: str, required: Sequence[s
     problems.extend(_missing(host, paths))
     mounts: List[Mount] = []
     if vendor == "amd":
-        for name in ("product_name", "unique_id"):
-            value = host.read(f"{fn.path}/{name}")
-            if value:
-                attributes[name] = value
+        _add_amd_identity(host, fn, attributes)
     else:
         for kind in ("card", "render"):
             link = f"/dev/dri/by-path/pci-{fn.address}-{kind}"
@@ -621,12 +618,28 @@ def _drm_device(host: HostFS, fn: PciFunction, vendor: str, required: Sequence[s
     return _device(fn, paths, problems, attributes, mounts=mounts)
 
 
+def _add_amd_identity(host: HostFS, fn: PciFunction, attributes: Dict[str, str]) -> None:
+    for name in ("product_name", "unique_id"):
+        value = host.read(f"{fn.path}/{name}")
+        if value:
+            attributes[name] = value
+
+
 def _amd_devices(
     host: HostFS, fn: PciFunction, kfd: Mapping[str, Sequence[KfdNode]], peers: set
 ) -> List[Device]:
     """The whole GPU, or its partitions when KFD lists more than one agent for it."""
     mode = amd.read_mode(host.read, fn.path)
-    whole = _drm_device(host, fn, "amd", required=(KFD,))
+    parts = amd.partitions_of(kfd.get(fn.address, ()))
+    if len(parts) <= 1:
+        whole: Optional[Device] = _drm_device(host, fn, "amd", required=(KFD,))
+        facts = whole.attributes
+    else:
+        # Served as its partitions: the GPU's own card/render nodes and their health are
+        # not handed out, so only its facts are read (what _drm_device would report).
+        whole = None
+        facts = {**fn.attributes(), "gpu_vendor": "amd"}
+        _add_amd_identity(host, fn, facts)
     extra: Dict[str, str] = {}
     if mode.name is not None:
         extra["partition_mode"] = mode.name
@@ -638,13 +651,12 @@ def _amd_devices(
     vram = host.read_int(f"{fn.path}/mem_info_vram_total", 10)
     if vram:
         extra["memory_bytes"] = str(vram)
-    if "product_name" in whole.attributes:
-        extra["product"] = whole.attributes["product_name"]
+    if "product_name" in facts:
+        extra["product"] = facts["product_name"]
     if peers:
         extra["xgmi_peers"] = ",".join(sorted(peers))
-    parts = amd.partitions_of(kfd.get(fn.address, ()))
-    if len(parts) <= 1:
-        device = replace(whole, attributes={**whole.attributes, **extra})
+    if whole is not None:
+        device = replace(whole, attributes={**facts, **extra})
         if mode.partitioned:
             found = "one KFD node" if parts else "no KFD topology node"
             return [_add_problem(device, (
@@ -654,8 +666,7 @@ def _amd_devices(
         return [device]
     # What every partition shares is worked out once: an MI300X node has 64 of them.
     shared = _driver_problems(host, fn) + _missing(host, [KFD])
-    base = {k: v for k, v in whole.attributes.items() if k not in ("drm_card", "drm_render")}
-    base.update(extra)
+    base = {**facts, **extra}
     duplicates = amd.duplicate_indices(parts)
     count = len(parts)
     base["partition_count"] = str(count)
