@@ -174,6 +174,18 @@ def _node_values(text: str) -> List[Optional[int]]:
     if not text.startswith("cpu_cores_count "):
         fields = parse_properties(text)
         return [_int(fields, key) for key in _NODE_KEYS]
+    # node_show prints simd_count second and location_id, domain, drm_render_minor one
+    # after the other: two splits and one search, when the file has that shape.
+    head = text.split("\n", 2)
+    at = text.find("\nlocation_id ")
+    if len(head) == 3 and head[1][:11] == "simd_count " and at > 0:
+        tail = text[at + 1:].split("\n", 3)
+        if len(tail) > 2 and tail[1][:7] == "domain " and tail[2][:17] == "drm_render_minor ":
+            try:
+                return [int(head[1][11:], 0), int(head[0][16:], 0), int(tail[0][12:], 0),
+                        int(tail[1][7:], 0), int(tail[2][17:], 0)]
+            except ValueError:
+                pass  # one of them is not a number: the search below says which
     lined = f"\n{text}\n"
     out: List[Optional[int]] = []
     for needle in _NODE_NEEDLES:
