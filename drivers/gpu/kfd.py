@@ -207,8 +207,9 @@ def _xgmi_links(host: HostFS, base: str) -> Tuple[Tuple[int, int], ...]:
     folder = f"{base}/io_links/"
     read = host.read
     xgmi = _XGMI_TYPE[:-1]
-    for link in host.listdir(folder[:-1]):
-        text = read(f"{folder}{link}/properties") or ""
+    texts = [read(f"{folder}{link}/properties") for link in host.listdir(folder[:-1])]
+    for text in texts:
+        text = text or ""
         # An MI300X node has hundreds of these 13-line files and only two values of each
         # matter. iolink_show's own layout ("type" first, then version_major,
         # version_minor, node_from, node_to, weight, ... one "<key> <value>" a line) has
