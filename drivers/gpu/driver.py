@@ -632,8 +632,9 @@ def _amd_devices(
     mode = amd.read_mode(host.read, fn.path)
     parts = amd.partitions_of(kfd.get(fn.address, ()))
     if len(parts) <= 1:
-        whole: Optional[Device] = _drm_device(host, fn, "amd", required=(KFD,))
-        facts = whole.attributes
+        own = _drm_device(host, fn, "amd", required=(KFD,))
+        whole: Optional[Device] = own
+        facts = own.attributes
     else:
         # Served as its partitions: the GPU's own card/render nodes and their health are
         # not handed out, so only its facts are read (what _drm_device would report).
