@@ -23,9 +23,17 @@ _PCI_ROOT = re.compile(r"pci[0-9a-f]{4,8}:[0-9a-f]{2}\Z")  # VMD domains have 5 
 
 def pcie_root(path: str) -> Optional[str]:
     """The root complex a canonical /sys/devices path hangs under, or None (not PCI-rooted)."""
-    for part in path.split("/"):
+    # Jump between "/pci" components (the root is the third of /sys/devices/pci...): this
+    # runs for every device of every select, and splitting the whole path was most of it.
+    if not path.startswith("/"):
+        path = "/" + path  # (a relative path's first component counts too)
+    start = path.find("/pci")
+    while start >= 0:
+        end = path.find("/", start + 1)
+        part = path[start + 1:] if end < 0 else path[start + 1:end]
         if _PCI_ROOT.match(part):
             return part
+        start = path.find("/pci", start + 1)
     return None
 
 

@@ -47,7 +47,7 @@ import functools
 import logging
 import re
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from drivers.gpu import amd
 from drivers.gpu.drm import drm_nodes
@@ -114,8 +114,7 @@ NO_NVML = NvmlView(False, "not needed: no NVIDIA GPU bound to nvidia")
 MIG_SELECTORS = ("mig_profile", "mig_parent", "mig_gi", "mig_ci")
 
 
-@dataclass(frozen=True)
-class GpuEntry:
+class GpuEntry(NamedTuple):  # one per served device and scan: a tuple is cheapest to build
     function: PciFunction
     device: Device
     passthrough: bool
@@ -610,10 +609,7 @@ def _drm_device(host: HostFS, fn: PciFunction, vendor: str, required: Sequence[s
     problems.extend(_missing(host, paths))
     mounts: List[Mount] = []
     if vendor == "amd":
-        for name in ("product_name", "unique_id"):
-            value = host.read(f"{fn.path}/{name}")
-            if value:
-                attributes[name] = value
+        _add_amd_identity(host, fn, attributes)
     else:
         for kind in ("card", "render"):
             link = f"/dev/dri/by-path/pci-{fn.address}-{kind}"
@@ -622,12 +618,29 @@ def _drm_device(host: HostFS, fn: PciFunction, vendor: str, required: Sequence[s
     return _device(fn, paths, problems, attributes, mounts=mounts)
 
 
+def _add_amd_identity(host: HostFS, fn: PciFunction, attributes: Dict[str, str]) -> None:
+    for name in ("product_name", "unique_id"):
+        value = host.read(f"{fn.path}/{name}")
+        if value:
+            attributes[name] = value
+
+
 def _amd_devices(
     host: HostFS, fn: PciFunction, kfd: Mapping[str, Sequence[KfdNode]], peers: set
 ) -> List[Device]:
     """The whole GPU, or its partitions when KFD lists more than one agent for it."""
     mode = amd.read_mode(host.read, fn.path)
-    whole = _drm_device(host, fn, "amd", required=(KFD,))
+    parts = amd.partitions_of(kfd.get(fn.address, ()))
+    if len(parts) <= 1:
+        own = _drm_device(host, fn, "amd", required=(KFD,))
+        whole: Optional[Device] = own
+        facts = own.attributes
+    else:
+        # Served as its partitions: the GPU's own card/render nodes and their health are
+        # not handed out, so only its facts are read (what _drm_device would report).
+        whole = None
+        facts = {**fn.attributes(), "gpu_vendor": "amd"}
+        _add_amd_identity(host, fn, facts)
     extra: Dict[str, str] = {}
     if mode.name is not None:
         extra["partition_mode"] = mode.name
@@ -639,13 +652,12 @@ def _amd_devices(
     vram = host.read_int(f"{fn.path}/mem_info_vram_total", 10)
     if vram:
         extra["memory_bytes"] = str(vram)
-    if "product_name" in whole.attributes:
-        extra["product"] = whole.attributes["product_name"]
+    if "product_name" in facts:
+        extra["product"] = facts["product_name"]
     if peers:
         extra["xgmi_peers"] = ",".join(sorted(peers))
-    parts = amd.partitions_of(kfd.get(fn.address, ()))
-    if len(parts) <= 1:
-        device = replace(whole, attributes={**whole.attributes, **extra})
+    if whole is not None:
+        device = replace(whole, attributes={**facts, **extra})
         if mode.partitioned:
             found = "one KFD node" if parts else "no KFD topology node"
             return [_add_problem(device, (
@@ -655,34 +667,38 @@ def _amd_devices(
         return [device]
     # What every partition shares is worked out once: an MI300X node has 64 of them.
     shared = _driver_problems(host, fn) + _missing(host, [KFD])
-    base = {k: v for k, v in whole.attributes.items() if k not in ("drm_card", "drm_render")}
-    base.update(extra)
+    base = {**facts, **extra}
     duplicates = amd.duplicate_indices(parts)
     count = len(parts)
     base["partition_count"] = str(count)
+    if vram:
+        base["memory_bytes"] = str(vram // count)  # the GPU's memory over its partitions
     out = []
     kfd_node = _node(KFD)
-    share = str(vram // count) if vram else None  # the GPU's memory over its partitions
-    for part in parts:  # kept tight: 64 of these per scan on an MI300X node in CPX
-        problems = list(shared)
-        nodes = [kfd_node]
-        attributes = dict(base)
-        attributes["partition_index"] = str(part.number)
-        attributes["drm_render"] = part.render
+    exists = host.exists
+    address, numa = fn.address, fn.numa_nodes
+    # Kept tight: 64 of these per scan on an MI300X node in CPX. A healthy partition (the
+    # common case) skips the problem list; the attributes keep base's key order.
+    for part in parts:
         render = "/dev/dri/" + part.render
-        nodes.append(_node(render))
-        if not host.exists(render):
-            problems.append(f"device node {render} missing")
-        if part.number in duplicates:
-            problems.append(f"KFD lists partition {part.number} {duplicates[part.number]} times")
-        if share is not None:
-            attributes["memory_bytes"] = share
+        attributes = {**base, "partition_index": str(part.number), "drm_render": part.render}
+        missing = not exists(render)
+        if missing or shared or part.number in duplicates:
+            problems = list(shared)
+            if missing:
+                problems.append(f"device node {render} missing")
+            if part.number in duplicates:
+                problems.append(
+                    f"KFD lists partition {part.number} {duplicates[part.number]} times")
+            health, reason = Health.UNHEALTHY, "; ".join(dict.fromkeys(problems))
+        else:
+            health, reason = Health.HEALTHY, ""
         out.append(Device(
-            id=amd.partition_id(fn.address, part.number),
-            health=Health.UNHEALTHY if problems else Health.HEALTHY,
-            health_reason="; ".join(dict.fromkeys(problems)),
-            numa_nodes=fn.numa_nodes,
-            device_nodes=tuple(nodes),
+            id=amd.partition_id(address, part.number),
+            health=health,
+            health_reason=reason,
+            numa_nodes=numa,
+            device_nodes=(kfd_node, _node(render)),
             attributes=attributes,
         ))
     return out

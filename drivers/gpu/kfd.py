@@ -144,12 +144,10 @@ def read_topology(host: HostFS, gpus: AbstractSet[str] = frozenset()) -> List[Kf
         text = host.read(f"{base}/properties")
         if not text:
             continue
-        fields = parse_properties(text)
-        if not _int(fields, "simd_count") or _int(fields, "cpu_cores_count"):
+        simd, cpus, location, domain, render = _node_values(text)
+        if not simd or cpus:
             continue  # a CPU node (APUs have both; their GPU is not a partition case)
-        location = _int(fields, "location_id")
-        domain = _int(fields, "domain") or 0
-        render = _int(fields, "drm_render_minor")
+        domain = domain or 0
         if location is None or not render or render < 0:
             continue
         address, partition = _owner(*pci_address(domain, location), gpus)
@@ -158,26 +156,73 @@ def read_topology(host: HostFS, gpus: AbstractSet[str] = frozenset()) -> List[Kf
         # node in CPX has 64 x 65 link files; this reads 8 x 65).
         first = address not in linked
         linked.add(address)
-        out.append(KfdNode(
-            node=int(name),
-            address=address,
-            partition=partition,
-            render_minor=render,
-            xgmi=_xgmi_links(host, base) if first else (),
-        ))
+        out.append(KfdNode(  # (node, address, partition, render_minor, xgmi)
+            int(name), address, partition, render, _xgmi_links(host, base) if first else ()))
+    return out
+
+
+_NODE_KEYS = ("simd_count", "cpu_cores_count", "location_id", "domain", "drm_render_minor")
+_NODE_NEEDLES = tuple(f"\n{key} " for key in _NODE_KEYS)
+
+
+def _node_values(text: str) -> List[Optional[int]]:
+    """simd_count, cpu_cores_count, location_id, domain and drm_render_minor of a node's
+    ``properties`` (None where missing or not a number), as parse_properties + int would
+    give them. node_show's own layout (kfd_topology.c: "cpu_cores_count" first, then one
+    "<key> <value>" a line, each key once) is searched for the five keys instead of split
+    into a dict of ~40 (66 such files on an MI300X node in CPX); anything else is parsed."""
+    if not text.startswith("cpu_cores_count "):
+        fields = parse_properties(text)
+        return [_int(fields, key) for key in _NODE_KEYS]
+    # node_show prints simd_count second and location_id, domain, drm_render_minor one
+    # after the other: two splits and one search, when the file has that shape.
+    head = text.split("\n", 2)
+    at = text.find("\nlocation_id ")
+    if len(head) == 3 and head[1][:11] == "simd_count " and at > 0:
+        tail = text[at + 1:].split("\n", 3)
+        if len(tail) > 2 and tail[1][:7] == "domain " and tail[2][:17] == "drm_render_minor ":
+            try:
+                return [int(head[1][11:], 0), int(head[0][16:], 0), int(tail[0][12:], 0),
+                        int(tail[1][7:], 0), int(tail[2][17:], 0)]
+            except ValueError:
+                pass  # one of them is not a number: the search below says which
+    lined = f"\n{text}\n"
+    out: List[Optional[int]] = []
+    for needle in _NODE_NEEDLES:
+        start = lined.find(needle)
+        if start < 0:
+            out.append(None)
+            continue
+        start += len(needle)
+        try:
+            out.append(int(lined[start:lined.index("\n", start)], 0))
+        except ValueError:
+            out.append(None)
     return out
 
 
 def _xgmi_links(host: HostFS, base: str) -> Tuple[Tuple[int, int], ...]:
-    links = []
+    links: List[Tuple[int, int]] = []
+    append = links.append
     folder = f"{base}/io_links/"
     read = host.read
-    for link in host.listdir(folder[:-1]):
-        text = read(folder + link + "/properties") or ""
+    xgmi = _XGMI_TYPE[:-1]
+    texts = [read(f"{folder}{link}/properties") for link in host.listdir(folder[:-1])]
+    for text in texts:
+        text = text or ""
         # An MI300X node has hundreds of these 13-line files and only two values of each
-        # matter, so iolink_show's own layout ("type" first, then version_major,
-        # version_minor, node_from, node_to, weight, ... one "<key> <value>" a line) is read
-        # with string searches; any other layout goes through the general parser.
+        # matter. iolink_show's own layout ("type" first, then version_major,
+        # version_minor, node_from, node_to, weight, ... one "<key> <value>" a line) has
+        # them on the 5th and 6th lines: one split finds them. Anything else goes the
+        # slower way below (string searches, or the general parser), with the same result.
+        lines = text.split("\n", 6)
+        if (lines[0] == xgmi and len(lines) > 5 and lines[4][:8] == "node_to "
+                and lines[5][:7] == "weight "):
+            try:
+                append((int(lines[4][8:]), int(lines[5][7:])))
+            except ValueError:  # not a number
+                pass
+            continue
         try:
             if text.startswith("type "):
                 if not text.startswith(_XGMI_TYPE):
@@ -189,7 +234,7 @@ def _xgmi_links(host: HostFS, base: str) -> Tuple[Tuple[int, int], ...]:
                 if int(fields["type"]) != IOLINK_XGMI:
                     continue
                 to, weight = int(fields["node_to"]), int(fields["weight"])
-            links.append((to, weight))
+            append((to, weight))
         except (KeyError, ValueError):  # a key missing or a value that is not a number
             continue
     return tuple(links)
@@ -210,10 +255,12 @@ def xgmi_peers(nodes: List[KfdNode]) -> Dict[str, set]:
     by_node = {n.node: n.address for n in nodes}
     peers: Dict[str, set] = {}
     for node in nodes:
-        for to, weight in node.xgmi:
-            if weight > XGMI_DIRECT_WEIGHT:
-                continue  # more than one hop
-            other = by_node.get(to)
-            if other is not None and other != node.address:
-                peers.setdefault(node.address, set()).add(other)
+        if not node.xgmi:
+            continue
+        # One hop only; a set per node, since one GPU's partitions repeat every peer GPU.
+        found = {by_node.get(to) for to, weight in node.xgmi if weight <= XGMI_DIRECT_WEIGHT}
+        found.discard(None)
+        found.discard(node.address)
+        if found:
+            peers.setdefault(node.address, set()).update(found)
     return peers

@@ -26,6 +26,7 @@ can make, and a catch-all pool would hand out VFs another pool or the host itsel
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -128,6 +129,13 @@ class SriovInventory:
     qat: Mapping[str, QatPf] = field(default_factory=dict)  # per QAT PF address
 
 
+@functools.lru_cache(maxsize=8192)
+def _node(path: str) -> DeviceNode:
+    """DeviceNodes are immutable: one per path serves every VF and scan (each vfio VF lists
+    /dev/vfio/vfio; building one checks its permissions every time)."""
+    return DeviceNode(path)
+
+
 def _vfio(host: HostFS, vf: VirtualFunction) -> Tuple[List[DeviceNode], List[str]]:
     group = vf.function.iommu_group
     if group is None:
@@ -141,7 +149,7 @@ def _vfio(host: HostFS, vf: VirtualFunction) -> Tuple[List[DeviceNode], List[str
         group_node = f"/dev/vfio/noiommu-{group}"  # vfio's no-IOMMU mode names it so
     for path in (VFIO_CONTAINER, group_node):
         if host.exists(path):
-            nodes.append(DeviceNode(path))
+            nodes.append(_node(path))
         else:
             problems.append(f"VF {vf.function.address}: device node {path} is missing")
     return nodes, problems
@@ -155,7 +163,7 @@ def _rdma(vf: VirtualFunction, chars: CharIndex) -> Tuple[List[DeviceNode], List
         verbs = chars.verbs_of(ibdev, vf.function.path, sole)
         for entry in verbs:
             if entry.present:
-                nodes.append(DeviceNode(entry.node))
+                nodes.append(_node(entry.node))
                 has_verbs = True
             else:
                 problems.append(
@@ -163,12 +171,12 @@ def _rdma(vf: VirtualFunction, chars: CharIndex) -> Tuple[List[DeviceNode], List
                 )
         if verbs:
             nodes.extend(
-                DeviceNode(entry.node)
+                _node(entry.node)
                 for entry in chars.umad_of(ibdev, vf.function.path, sole)
                 if entry.present
             )
     if has_verbs and chars.rdma_cm:
-        nodes.append(DeviceNode(chars.rdma_cm))
+        nodes.append(_node(chars.rdma_cm))
     return nodes, problems, has_verbs
 
 
@@ -188,7 +196,7 @@ def build_record(host: HostFS, vf: VirtualFunction, chars: Optional[CharIndex]) 
         for name in vf.uio:
             path = f"/dev/{name}"
             if host.exists(path):
-                nodes.append(DeviceNode(path))
+                nodes.append(_node(path))
             else:
                 problems.append(f"VF {vf.function.address}: device node {path} is missing")
     else:
@@ -458,7 +466,7 @@ def _cdev(host: HostFS, vf: VirtualFunction) -> Tuple[List[DeviceNode], List[str
     nodes, problems = [], []
     for path in (IOMMUFD, f"/dev/vfio/devices/{names[0]}"):
         if host.exists(path):
-            nodes.append(DeviceNode(path))
+            nodes.append(_node(path))
         else:
             problems.append(f"VF {address}: device node {path} is missing")
     return nodes, problems
