@@ -1,5 +1,3 @@
-"""Shared fixtures come from the test kit, the same ones third-party driver authors use."""
-
-from host.testing.fixtures import run, short_dir
-
-__all__ = ["run", "short_dir"]
+"""Shared fixtures come from the test kit's pytest plugin (host/testing/pytest_plugin.py,
+registered by the ``pytest11`` entry point in pyproject.toml), the same one third-party driver
+authors get by installing the host: ``short_dir``, ``run``, ``fake_tree``, ``aio``, ``kubelet``."""
