@@ -51,7 +51,8 @@ def test_aer_errors_rising_flip_health_and_it_recovers(tmp_path, short_dir, run)
         async with kubelet_and_host(config, {"acc": driver}) as (sim, _app):
             await sim.wait_for(lambda s: "example.com/acc" in s.resources
                                and s.resources["example.com/acc"].allocatable == 2)
-            await asyncio.sleep(0.3)  # a few checks: old errors alone are not a problem
+            # Three more health checks (scans) handled: old errors alone are not a problem.
+            await driver.scanned(driver.scans + 4)
             assert sim.resources["example.com/acc"].allocatable == 2
             tree.attr("/sys/bus/pci/devices/0000:19:00.0/aer_dev_nonfatal",
                       AER_NONFATAL.format(n=3))
