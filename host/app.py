@@ -8,10 +8,22 @@ register. Later rescans only update snapshots; ListAndWatch streams see the chan
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Set, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    Optional,
+    Set,
+    Tuple,
+    Union,
+)
 
 from host import devinfo
 from host.cdi import FILE_PREFIX, CdiWriter
@@ -78,6 +90,7 @@ class HostApp:
         self._health_checked: Set[str] = set()  # drivers with a health-check timer
         self._cdi_watch: Optional[DirectoryWatch] = None
         self._cdi_backoff = 1.0
+        self._cdi_thread: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.events: Optional[EventSource] = None
         self.scheduler = RescanScheduler(self._drivers_for_subsystem, self.request_rescan,
                                          background=self.background)
@@ -120,6 +133,9 @@ class HostApp:
             # are the drivers' doing; the first resource keeps the device (inventory).
             raise overlap_error(self.config, self.inventory.overlaps[0])
         self.metrics.sync_drivers(self.inventory.status)
+        await self._write_specs(self.config.resources)
+        if self._stopped:
+            return
         for resource in self.config.resources:
             self._sync(resource)
         self.nfd.flush()
@@ -149,7 +165,9 @@ class HostApp:
             await endpoint.close()
         self.watched.clear()
         await self._stop_dra()
-        self.cdi.remove_all()
+        self.cdi.remove_all()  # waits for a write in progress; none starts after it
+        if self._cdi_thread is not None:
+            self._cdi_thread.shutdown(wait=False)
         await self.devinfo.stop()
         if self._pod_client is not None:
             await self._pod_client.close()
@@ -224,6 +242,24 @@ class HostApp:
             return None
         return {(a.resource, d) for a in assignments(pods) for d in a.devices}
 
+    async def _write_specs(self, resources: Iterable[ResourceConfig]) -> None:
+        """Write these resources' CDI specs in a worker thread: JSON and fsync of thousands of
+        devices must not stall the loop (and every ListAndWatch stream with it). ``_sync``
+        then finds each spec current for the very device list it pushes (no JSON, one
+        stat). One thread: writes land in the order they were asked for."""
+        items = [(r.name, self.inventory.devices.get(r.name, [])) for r in resources if r.cdi]
+        if not items or self._stopped:
+            return
+        if self._cdi_thread is None:
+            self._cdi_thread = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="cdi-writer")
+        await asyncio.get_running_loop().run_in_executor(self._cdi_thread, self._write_now,
+                                                         items)
+
+    def _write_now(self, items: List[Tuple[str, List[Device]]]) -> None:
+        for name, devices in items:
+            self.cdi.update(name, devices)
+
     def _write_cdi(self, resource: ResourceConfig, devices: List[Device]) -> List[Device]:
         """Write the resource's CDI spec; the devices as they may be advertised.
 
@@ -283,6 +319,8 @@ class HostApp:
         """Rescan drivers and push every changed resource to its streams."""
         changed = await self.inventory.scan(drivers)
         self.metrics.sync_drivers(self.inventory.status)
+        await self._write_specs(r for r in map(self.inventory.resources.get, changed)
+                                if r is not None)
         for name in changed:
             resource = self.inventory.resources.get(name)
             if resource is not None:
@@ -381,6 +419,7 @@ class HostApp:
             if devinfo.enabled(before) and not devinfo.enabled(resource):
                 self.devinfo.remove_resource(before)
         await self.rescan(rescan)
+        await self._write_specs(config.resources)
         for resource in config.resources:
             self._sync(resource)
             # Each new resource starts an endpoint task (server, socket, Register): let the
