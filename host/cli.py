@@ -34,6 +34,7 @@ from host.model import Device, ResourceConfig
 from host.plugins import DriverRegistry, load_drivers
 from host.protocol import POD_RESOURCES_SOCKET
 from host.reload import ConfigReloader, is_empty
+from host.socket_names import KUBELET_SOCKET
 from host.systemd import Notifier
 
 if TYPE_CHECKING:
@@ -350,7 +351,7 @@ async def _announce_ready(app: HostApp, notifier: Notifier, config: Config) -> N
     multi-user.target) would otherwise deadlock. Without a kubelet, serving is ready."""
     if app.ready.is_set():
         return  # on_ready already sent it
-    kubelet = os.path.join(config.host.plugin_dir, "kubelet.sock")
+    kubelet = os.path.join(config.host.plugin_dir, KUBELET_SOCKET)
     if not os.path.exists(kubelet):
         notifier.ready(f"serving {len(app.served())} resources; waiting for the kubelet at "
                        f"{kubelet}")

@@ -8,6 +8,7 @@ from typing import Any
 
 from host.protocol import deviceplugin_v1beta1_pb2 as api
 from host.protocol import deviceplugin_v1beta1_pb2_grpc as api_grpc
+from host.socket_names import KUBELET_SOCKET
 
 # The PodResources modules load on first use (``pods``, metrics' allocated_device, device-info
 # cleanup): serving devices never needs them.
@@ -24,7 +25,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 VERSION = "v1beta1"
-KUBELET_SOCKET = "kubelet.sock"
 DEVICE_PLUGIN_PATH = "/var/lib/kubelet/device-plugins"
 POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 HEALTHY = "Healthy"
