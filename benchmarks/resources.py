@@ -1,4 +1,15 @@
-"""Memory and idle CPU of a host process with 64 resources and 10,000 devices in all.
+"""Memory and idle CPU of a host process: 1 and 16 resources as a node runs it, 64 resources
+and 10,000 devices in all.
+
+``rss_mb_1r``, ``rss_mb_16r``: ``python -m host run`` (the CLI, the entry-point drivers, the
+udev monitor and the metrics endpoint, default settings) on the start-up family's fake GPU
+tree with 1 or 16 resources of the ``gpu`` driver, registered with the kubelet simulator in
+this process; RSS once every resource has its snapshot and a short settle. Floor: ``python -m
+benchmarks.floors servers --count N``, a process that imports grpc and the generated device
+plugin modules and starts N grpc.aio servers, read at the same moment. Median of three
+alternating pairs.
+
+``rss_mb_64r_10k``, ``idle_cpu_pct_64r``:
 
 Setup: ``benchmarks.hostproc`` (the real HostApp, MemoryDriver devices spread over 64
 resources; the CLI, the entry-point drivers and the udev monitor are not loaded, so a
@@ -18,15 +29,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 from typing import Dict, List, Optional, Tuple
 
 import psutil
 
-from benchmarks.core import Context, Figure, child_process, now, short_dir
+from benchmarks.core import Context, Figure, child_process, median, now, short_dir
 from benchmarks.hostproc import resource_name
+from benchmarks.startup import build_gpu_tree, write_config
 from host.testing.kubelet import KubeletSimulator
 
-KEYS = ("rss_mb_64r_10k", "idle_cpu_pct_64r")
+KEYS = ("rss_mb_1r", "rss_mb_16r", "rss_mb_64r_10k", "idle_cpu_pct_64r")
+SMALL = (1, 16)
 RESOURCES = 64
 DEVICES = 10_000
 
@@ -96,6 +110,54 @@ async def idle_side_by_side(
     return rss, cpu, pct, wall, meters["host"].method
 
 
+async def _small_rss(ctx: Context, count: int, work: str, root: str) -> Tuple[float, float]:
+    """(host, floor) RSS in MB of ``python -m host run`` with ``count`` gpu resources and of
+    ``count`` bare servers, read side by side once every resource is registered."""
+    config = os.path.join(work, f"config-{count}.toml")
+    drain_dir = os.path.join(work, "drain")
+    os.makedirs(drain_dir, exist_ok=True)
+    names = write_config(config, count, drain_dir)
+    with short_dir() as host_dir, short_dir() as bare_dir:
+        sim = KubeletSimulator(host_dir)
+        await sim.start()
+        try:
+            host_args = ["-m", "host", "run", "--config", config, "--plugin-dir", host_dir,
+                         "--host-root", root]
+            bare_args = ["-m", "benchmarks.floors", "servers", "--count", str(count),
+                         "--dir", bare_dir]
+            async with child_process(host_args, wait_for_line=None, timeout=120) as host, \
+                    child_process(bare_args, timeout=120) as bare:
+                await sim.wait_for(
+                    lambda k: all(k.resources[n].live for n in names), timeout=120,
+                    what=f"{count} resources registered")
+                await asyncio.sleep(ctx.pick(2, 1, 0))  # let start-up garbage settle
+                return (psutil.Process(host.pid).memory_info().rss / 1e6,
+                        psutil.Process(bare.pid).memory_info().rss / 1e6)
+        finally:
+            await sim.stop()
+
+
+async def _measure_small(ctx: Context) -> List[Figure]:
+    counts = [n for n in SMALL if ctx.wants(f"rss_mb_{n}r")]
+    runs = ctx.pick(3, 1, 1)
+    samples: Dict[int, List[Tuple[float, float]]] = {n: [] for n in counts}
+    with tempfile.TemporaryDirectory(prefix="dphb-rss-") as work:
+        root = os.path.join(work, "root")
+        build_gpu_tree(root)
+        for _ in range(runs):
+            for n in counts:
+                ctx.progress(f"idle RSS of {n} resources")
+                samples[n].append(await _small_rss(ctx, ctx.pick(n, n, min(n, 2)), work, root))
+    figures = []
+    for n in counts:
+        host = median([h for h, _ in samples[n]])
+        bare = median([b for _, b in samples[n]])
+        note = (f"python -m host run, {n} gpu resources, median of {runs}; floor: {n} bare "
+                f"grpc.aio servers")
+        figures.append(Figure(f"rss_mb_{n}r", host, "MB", bare, [note]))
+    return figures
+
+
 async def _measure(ctx: Context) -> List[Figure]:
     idle_s = ctx.pick(30, 5, 1)
     resources = RESOURCES if not ctx.tiny else 4
@@ -126,6 +188,9 @@ async def _measure(ctx: Context) -> List[Figure]:
 
 
 def run(ctx: Context) -> List[Figure]:
-    if not any(ctx.wants(key) for key in KEYS):
-        return []
-    return [f for f in asyncio.run(_measure(ctx)) if ctx.wants(f.key)]
+    figures = []
+    if any(ctx.wants(f"rss_mb_{n}r") for n in SMALL):
+        figures.extend(asyncio.run(_measure_small(ctx)))
+    if any(ctx.wants(key) for key in ("rss_mb_64r_10k", "idle_cpu_pct_64r")):
+        figures.extend(asyncio.run(_measure(ctx)))
+    return [f for f in figures if ctx.wants(f.key)]

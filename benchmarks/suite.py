@@ -28,7 +28,7 @@ from benchmarks import (
     rpc,
     startup,
 )
-from benchmarks.core import Context, Figure
+from benchmarks.core import Context, Figure, bytecode_cache
 
 #: Cheap, in-process families first; the idle-CPU window last.
 FAMILIES: Tuple[ModuleType, ...] = (
@@ -59,6 +59,13 @@ class SuiteResult:
 def run_suite(ctx: Context, families: Sequence[ModuleType] = FAMILIES) -> SuiteResult:
     result = SuiteResult()
     load_before = _load()
+    with bytecode_cache():
+        _run_families(ctx, families, result)
+    result.load = (load_before, _load())
+    return result
+
+
+def _run_families(ctx: Context, families: Sequence[ModuleType], result: SuiteResult) -> None:
     for family in families:
         wanted = [key for key in family.KEYS if ctx.wants(key)]
         if not wanted:
@@ -78,8 +85,6 @@ def run_suite(ctx: Context, families: Sequence[ModuleType] = FAMILIES) -> SuiteR
         for key in wanted:
             if key not in result.figures:
                 result.missing[key] = f"{family_name(family)} produced no figure for it"
-    result.load = (load_before, _load())
-    return result
 
 
 def _load() -> float:

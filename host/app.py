@@ -28,7 +28,6 @@ from host.metrics import HostMetrics
 from host.model import Device, Health, ResourceConfig
 from host.nfd import FeatureFile
 from host.overlap import Overlap
-from host.podresources import PodResourcesClient, PodResourcesError, assignments
 from host.registration import Endpoint, Registrar
 from host.service import DevicePluginService
 from host.snapshot import Snapshot
@@ -37,6 +36,7 @@ from host.watch import EventSource, RescanScheduler, device_events
 if TYPE_CHECKING:  # host.dra is imported only when a resource needs it
     from host.dra.frontend import DraFrontEnd
     from host.dra.registrar import PluginWatcherEndpoint
+    from host.podresources import PodResourcesClient
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +209,11 @@ class HostApp:
         if snapshot.update(devices):
             log.info("resource %s: %d devices (%d healthy)", resource.name, len(devices),
                      sum(1 for d in devices if d.healthy))
+        service = self.services.get(resource.name)
+        if service is not None and service.refresh_options():
+            self._register_again(service, "GetPreferredAllocation is "
+                                 + ("useful now" if service.options.
+                                    get_preferred_allocation_available else "no longer useful"))
         self.metrics.set_devices(resource.name, devices)
         self.nfd.update(resource.name, devices)
 
@@ -217,6 +222,8 @@ class HostApp:
         PodResources API does not answer."""
         if not self.config.host.pod_resources_socket:
             return None
+        from host.podresources import PodResourcesClient, PodResourcesError, assignments
+
         if self._pod_client is None:
             self._pod_client = PodResourcesClient(self.config.host.pod_resources_socket)
         try:
@@ -518,6 +525,19 @@ class HostApp:
                 delay + 0.01, self.request_rescan, []
             )
 
+    def _register_again(self, service: DevicePluginService, why: str) -> None:
+        """New options reach the kubelet only through a new registration (it reads them in
+        GetDevicePluginOptions inside Register): the endpoint serves a fresh server and
+        registers again, as after a dropped stream."""
+        endpoint = self.registrar.endpoints.get(service.resource.name)
+        if endpoint is None:
+            return
+        log.info("resource %s: %s; registering again with the new options",
+                 service.resource.name, why)
+        service.served_options = None
+        endpoint.registered_with = None
+        endpoint.poke()
+
     # -- readiness -----------------------------------------------------------------------
     # -- DRA and plugin-watcher registration ----------------------------------------------------
     async def _start_dra(self) -> None:
@@ -618,6 +638,8 @@ class HostApp:
                 and (self.dra is None or self.dra.all_registered()))
 
     def _endpoint_registered(self, endpoint: Endpoint) -> None:
+        if endpoint.service.options_stale():
+            self._register_again(endpoint.service, "the options changed during Register")
         self.metrics.registered(endpoint.name)
         self.metrics.kubelet_restarts_seen(self.registrar.link.restarts_seen)
         self._check_ready()

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 from host.model import Device
@@ -176,6 +175,8 @@ class CdiWriter:
         text = self._wanted[resource]
         try:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
+            import tempfile  # random, shutil and compressors: only when writing
+
             fd, temp = tempfile.mkstemp(dir=self.directory, prefix=".dph-", suffix=".tmp")
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as out:

@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import traceback
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
@@ -626,6 +625,8 @@ def _capture(args: argparse.Namespace) -> int:
         return 0
     # Written beside the target and renamed: a failed capture leaves no half file behind.
     directory = os.path.dirname(os.path.abspath(args.output))
+    import tempfile  # random, shutil and compressors: only for capture
+
     try:
         fd, temp = tempfile.mkstemp(dir=directory, prefix=".capture.", suffix=".tmp")
     except OSError as error:

@@ -15,7 +15,6 @@ so it is an error.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import logging
 import math
@@ -755,11 +754,15 @@ def _key(key: str) -> str:
 
 
 def _hint(word: str, choices: Sequence[str]) -> str:
+    import difflib  # only for a misspelt value
+
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f' (did you mean "{close[0]}"?)' if close else ""
 
 
 def _unknown_key(key: str, known: Sequence[str]) -> str:
+    import difflib  # only for a misspelt value
+
     close = difflib.get_close_matches(key, list(known), n=1)
     if close:
         return f'unknown key (did you mean "{close[0]}"?)'

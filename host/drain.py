@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 from typing import Dict, List, Optional, Tuple
 
 from host.resource_name import resource_name_error
@@ -161,6 +160,8 @@ def _encode(marks: Dict[DrainKey, str]) -> bytes:
 
 
 def _write_atomically(path: str, directory: str, data: bytes) -> None:
+    import tempfile  # random, shutil and compressors: only when writing
+
     temp: Optional[str] = None
     try:
         fd, temp = tempfile.mkstemp(dir=directory, prefix=".drain.", suffix=".tmp")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import errno
 import os
 import struct
@@ -38,7 +37,12 @@ _libc = None
 def _lib() -> ctypes.CDLL:
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        try:  # glibc's soname: find_library would run ``ldconfig -p`` in a subprocess
+            _libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        except OSError:  # musl and others
+            from ctypes.util import find_library
+
+            _libc = ctypes.CDLL(find_library("c") or "libc.so.6", use_errno=True)
         _libc.inotify_init1.argtypes = [ctypes.c_int]
         _libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
         _libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]

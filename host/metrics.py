@@ -13,18 +13,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import platform
 import time
-from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Set,
+    Tuple,
+)
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.exposition import choose_encoder
 
 from host import __version__
 from host.model import Device
-from host.podresources import PodResourcesClient, PodResourcesError
+
+if TYPE_CHECKING:  # prometheus_client (and its http/email/wsgiref imports) load with HostMetrics
+    from prometheus_client import Gauge
+    from prometheus_client.core import Metric
+
+    from host.podresources import PodResourcesClient
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +92,13 @@ class _AllocatedDevices:
         self._metrics = metrics
 
     def describe(self) -> Iterator[Metric]:
+        from prometheus_client.core import GaugeMetricFamily
+
         yield GaugeMetricFamily(self.name, self.documentation, labels=self.labels)
 
     def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import GaugeMetricFamily
+
         family = GaugeMetricFamily(self.name, self.documentation, labels=self.labels)
         ours = self._metrics.resources
         for row in self._metrics.pod_rows:
@@ -107,6 +123,10 @@ class HostMetrics:
         pod_list_timeout_s: float = POD_LIST_TIMEOUT_S,
         pod_list_min_interval_s: float = POD_LIST_MIN_INTERVAL_S,
     ) -> None:
+        import platform
+
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.devices = Gauge(PREFIX + "devices", "Devices advertised per resource and health",
@@ -142,8 +162,9 @@ class HostMetrics:
 
         self.resources: Set[str] = set()
         self.pod_rows: List[PodRow] = []
-        self._pods = (PodResourcesClient(pod_resources_socket, timeout_s=pod_list_timeout_s)
-                      if pod_resources_socket else None)
+        self._pods: Optional[PodResourcesClient] = None  # made at the first scrape
+        self._pods_socket = pod_resources_socket
+        self._pods_timeout_s = pod_list_timeout_s
         self._pods_at: Optional[float] = None
         self._pods_min_interval_s = pod_list_min_interval_s
         self._pods_lock: Optional[asyncio.Lock] = None
@@ -259,8 +280,12 @@ class HostMetrics:
     # -- pods ---------------------------------------------------------------------------------
     async def refresh_pods(self) -> None:
         """At most one PodResources List, shared by scrapes that arrive together."""
-        if self._pods is None:
+        if not self._pods_socket:
             return
+        if self._pods is None:
+            from host.podresources import PodResourcesClient
+
+            self._pods = PodResourcesClient(self._pods_socket, timeout_s=self._pods_timeout_s)
         if self._pods_lock is None:
             self._pods_lock = asyncio.Lock()
         async with self._pods_lock:
@@ -268,6 +293,8 @@ class HostMetrics:
             if self._pods_at is not None and now - self._pods_at < self._pods_min_interval_s:
                 return
             self._pods_at = now
+            from host.podresources import PodResourcesError
+
             try:
                 pods = await self._pods.list()
             except PodResourcesError as error:
@@ -304,6 +331,8 @@ class HostMetrics:
             await self.refresh_pods()
         except Exception:
             log.exception("metrics: refreshing pods failed")
+        from prometheus_client.exposition import choose_encoder
+
         encoder, content_type = choose_encoder(accept)
         return encoder(self.registry), content_type
 

@@ -8,10 +8,13 @@ package is logged with its distribution name and version and every other driver 
 
 from __future__ import annotations
 
+import importlib
 import logging
+import os
+import re
+import sys
 from dataclasses import dataclass, field
-from importlib.metadata import EntryPoint, distributions
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import pluggy
 
@@ -20,18 +23,126 @@ from host.driver import Driver, UnavailableDriver
 
 log = logging.getLogger(__name__)
 
+# The entry-point value syntax of the packaging spec (and importlib.metadata's EntryPoint).
+_VALUE = re.compile(r"(?P<module>[\w.]+)\s*(:\s*(?P<attr>[\w.]+)\s*)?((?P<extras>\[.*\])\s*)?$")
+_METADATA_DIRS = (".dist-info", ".egg-info")
+
+
+@dataclass(frozen=True)
+class EntryPoint:
+    """One ``name = module:attr`` line of a distribution's entry_points.txt."""
+
+    name: str
+    value: str
+    group: str
+
+    def load(self) -> Any:
+        match = _VALUE.match(self.value)
+        if match is None:
+            raise ValueError(f"malformed entry point value {self.value!r}")
+        target: Any = importlib.import_module(match.group("module"))
+        for attr in filter(None, (match.group("attr") or "").split(".")):
+            target = getattr(target, attr)
+        return target
+
+
 def _entry_points(group: str) -> List[Tuple[EntryPoint, Optional[str]]]:
-    """Entry points of a group with "distribution version" for each; walks distributions
-    itself because Python 3.9's EntryPoint does not know its distribution."""
-    found = []
-    for dist in distributions():
+    """Entry points of a group with "distribution version" for each.
+
+    Reads only each distribution's entry_points.txt, and the name and version header lines
+    of those that declare ``group``: parsing every installed distribution's METADATA (what
+    importlib.metadata's ``distributions()`` walk costs) took ~100 ms of a 250 ms start with
+    the test extras installed. The search is importlib.metadata's own: the *.dist-info and
+    *.egg-info directories of every sys.path entry, in order; zipped path entries go through
+    importlib.metadata itself.
+    """
+    header = f"[{group}]"
+    found: List[Tuple[EntryPoint, Optional[str]]] = []
+    seen = set()  # a distribution on sys.path twice: the first one wins, as in importlib
+    for base in sys.path:
+        directory = base or "."
         try:
-            label = f"{dist.metadata['Name']} {dist.version}"
-        except Exception:  # broken metadata must not stop the walk
-            label = None
-        for entry_point in dist.entry_points:
-            if entry_point.group == group:
-                found.append((entry_point, label))
+            names = sorted(os.listdir(directory))
+        except NotADirectoryError:
+            found.extend(_zipped_entry_points(base, group))
+            continue
+        except OSError:
+            continue
+        for name in names:
+            if not name.endswith(_METADATA_DIRS):
+                continue
+            project = re.sub(r"[-_.]+", "_", name.rsplit(".", 1)[0].split("-", 1)[0]).lower()
+            if project in seen:
+                continue
+            seen.add(project)
+            meta = os.path.join(directory, name)
+            text = _read(os.path.join(meta, "entry_points.txt"))
+            if text is None or header not in text:
+                continue
+            label = _label(meta)
+            found.extend((EntryPoint(ep_name, value, group), label)
+                         for ep_name, value in _section(text, group))
+    return found
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _section(text: str, group: str) -> Iterable[Tuple[str, str]]:
+    """``name = value`` pairs of one ``[group]`` section (INI syntax, as setuptools writes)."""
+    inside = False
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            inside = line[1:-1].strip() == group
+            continue
+        if inside:
+            name, sep, value = line.partition("=")
+            if sep and name.strip() and value.strip():
+                yield name.strip(), value.strip()
+
+
+def _label(meta: str) -> Optional[str]:
+    """"Name Version" from the metadata file's header lines; broken metadata gives None."""
+    text = _read(os.path.join(meta, "METADATA" if meta.endswith(".dist-info") else "PKG-INFO"))
+    if text is None:
+        return None
+    fields: Dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break  # the headers end at the first blank line; the description follows
+        key, sep, value = line.partition(":")
+        if sep and key in ("Name", "Version"):
+            fields.setdefault(key, value.strip())
+    if "Name" not in fields or "Version" not in fields:
+        return None
+    return f"{fields['Name']} {fields['Version']}"
+
+
+def _zipped_entry_points(path: str, group: str) -> List[Tuple[EntryPoint, Optional[str]]]:
+    """A zip file on sys.path (rare on a node): importlib.metadata reads inside it."""
+    from importlib.metadata import distributions
+
+    found = []
+    try:
+        for dist in distributions(path=[path]):
+            for entry_point in dist.entry_points:
+                if entry_point.group == group:
+                    try:
+                        label: Optional[str] = f"{dist.metadata['Name']} {dist.version}"
+                    except Exception:
+                        label = None
+                    found.append((EntryPoint(entry_point.name, entry_point.value, group),
+                                  label))
+    except Exception as error:  # an unreadable archive must not stop the others
+        log.debug("entry points in %s: %s", path, error)
     return found
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import grpc
 
@@ -54,6 +54,29 @@ def with_cdi(
     return replace(merged, cdi_devices=names, device_nodes=(), mounts=())
 
 
+def preferred_allocation_useful(
+    resource: ResourceConfig, driver: Driver, devices: Iterable[Device]
+) -> bool:
+    """Whether GetPreferredAllocation can change what the kubelet would pick on its own.
+
+    The kubelet calls it before every Allocate when it is advertised (one more round trip in
+    each pod's admission), so it is advertised only where our answer can differ in a way that
+    matters: replicas (pack/spread over the shared devices), a driver's own policy (the only
+    place link information such as NVLink or a ring order is used), or devices on more than one
+    NUMA node (NUMA-compact). Devices on one node or none are interchangeable to the host.
+    """
+    if resource.replicas > 1 or implements(driver, "preferred"):
+        return True
+    first: Optional[int] = None
+    for device in devices:
+        for node in device.numa_nodes:
+            if first is None:
+                first = node
+            elif node != first:
+                return True
+    return False
+
+
 class RequestError(Exception):
     def __init__(self, code: grpc.StatusCode, reason: str) -> None:
         super().__init__(reason)
@@ -92,10 +115,11 @@ class DevicePluginService:
         self.cdi_resolvable: Optional[Callable[[str, Sequence[str]], bool]] = None
         self.options = api.DevicePluginOptions(
             pre_start_required=self._needs_pre_start(),
-            # Always on: the host answers with its NUMA-compact policy when the driver has none.
-            get_preferred_allocation_available=True,
+            get_preferred_allocation_available=self._preferred_useful(),
         )
         self._options_bytes = self.options.SerializeToString()
+        # The options the kubelet last read (GetDevicePluginOptions, inside each Register).
+        self.served_options: Optional[bytes] = None
         self._has_allocate = implements(driver, "allocate")
         self._has_preferred = implements(driver, "preferred")
 
@@ -107,6 +131,34 @@ class DevicePluginService:
         except Exception:
             wanted = False
         return wanted != self.options.pre_start_required
+
+    def _preferred_useful(self) -> bool:
+        try:
+            return preferred_allocation_useful(self.resource, self.driver,
+                                               self.snapshot.devices)
+        except Exception as error:  # advertising it is always safe: the host can answer
+            log.error("resource %s: cannot tell whether GetPreferredAllocation helps: %s",
+                      self.resource.name, error)
+            return True
+
+    def refresh_options(self) -> bool:
+        """Re-derive ``get_preferred_allocation_available`` from the resource config and the
+        current devices; True when it changed (the kubelet reads options only at
+        registration, so the caller registers again)."""
+        wanted = self._preferred_useful()
+        if wanted == self.options.get_preferred_allocation_available:
+            return False
+        self.options = api.DevicePluginOptions(
+            pre_start_required=self.options.pre_start_required,
+            get_preferred_allocation_available=wanted,
+        )
+        self._options_bytes = self.options.SerializeToString()
+        return True
+
+    def options_stale(self) -> bool:
+        """The kubelet read options that are not the current ones (they changed while a
+        Register was in flight)."""
+        return self.served_options is not None and self.served_options != self._options_bytes
 
     def _needs_pre_start(self) -> bool:
         try:
@@ -151,6 +203,7 @@ class DevicePluginService:
         return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
 
     async def _get_options(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        self.served_options = self._options_bytes
         return self._options_bytes
 
     async def _list_and_watch(self, tag: object, context: grpc.aio.ServicerContext):

@@ -16,7 +16,6 @@ import logging
 import os
 import signal
 import subprocess
-import tempfile
 from typing import IO, Mapping, Sequence
 
 log = logging.getLogger(__name__)
@@ -34,6 +33,8 @@ def run_program(argv: Sequence[str], env: Mapping[str, str], timeout_s: float, w
     program = argv[0]
     environ = dict(os.environ)
     environ.update(env)
+    import tempfile  # random, shutil and compressors: only when a program runs
+
     with tempfile.TemporaryFile() as output:
         try:
             process = subprocess.Popen(

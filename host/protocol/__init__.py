@@ -4,10 +4,24 @@
 ``podresources_grpc`` the kubelet's PodResources v1 API.
 """
 
+from typing import Any
+
 from host.protocol import deviceplugin_v1beta1_pb2 as api
 from host.protocol import deviceplugin_v1beta1_pb2_grpc as api_grpc
-from host.protocol import podresources_v1_pb2 as podresources
-from host.protocol import podresources_v1_pb2_grpc as podresources_grpc
+
+# The PodResources modules load on first use (``pods``, metrics' allocated_device, device-info
+# cleanup): serving devices never needs them.
+_LAZY = {"podresources": "podresources_v1_pb2", "podresources_grpc": "podresources_v1_pb2_grpc"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(f"{__name__}.{_LAZY[name]}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"

@@ -1,0 +1,69 @@
+"""What the daemon's start-up path imports: modules that only some commands or settings need
+load when they are used (issue 15), so ``device-plugin-host run`` starts close to what a bare
+grpc process costs. Each check runs in a fresh interpreter and reads its sys.modules."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: Needed only by some commands or settings: metrics (prometheus_client and the HTTP/email
+#: stack it pulls in), the kubelet's PodResources API (``pods``, device-info cleanup), the
+#: benchmarks' psutil, the test kit, DRA and HTTP clients; importlib.metadata and email are
+#: what a distributions() walk for entry points costs.
+NOT_ON_THE_DAEMON_PATH = (
+    "prometheus_client", "http.server", "wsgiref", "email", "importlib.metadata",
+    "host.podresources", "host.protocol.podresources_v1_pb2", "psutil", "pyudev",
+    "host.testing", "hypothesis", "pytest", "httpx", "host.dra", "difflib", "tempfile",
+)
+
+
+def _modules_after(code: str) -> List[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-c", code + "\nimport json, sys; print(json.dumps(sorted(sys.modules)))"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _loaded(modules: List[str], names=NOT_ON_THE_DAEMON_PATH) -> List[str]:
+    return [name for name in names
+            if any(m == name or m.startswith(name + ".") for m in modules)]
+
+
+def test_importing_the_daemon_and_loading_drivers_imports_nothing_optional():
+    modules = _modules_after(
+        "import host.cli, host.app\n"
+        "from host.plugins import load_drivers\n"
+        "registry = load_drivers()\n"
+        "assert {'gpu', 'usb', 'sriov', 'fpga', 'rdma'} <= set(registry.drivers)\n")
+    assert _loaded(modules) == []
+    assert "grpc" in modules and "host.service" in modules  # the check sees real imports
+
+
+def test_reading_a_config_with_a_metrics_address_does_not_load_prometheus(tmp_path):
+    config = tmp_path / "host.toml"
+    config.write_text('[host]\nmetrics_address = "127.0.0.1:9400"\n')
+    modules = _modules_after(
+        "from host.config import load_config\n"
+        "from host.plugins import load_drivers\n"
+        f"load_config({str(config)!r}, load_drivers().with_unavailable())\n")
+    assert _loaded(modules) == []
+
+
+def test_metrics_and_pod_resources_load_when_used():
+    modules = _modules_after(
+        "from host.metrics import HostMetrics\n"
+        "HostMetrics(pod_resources_socket='/nonexistent/kubelet.sock')\n"
+        "from host.protocol import podresources\n"
+        "assert podresources.ListPodResourcesRequest\n")
+    assert _loaded(modules, ("prometheus_client", "host.protocol.podresources_v1_pb2")) == [
+        "prometheus_client", "host.protocol.podresources_v1_pb2"]
+    assert "host.podresources" not in modules  # its client is made at the first scrape
