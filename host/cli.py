@@ -609,12 +609,10 @@ def _print_table(rows: List[Dict[str, Any]]) -> None:
 
 # -- capture ---------------------------------------------------------------------------------
 def _capture(args: argparse.Namespace) -> int:
-    from host.testing.tree import capture_tree
+    from host.capture import capture_tree, driver_dev_globs
 
-    globs = ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/kfd", "/dev/dri/*",
-             "/dev/dri/by-path/*", "/dev/infiniband/*", "/dev/vfio/*",
-             "/dev/bus/usb/*/*", "/dev/dfl-*", "/dev/xclmgmt*", "/dev/ttyUSB*", "/dev/ttyACM*",
-             "/dev/hidraw*", "/dev/video*", "/dev/accel/*", "/dev/neuron*", "/dev/hailo*")
+    # The /dev nodes each installed driver says it owns (its device_globs).
+    globs = driver_dev_globs(load_drivers().drivers.values())
     problem = host_root_problem(args.host_root)
     if problem is not None:
         raise CommandError(f"--host-root {args.host_root} {problem}", EXIT_CONFIG)

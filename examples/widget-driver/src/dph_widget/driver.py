@@ -70,6 +70,7 @@ class AccelInventory:
 class WidgetDriver(Driver):
     name = "widget"
     subsystems = ("accel", "pci")
+    device_globs = ("/dev/accel/*",)
     selector_types = {**PCI_SELECTOR_TYPES, "device_type": (str,)}
     setting_types = {"index_env": (str,)}
 
