@@ -31,7 +31,7 @@ from host.isolation import DriverCalls
 from host.lock import HostLock, LockHeld, running_host
 from host.logs import setup_logging
 from host.model import Device, ResourceConfig
-from host.plugins import DriverRegistry, load_drivers
+from host.plugins import DriverRegistry, disabled_in_config, load_drivers
 from host.protocol import POD_RESOURCES_SOCKET
 from host.reload import ConfigReloader, is_empty
 from host.socket_names import KUBELET_SOCKET
@@ -230,13 +230,17 @@ def _dispatch(args: argparse.Namespace) -> int:
         if not args.json and os.path.isdir(args.dra_state_dir):
             _claims(args, quiet=True)
         return code
-    registry = load_drivers()
+    # [host] disabled_drivers: those packages are never imported (host/plugins.py).
+    config_file = args.file if args.command == "check-config" else args.config
+    registry = load_drivers(disabled_in_config(config_file, DEFAULT_CONFIG_PATH))
     try:
         if args.command == "check-config":
             config = load_config(args.file, registry.with_unavailable())
             config = config.with_overrides(host_root=args.host_root)
             _check_overlaps(config, registry)
             print(f"{args.file}: valid: {_what_it_serves(args.file, config)}")
+            for line in registry.disabled_lines():
+                print(line)
             _note_running_host(config)
             return 0
         config = _load(args, registry)
@@ -247,6 +251,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     if args.command == "discover":
         _note_running_host(config)
+        for line in registry.disabled_lines():
+            print(line, file=sys.stderr)
         return _discover(config, registry, as_json=args.json)
     if args.command in ("drain", "undrain"):
         return _drain(args, config)
@@ -643,12 +649,10 @@ def _print_table(rows: List[Dict[str, Any]]) -> None:
 
 # -- capture ---------------------------------------------------------------------------------
 def _capture(args: argparse.Namespace) -> int:
-    from host.testing.tree import capture_tree
+    from host.capture import capture_tree, driver_dev_globs
 
-    globs = ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/kfd", "/dev/dri/*",
-             "/dev/dri/by-path/*", "/dev/infiniband/*", "/dev/vfio/*",
-             "/dev/bus/usb/*/*", "/dev/dfl-*", "/dev/xclmgmt*", "/dev/ttyUSB*", "/dev/ttyACM*",
-             "/dev/hidraw*", "/dev/video*", "/dev/accel/*", "/dev/neuron*", "/dev/hailo*")
+    # The /dev nodes each installed driver says it owns (its device_globs).
+    globs = driver_dev_globs(load_drivers().drivers.values())
     problem = host_root_problem(args.host_root)
     if problem is not None:
         raise CommandError(f"--host-root {args.host_root} {problem}", EXIT_CONFIG)

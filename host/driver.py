@@ -38,6 +38,9 @@ class Driver:
     name: ClassVar[str] = ""
     #: udev subsystems whose events may change this driver's devices (pci, usb, net, ...).
     subsystems: ClassVar[Tuple[str, ...]] = ()
+    #: Glob patterns of the /dev nodes this driver hands out (``/dev/accel/*``): what
+    #: ``device-plugin-host capture`` records, so a captured tree has this driver's nodes.
+    device_globs: ClassVar[Tuple[str, ...]] = ()
     #: Selector keys this driver accepts, with the Python types allowed for each value.
     selector_types: ClassVar[Mapping[str, Tuple[type, ...]]] = {}
     #: Setting keys (``[resource.settings]``) this driver accepts, with their value types.

@@ -12,9 +12,10 @@ import importlib
 import logging
 import os
 import re
+import stat
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 import pluggy
 
@@ -155,18 +156,40 @@ class LoadFailure:
     driver: Optional[str] = None  # the driver (or entry point) name config files would use
 
 
+#: The reason a disabled package's resources report, and what discover/check-config print.
+DISABLED_REASON = "disabled by [host] disabled_drivers"
+
+
+def _project(label: Optional[str]) -> Optional[str]:
+    """The normalised project name (PEP 503) of a "Name Version" label."""
+    if not label:
+        return None
+    return re.sub(r"[-_.]+", "-", label.rsplit(" ", 1)[0]).lower()
+
+
 @dataclass
 class DriverRegistry:
     drivers: Dict[str, Driver] = field(default_factory=dict)
     sources: Dict[str, str] = field(default_factory=dict)
     failures: List[LoadFailure] = field(default_factory=list)
+    #: Entry points skipped, never imported, because ``[host] disabled_drivers`` names them
+    #: (by entry-point name or by distribution name): name -> source.
+    disabled: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.manager = pluggy.PluginManager(hookspecs.PROJECT)
         self.manager.add_hookspecs(hookspecs)
 
     # -- loading ---------------------------------------------------------------------------
-    def load_entry_points(self, group: str = hookspecs.ENTRY_POINT_GROUP) -> None:
+    def load_entry_points(
+        self, group: str = hookspecs.ENTRY_POINT_GROUP, disabled: Iterable[str] = ()
+    ) -> None:
+        """Import and register every entry point of ``group``, except those ``disabled``
+        names (an entry-point name, or a distribution name for all of its entry points):
+        those are not imported at all, so a package that breaks or slows the host on import
+        can be switched off without uninstalling it."""
+        blocked: FrozenSet[str] = frozenset(name.strip().lower() for name in disabled)
+        projects = frozenset(re.sub(r"[-_.]+", "-", name) for name in blocked)
         seen = set()
         for entry_point, dist in sorted(_entry_points(group), key=lambda pair: pair[0].name):
             key = (entry_point.name, entry_point.value)
@@ -174,6 +197,10 @@ class DriverRegistry:
                 continue
             seen.add(key)
             source = f"entry point {entry_point.name} ({dist or entry_point.value})"
+            if entry_point.name.lower() in blocked or _project(dist) in projects:
+                self.disabled[entry_point.name] = source
+                log.info("%s: %s; not imported", source, DISABLED_REASON)
+                continue
             try:
                 plugin = entry_point.load()
             except BaseException as error:
@@ -237,14 +264,65 @@ class DriverRegistry:
         """Loaded drivers plus stand-ins for those that failed, so a config naming a broken
         driver still starts: that resource reports the failure, the others serve."""
         drivers: Dict[str, Driver] = {}
+        # A disabled package's driver is named like its entry point (the built-ins' are):
+        # a resource naming it serves nothing and says why, like a driver that failed.
+        for name in self.disabled:
+            if name not in self.drivers:
+                drivers[name] = UnavailableDriver(name, DISABLED_REASON)
         for failure in self.failures:
             if failure.driver and failure.driver not in self.drivers:
                 drivers[failure.driver] = UnavailableDriver(failure.driver, failure.reason)
         drivers.update(self.drivers)
         return drivers
 
+    def disabled_lines(self) -> List[str]:
+        """One line per disabled package, for discover and check-config."""
+        return [f"driver {name}: {source} is {DISABLED_REASON} (not loaded)"
+                for name, source in sorted(self.disabled.items())]
 
-def load_drivers() -> DriverRegistry:
+
+def load_drivers(disabled: Iterable[str] = ()) -> DriverRegistry:
     registry = DriverRegistry()
-    registry.load_entry_points()
+    registry.load_entry_points(disabled=disabled)
     return registry
+
+
+#: Larger files are refused by the config loader anyway (host/config.py MAX_CONFIG_BYTES).
+_MAX_PRE_READ = 4 * 2**20 + 1
+
+
+def disabled_in_config(path: Optional[str], default_path: str) -> Tuple[str, ...]:
+    """``[host] disabled_drivers`` of a config file, read before any driver is imported
+    (the config loader needs the drivers to check selectors, so it runs after loading).
+
+    Only a well-formed list of strings counts; anything else (no file, a FIFO, bad TOML, a
+    wrong type) gives () here, and the config loader then rejects the file with the key and
+    the reason. Opened like the loader opens it: non-blocking, a regular file only.
+    """
+    if path is None:
+        if not os.path.lexists(default_path):
+            return ()
+        path = default_path
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return ()
+    try:
+        with open(fd, "rb") as stream:
+            if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
+                return ()
+            data = stream.read(_MAX_PRE_READ)
+        if len(data) >= _MAX_PRE_READ:
+            return ()
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:
+            import tomli as tomllib
+        document = tomllib.loads(data.decode("utf-8"))
+    except (OSError, ValueError, RecursionError):  # TOMLDecodeError and UnicodeError too
+        return ()
+    host = document.get("host")
+    names = host.get("disabled_drivers") if isinstance(host, dict) else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return ()
+    return tuple(names)

@@ -72,6 +72,7 @@ class AccelInventory:
 class AccelDriver(Driver):
     name = "accel"
     subsystems = ("accel", "pci")
+    device_globs = ("/dev/accel/*",)
     selector_types = {**PCI_SELECTOR_TYPES, "class": (str,), "device_type": (str,)}
     setting_types = {"index_env": (str,)}
 

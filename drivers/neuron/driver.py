@@ -60,6 +60,7 @@ class NeuronInventory:
 class NeuronDriver(Driver):
     name = "neuron"
     subsystems = ("neuron_device", "pci")
+    device_globs = ("/dev/neuron*",)
     selector_types = {"index": (int,), "device_name": (str,), "instance_type": (str,)}
     setting_types = {"unit": (str,)}
 

@@ -86,6 +86,7 @@ class PciInventory:
 class PciDriver(Driver):
     name = "pci"
     subsystems = ("pci",)
+    device_globs = ("/dev/hailo*", "/dev/xdma*")
     selector_types = {**PCI_SELECTOR_TYPES, "class": (str,)}
     setting_types = {"char_classes": (list,)}
 

@@ -110,6 +110,7 @@ class RdmaInventory:
 class RdmaDriver(Driver):
     name = "rdma"
     subsystems = ("infiniband", "pci", "net")
+    device_globs = ("/dev/infiniband/*",)
     selector_types = {
         **PCI_SELECTOR_TYPES,
         "ib_device": (str,),

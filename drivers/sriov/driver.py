@@ -209,6 +209,7 @@ def build_record(host: HostFS, vf: VirtualFunction, chars: Optional[CharIndex]) 
 class SriovDriver(Driver):
     name = "sriov"
     subsystems = ("pci", "net")
+    device_globs = ("/dev/vfio/*", "/dev/vfio/devices/*", "/dev/iommu")
     selector_types = {
         **PCI_SELECTOR_TYPES,
         "pf_name": (str,),

@@ -4,9 +4,7 @@ drivers from the installed entry points, the resources a config file names, real
 from __future__ import annotations
 
 import pytest
-from host.plugins import load_drivers
-from host.testing.harness import make_config, running_host
-from host.watch import InjectedSource
+from device_plugin_host.testing import InjectedSource, load_drivers, make_config, running_host
 
 from dph_widget.driver import SUGGESTED
 from dph_widget.testing import gaudi_server

@@ -26,10 +26,19 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Sequence, Tuple
 
-from host.driver import Driver, SelectorError, selector_values
-from host.hostfs import HostFS
-from host.model import Device, DeviceNode, Health, ResourceConfig
-from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors, matches_pci
+from device_plugin_host import (
+    PCI_SELECTOR_TYPES,
+    Device,
+    DeviceNode,
+    Driver,
+    Health,
+    HostFS,
+    ResourceConfig,
+    SelectorError,
+    check_pci_selectors,
+    matches_pci,
+    selector_values,
+)
 
 from dph_widget.accel import AccelDevice, scan_accel
 
@@ -61,6 +70,7 @@ class AccelInventory:
 class WidgetDriver(Driver):
     name = "widget"
     subsystems = ("accel", "pci")
+    device_globs = ("/dev/accel/*",)
     selector_types = {**PCI_SELECTOR_TYPES, "device_type": (str,)}
     setting_types = {"index_env": (str,)}
 

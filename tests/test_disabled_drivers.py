@@ -1,0 +1,129 @@
+"""``[host] disabled_drivers``: an installed driver package the operator blocks is never
+imported, its resources serve nothing with the reason, and discover/check-config say so."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from host import config as host_config
+from host.plugins import DISABLED_REASON, disabled_in_config, load_drivers
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str, *paths: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *map(str, paths)]))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=env, cwd=REPO)
+
+
+def _probe_package(site: Path, *, broken: bool = False) -> None:
+    """A driver distribution as pip leaves it: metadata with entry_points.txt, one module."""
+    meta = site / "dph_probe-0.1.dist-info"
+    meta.mkdir(parents=True)
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: dph-probe\nVersion: 0.1\n")
+    (meta / "entry_points.txt").write_text("[device_plugin_host.drivers]\nprobe = dph_probe\n")
+    (site / "dph_probe.py").write_text(textwrap.dedent("""
+        import os
+        if os.environ.get("PROBE_BREAKS"):
+            raise SystemExit("importing the probe package stops the host")
+        from device_plugin_host import Driver, hookimpl
+
+        class Probe(Driver):
+            name = "probe"
+            def scan(self, host):
+                return []
+
+        @hookimpl
+        def device_plugin_host_drivers():
+            return [Probe()]
+    """))
+
+
+def test_a_disabled_built_in_driver_is_not_imported_and_its_resources_report_why():
+    done = _python(
+        "import json, sys\n"
+        "from host.plugins import load_drivers\n"
+        "registry = load_drivers(['gpu'])\n"
+        "stand_in = registry.with_unavailable()['gpu']\n"
+        "try:\n"
+        "    stand_in.discover(None, [])\n"
+        "except RuntimeError as error:\n"
+        "    reason = str(error)\n"
+        "print(json.dumps([sorted(registry.drivers), 'drivers.gpu' in sys.modules,\n"
+        "                  'drivers.usb' in sys.modules, reason, registry.disabled_lines()]))")
+    assert done.returncode == 0, done.stderr
+    names, gpu_imported, usb_imported, reason, lines = json.loads(done.stdout)
+    assert "gpu" not in names and "usb" in names
+    assert gpu_imported is False and usb_imported is True
+    assert DISABLED_REASON in reason
+    assert len(lines) == 1 and lines[0].startswith("driver gpu: entry point gpu (")
+    assert "disabled" in lines[0]
+
+
+def test_a_package_is_disabled_by_its_distribution_name_before_its_import_can_fail(tmp_path):
+    _probe_package(tmp_path)
+    env = "import os\nos.environ['PROBE_BREAKS'] = '1'\n"
+    for name in ("dph-probe", "DPH_Probe", "probe"):
+        done = _python(env + "from host.plugins import load_drivers\n"
+                       f"registry = load_drivers([{name!r}])\n"
+                       "assert 'probe' not in registry.drivers and not registry.failures\n"
+                       "print(registry.disabled_lines())", tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert "dph-probe 0.1" in done.stdout
+    # Not disabled, the same package is imported (and here stops the host on import).
+    done = _python(env + "from host.plugins import load_drivers\nload_drivers()", tmp_path)
+    assert "importing the probe package stops the host" in done.stderr
+
+
+def test_without_the_setting_every_driver_loads():
+    registry = load_drivers()
+    assert {"gpu", "usb", "sriov", "fpga", "rdma"} <= set(registry.drivers)
+    assert registry.disabled == {} and registry.disabled_lines() == []
+
+
+def test_the_setting_is_read_before_the_drivers_and_only_when_well_formed(tmp_path):
+    good = tmp_path / "good.toml"
+    good.write_text('[host]\ndisabled_drivers = ["gpu", "dph-widget"]\n')
+    assert disabled_in_config(str(good), "/nonexistent") == ("gpu", "dph-widget")
+    assert disabled_in_config(None, str(good)) == ("gpu", "dph-widget")
+    assert disabled_in_config(None, str(tmp_path / "none.toml")) == ()
+    for text in ('[host]\ndisabled_drivers = "gpu"\n', '[host]\ndisabled_drivers = [1]\n',
+                 "[host\n", "host = 3\n", "[" * 5000, "\xff"):
+        bad = tmp_path / "bad.toml"
+        bad.write_bytes(text.encode("utf-8", "surrogateescape") if text != "\xff"
+                        else b"\xff\xfe")
+        assert disabled_in_config(str(bad), "/nonexistent") == ()  # the loader says why
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert disabled_in_config(str(fifo), "/nonexistent") == ()  # no hang waiting for a writer
+
+
+_KNOWS_KEY = "disabled_drivers" in {
+    f.name for cls in vars(host_config).values()
+    if isinstance(cls, type) and dataclasses.is_dataclass(cls) for f in dataclasses.fields(cls)}
+
+
+@pytest.mark.skipif(not _KNOWS_KEY, reason="[host] disabled_drivers is parsed by the config "
+                                           "modules (branch r12-core); not merged yet")
+def test_discover_and_check_config_say_which_driver_is_disabled(tmp_path):
+    config = tmp_path / "host.toml"
+    config.write_text('[host]\ndisabled_drivers = ["usb"]\n\n[[resource]]\nname = "x.com/y"\n'
+                      'driver = "gpu"\n[resource.selectors]\nvendor = "0x10de"\n')
+    (tmp_path / "root" / "sys").mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for argv in (["check-config", str(config), "--host-root", str(tmp_path / "root")],
+                 ["discover", "--config", str(config), "--host-root", str(tmp_path / "root")]):
+        done = subprocess.run([sys.executable, "-m", "host", *argv], capture_output=True,
+                              text=True, timeout=60, env=env, cwd=REPO)
+        assert done.returncode == 0, done.stderr
+        assert "driver usb: entry point usb (" in done.stdout + done.stderr
+        assert DISABLED_REASON in done.stdout + done.stderr
