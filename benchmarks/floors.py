@@ -26,6 +26,10 @@ import grpc
 from host.protocol import KUBELET_SOCKET, VERSION, api, api_grpc
 
 ECHO_METHOD = "/bench.Echo/Echo"
+# Answers every call with the bytes last given to SET_REPLY_METHOD: a bare handler returning a
+# response of the same size as the host's (the Allocate floor).
+REPLY_METHOD = "/bench.Echo/Reply"
+SET_REPLY_METHOD = "/bench.Echo/SetReply"
 PUSH_METHOD = "/bench.Push/Watch"
 # What the kubelet simulator dials plugins with, so floor and measurement share a client style.
 CLIENT_OPTIONS = [
@@ -40,12 +44,25 @@ def _identity(data: bytes) -> bytes:
 
 # -- unary echo (floor of Allocate / GetPreferredAllocation) ----------------------------------
 def echo_handler() -> grpc.GenericRpcHandler:
+    reply = [b""]
+
     async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return request
+
+    async def answer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return reply[0]
+
+    async def set_reply(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        reply[0] = request
+        return b""
 
     return grpc.method_handlers_generic_handler("bench.Echo", {
         "Echo": grpc.unary_unary_rpc_method_handler(
             echo, request_deserializer=_identity, response_serializer=_identity),
+        "Reply": grpc.unary_unary_rpc_method_handler(
+            answer, request_deserializer=_identity, response_serializer=_identity),
+        "SetReply": grpc.unary_unary_rpc_method_handler(
+            set_reply, request_deserializer=_identity, response_serializer=_identity),
     })
 
 

@@ -6,10 +6,12 @@ process and the two sides then run on their own cores as they do on a node. Call
 the simulator's own client (``call_allocate`` / ``call_preferred``: it builds the request, the
 generated stub serializes it and parses the answer).
 
-Floor: a grpc.aio echo server, also in its own process, called from this process on a channel
-with the simulator's options, with the same request message built the same way and parsed
-back from the echo. Host and floor calls alternate in batches so that drift (frequency
-scaling, other load) hits both equally.
+Floor: a bare grpc.aio unary handler, also in its own process, called from this process on a
+channel with the simulator's options, with the same request message built the same way. For
+Allocate it answers with the bytes of the host's own AllocateResponse to that request (fetched
+once before timing), parsed by the same generated class: a response of the same size. For
+GetPreferredAllocation it echoes the request. Host and floor calls alternate in batches so
+that drift (frequency scaling, other load) hits both equally.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Awaitable, Callable, Dict, List
 import grpc
 
 from benchmarks.core import Context, Figure, child_process, median, now, percentile, short_dir
-from benchmarks.floors import CLIENT_OPTIONS, ECHO_METHOD
+from benchmarks.floors import CLIENT_OPTIONS, ECHO_METHOD, REPLY_METHOD, SET_REPLY_METHOD
 from benchmarks.hostproc import device_prefix, resource_name
 from host.protocol import api
 from host.testing.kubelet import KubeletSimulator
@@ -74,14 +76,16 @@ async def _measure(ctx: Context) -> List[Figure]:
                 channel = grpc.aio.insecure_channel(f"unix:{echo_path}", options=CLIENT_OPTIONS)
                 try:
                     await asyncio.wait_for(channel.channel_ready(), 10)
+                    wanted = [ids[:ALLOCATE_IDS]]
+                    answer = await sim.call_allocate(name, wanted)
+                    await channel.unary_unary(SET_REPLY_METHOD)(answer.SerializeToString())
                     echo_allocate = channel.unary_unary(
-                        ECHO_METHOD, request_serializer=api.AllocateRequest.SerializeToString,
-                        response_deserializer=api.AllocateRequest.FromString)
+                        REPLY_METHOD, request_serializer=api.AllocateRequest.SerializeToString,
+                        response_deserializer=api.AllocateResponse.FromString)
                     echo_preferred = channel.unary_unary(
                         ECHO_METHOD,
                         request_serializer=api.PreferredAllocationRequest.SerializeToString,
                         response_deserializer=api.PreferredAllocationRequest.FromString)
-                    wanted = [ids[:ALLOCATE_IDS]]
 
                     def floor_allocate() -> Awaitable[object]:
                         # Built exactly as KubeletSimulator.call_allocate builds it.
@@ -99,7 +103,8 @@ async def _measure(ctx: Context) -> List[Figure]:
                     await channel.close()
         finally:
             await sim.stop()
-    note = "host in its own process; kubelet simulator client"
+    note = (f"host in its own process; kubelet simulator client; floor answers the host's "
+            f"{len(answer.SerializeToString())}-byte AllocateResponse")
     return [
         Figure("allocate_median_us", median(samples["allocate"]), "us",
                median(samples["allocate_floor"]), [note, f"n={count}"]),

@@ -9,7 +9,8 @@ Floor: ``python -m benchmarks.floors servers --count 1``, a process that imports
 generated device plugin modules and serves one grpc.aio server on a unix socket, timed from
 spawn to its "ready" line: what any Python device plugin pays before it can serve. Floor and
 host starts alternate, and both read their bytecode from one cache, as an installed host does
-(``benchmarks.core.bytecode_cache``); the first start of each is a warm-up, not counted.
+(``benchmarks.core.bytecode_cache``, set up by the suite); the first start of each is a
+warm-up, not counted.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from benchmarks.core import (
     REPO,
     Context,
     Figure,
-    bytecode_cache,
     child_env,
     child_process,
     median,
@@ -117,7 +117,7 @@ async def _measure(ctx: Context) -> List[Figure]:
     runs = ctx.pick(9, 3, 1)
     sizes = [n for n in SIZES if ctx.wants(f"startup_ms_{n}")]
     figures = []
-    with tempfile.TemporaryDirectory(prefix="dphb-startup-") as work, bytecode_cache():
+    with tempfile.TemporaryDirectory(prefix="dphb-startup-") as work:
         root = os.path.join(work, "root")
         build_gpu_tree(root)
         drain_dir = os.path.join(work, "drain")
