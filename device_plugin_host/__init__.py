@@ -41,10 +41,12 @@ from host.pci import (
     read_function,
 )
 from host.pci_class import check_class_selector, class_matches, class_patterns
+from host.selectors import AttributeTest, attribute_test
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "PCI_SELECTOR_TYPES",
+    "AttributeTest",
     "CharDevice",
     "CharIndex",
     "ContainerAllocation",
@@ -59,6 +61,7 @@ __all__ = [
     "ResourceConfig",
     "SelectorError",
     "__version__",
+    "attribute_test",
     "check_class_selector",
     "check_pci_selectors",
     "check_types",

@@ -257,6 +257,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command in ("drain", "undrain"):
         return _drain(args, config)
     setup_logging(config.host.log_level, config.host.log_format, native_stderr=True)
+    for line in registry.disabled_lines():  # loading ran before logging was set up
+        log.info("%s", line)
     return _run(config, registry, args.config)
 
 

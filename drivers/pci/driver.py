@@ -34,9 +34,8 @@ from host.pci import (
     PciFunction,
     check_pci_selectors,
     list_functions,
-    matches_pci,
 )
-from host.pci_class import check_class_selector, class_matches, class_patterns
+from host.pci_class import check_class_selector
 
 log = logging.getLogger(__name__)
 
@@ -119,14 +118,16 @@ class PciDriver(Driver):
         if not any(key in selectors for key in IDENTIFYING):
             return []  # rejected by check_selectors; never "every PCI function"
         named_drivers = selector_values(selectors, "kernel_driver") or []
-        patterns = class_patterns(selectors)
+        # vendor, device, kernel_driver, pci_address and class are matched by the host
+        # against each function's standard attributes.
+        matches = self.matcher(selectors)
         classes = resource.settings.get("char_classes")
         wanted = frozenset(str(c) for c in classes) if isinstance(classes, list) else None
         out = []
         for fn in inventory.functions:
             if _is_passthrough(fn) and fn.kernel_driver not in named_drivers:
                 continue
-            if not matches_pci(fn, selectors) or not class_matches(fn.pci_class, patterns):
+            if not matches(fn.attributes()):
                 continue
             out.append(_device(inventory, fn, wanted))
         return out
