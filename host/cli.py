@@ -381,6 +381,26 @@ def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
+        warned: List[OSError] = []
+
+        def take_lock() -> None:
+            """The plugin directory was missing or unwritable at start: lock it as soon as
+            we could bind a socket there; another host that got there first stops us."""
+            if lock.held or lost_lock:
+                return
+            try:
+                lock.acquire()
+            except LockHeld as error:
+                lost_lock.append(error)
+                stop.set()
+            except OSError as error:
+                if not warned:
+                    warned.append(error)
+                    log.warning("cannot lock %s (%s): a second host on this plugin directory "
+                                "would not be stopped", lock.path, error.strerror or error)
+
+        if not lock.held:
+            app.registrar.link.on_dir_usable = take_lock
         log.info("device-plugin-host %s: plugin dir %s, host root %s, %d resources configured",
                  __version__, config.host.plugin_dir, config.host.host_root,
                  len(config.resources))
@@ -407,16 +427,22 @@ def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -
             await app.metrics.stop()
 
     lock = HostLock(config.host.plugin_dir)
+    lost_lock: List[LockHeld] = []
     try:
         lock.acquire()
     except LockHeld as error:
         print(f"device-plugin-host: {error}", file=sys.stderr)
         return EXIT_CONFIG
-    except OSError as error:  # a missing or read-only plugin dir is reported when serving
-        log.warning("cannot lock %s (%s): a second host on this plugin directory would not "
-                    "be stopped", lock.path, error.strerror or error)
+    except OSError as error:
+        # A missing or read-only plugin dir: serving says so in one line and waits for it,
+        # and the lock is taken the moment a socket of ours could be bound (take_lock).
+        log.debug("cannot lock %s yet: %s", lock.path, error.strerror or error)
     try:
         asyncio.run(serve())
+        if lost_lock:
+            print(f"device-plugin-host: {lost_lock[0]}", file=sys.stderr)
+            logging.shutdown()
+            return EXIT_CONFIG
     except ConfigError as error:  # found only with a scan: devices two resources claim
         print(f"device-plugin-host: invalid configuration: {error}", file=sys.stderr)
         return EXIT_CONFIG

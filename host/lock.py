@@ -139,6 +139,10 @@ class HostLock:
         os.pwrite(fd, data, 0)
         self._fd = fd
 
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing drops the flock; the file stays (see above)

@@ -133,6 +133,10 @@ class KubeletLink:
         self._closing_tasks: Set[asyncio.Future] = set()
         # Shared by every endpoint: a plugin_dir problem is one line, not one per resource.
         self.dir_log = TransitionLog(log)
+        # Called whenever one of our sockets was just bound in the plugin directory (so it
+        # exists and is writable): the host's single-instance lock waits for that moment when
+        # the directory was missing or read-only at start.
+        self.on_dir_usable: Optional[Callable[[], None]] = None
 
     def dir_state(self, problem: str, detail: str = "") -> None:
         """Log the plugin directory's state once per change (problem "" = usable)."""
@@ -402,6 +406,8 @@ class Endpoint:
         self._socket_inode = os.lstat(path).st_ino
         self.registered_with = None
         self.link.dir_state("")
+        if self.link.on_dir_usable is not None:
+            self.link.on_dir_usable()
         log.debug("resource %s: serving on %s", self.name, path)
 
     async def _stop_server(self) -> None:

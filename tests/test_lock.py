@@ -131,3 +131,47 @@ def test_a_missing_plugin_dir_is_not_created_by_the_lock(tmp_path):
     else:
         raise AssertionError("locked a directory that does not exist")
     assert not missing.exists()
+
+
+def test_hosts_started_before_the_plugin_dir_exists_still_lock_it_when_it_appears(
+        tmp_path, short_dir):
+    """A missing plugin directory at start (a node whose kubelet is not installed yet) must
+    not leave two hosts unlocked: the lock is taken once a socket could be bound there, and
+    the host that finds it taken stops with exit 2 (before the fix both served)."""
+    root = tmp_path / "root"
+    FakeTree(root).numa_nodes(1)
+    plugin_dir = os.path.join(short_dir, "dp")
+    config = tmp_path / "config.toml"
+    config.write_text(f'[host]\nplugin_dir = "{plugin_dir}"\nmetrics_address = ""\n'
+                      f'drain_file = "{tmp_path}/drained"\n' + USB)
+    args = [sys.executable, "-m", "host", "run", "--config", str(config), "--host-root",
+            str(root)]
+
+    async def scenario():
+        hosts = [await asyncio.create_subprocess_exec(
+            *args, env=_env(INVOCATION_ID=str(n)), cwd=str(REPO),
+            stderr=asyncio.subprocess.PIPE) for n in range(2)]
+        try:
+            await asyncio.sleep(1.0)  # both past start-up, waiting for the directory
+            assert all(h.returncode is None for h in hosts)
+            os.mkdir(plugin_dir)
+            done, _ = await asyncio.wait([asyncio.ensure_future(h.wait()) for h in hosts],
+                                         timeout=20, return_when=asyncio.FIRST_COMPLETED)
+            assert len(done) == 1, "neither host stopped: both serve one plugin directory"
+            loser = next(h for h in hosts if h.returncode is not None)
+            winner = next(h for h in hosts if h is not loser)
+            assert loser.returncode == 2
+            err = (await loser.stderr.read()).decode()
+            assert f"PID {winner.pid}" in err and "Traceback" not in err, err
+            holder = running_host(plugin_dir)
+            assert holder is not None and holder.pid == winner.pid
+            winner.terminate()
+            await asyncio.wait_for(winner.communicate(), 20)
+            assert winner.returncode == 0
+        finally:
+            for h in hosts:
+                if h.returncode is None:
+                    h.kill()
+                    await h.wait()
+
+    asyncio.run(scenario())

@@ -25,6 +25,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
 
 
 def _config(tmp_path: Path, plugin_dir: str) -> Path:
+    (tmp_path / "sys").mkdir(exist_ok=True)  # tmp_path is also the host root: it needs sys/
     path = tmp_path / "config.toml"
     text = (f'[host]\nplugin_dir = "{plugin_dir}"\nlog_format = "json"\n'
             f'drain_file = "{tmp_path}/state/drained"\ncdi_dir = "{tmp_path}/cdi"\n'
