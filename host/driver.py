@@ -90,6 +90,13 @@ class Driver:
         """Preferred ids, or None to use the host's NUMA-compact policy."""
         return None
 
+    def preferred_useful(self, resource: ResourceConfig, devices: Sequence[Device]) -> bool:
+        """Whether ``preferred`` has anything to go by for these devices (link facts,
+        partitions of one card). The host advertises GetPreferredAllocation only where some
+        policy can change the kubelet's pick, since the kubelet then calls it before every
+        Allocate. Default: whenever the driver has its own ``preferred``."""
+        return implements(self, "preferred")
+
     def pre_start(self, resource: ResourceConfig, devices: Sequence[Device]) -> None:
         """Prepare devices before a container starts; raise to fail the start (with reason).
         The kubelet gives PreStartContainer 30 s; the host bounds it by its own timeout."""

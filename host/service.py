@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Callable, Iterable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import grpc
 
@@ -55,18 +55,23 @@ def with_cdi(
 
 
 def preferred_allocation_useful(
-    resource: ResourceConfig, driver: Driver, devices: Iterable[Device]
+    resource: ResourceConfig, driver: Driver, devices: Sequence[Device]
 ) -> bool:
     """Whether GetPreferredAllocation can change what the kubelet would pick on its own.
 
     The kubelet calls it before every Allocate when it is advertised (one more round trip in
     each pod's admission), so it is advertised only where our answer can differ in a way that
-    matters: replicas (pack/spread over the shared devices), a driver's own policy (the only
-    place link information such as NVLink or a ring order is used), or devices on more than one
-    NUMA node (NUMA-compact). Devices on one node or none are interchangeable to the host.
+    matters: replicas (pack/spread over the shared devices), a driver's own policy where it has
+    something to go by (``Driver.preferred_useful``: link information such as NVLink, XGMI or
+    a Neuron ring, partitions of one card), or devices on more than one NUMA node
+    (NUMA-compact). Devices on one node or none are interchangeable to the host.
     """
-    if resource.replicas > 1 or implements(driver, "preferred"):
+    if resource.replicas > 1:
         return True
+    if implements(driver, "preferred"):
+        useful = getattr(driver, "preferred_useful", None)
+        if not callable(useful) or useful(resource, devices):
+            return True
     first: Optional[int] = None
     for device in devices:
         for node in device.numa_nodes:

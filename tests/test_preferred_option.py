@@ -93,3 +93,25 @@ def test_a_change_of_devices_on_the_same_nodes_keeps_the_registration(short_dir,
             assert sim.resources[NAME].endpoint == first
 
     run(scenario())
+
+
+def test_a_driver_policy_counts_only_where_it_has_something_to_go_by():
+    from drivers.gpu.driver import GpuDriver
+    from drivers.neuron.driver import NeuronDriver
+
+    gpu, neuron = GpuDriver(), NeuronDriver()
+    plain = [Device(f"g{i}", numa_nodes=(0,), attributes={"pci_address": f"0000:1{i}:00.0"})
+             for i in range(4)]
+    assert not _useful(plain, driver=gpu)  # no links, one device per GPU: NUMA says it all
+    linked = [replace(plain[0], attributes={**plain[0].attributes,
+                                            "nvlink_peers": "0000:11:00.0"}), *plain[1:]]
+    assert _useful(linked, driver=gpu)
+    partitions = [Device(f"mig{i}", numa_nodes=(0,), attributes={"pci_address": "0000:10:00.0"})
+                  for i in range(2)]
+    assert _useful(partitions, driver=gpu)  # slices of one GPU are kept together
+    ring = [Device(f"neuron{i}", numa_nodes=(0,), attributes={"connected_devices": "1, 3"})
+            for i in range(4)]
+    assert _useful(ring, driver=neuron)
+    assert not _useful([Device("neuron0", numa_nodes=(0,))], driver=neuron)
+    cores = ResourceConfig(NAME, "neuron", settings={"unit": "core"})
+    assert preferred_allocation_useful(cores, neuron, [Device("neuron0-core0")])

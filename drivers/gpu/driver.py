@@ -52,7 +52,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from drivers.gpu import amd
 from drivers.gpu.drm import drm_nodes
 from drivers.gpu.kfd import KfdNode, TopologyCache
-from drivers.gpu.links import link_preferred
+from drivers.gpu.links import group_of, link_preferred, peers_of
 from drivers.gpu.mig import MigDevice, read_mig_devices
 from drivers.gpu.nvidia import (
     MODESET_SETTING,
@@ -303,6 +303,19 @@ class GpuDriver(Driver):
         if resource.replicas > 1:
             return None
         return link_preferred(request.available, request.must_include, request.size)
+
+    def preferred_useful(self, resource: ResourceConfig, devices: Sequence[Device]) -> bool:
+        """link_preferred has something to go by: link facts, or partitions (MIG devices,
+        compute partitions) of one GPU, which it keeps together. Otherwise it answers None."""
+        if resource.replicas > 1:
+            return False
+        groups = set()
+        for device in devices:
+            group = group_of(device)
+            if group in groups or peers_of(device):
+                return True
+            groups.add(group)
+        return False
 
     def allocate(
         self, resource: ResourceConfig, devices: Sequence[Device], merged: ContainerAllocation

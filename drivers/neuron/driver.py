@@ -118,6 +118,15 @@ class NeuronDriver(Driver):
         pool = healthy + [d for d in must if not d.healthy]
         return connected_preferred(pool, must, request.size)
 
+    def preferred_useful(self, resource: ResourceConfig, devices: Sequence[Device]) -> bool:
+        """Cores are packed onto few devices; whole devices follow connected_devices."""
+        if resource.replicas > 1:
+            return False
+        if resource.settings.get("unit") == "core":
+            return True
+        return any(d.attributes.get("connected_devices") for d in devices)
+
+
 
 def _matches(neuron: NeuronDevice, selectors: Mapping[str, object]) -> bool:
     indexes = selector_values(selectors, "index")
