@@ -364,7 +364,8 @@ class HostApp:
         new = {r.name: r for r in config.resources}
         for field in ("plugin_dir", "host_root", "pod_resources_socket", "drain_file",
                       "cdi_dir", "metrics_address", "nfd_features_file", "node_name",
-                      "kubeconfig", "plugins_registry_dir", "dra_plugins_dir", "dra_state_dir"):
+                      "kubeconfig", "plugins_registry_dir", "dra_plugins_dir", "dra_state_dir",
+                      "disabled_drivers"):
             if getattr(config.host, field) != getattr(self.config.host, field):
                 log.warning("reload: [host] %s changed; it takes effect at the next restart",
                             field)

@@ -30,7 +30,7 @@ from host.inventory import Inventory
 from host.isolation import DriverCalls
 from host.lock import HostLock, LockHeld, running_host
 from host.logs import setup_logging
-from host.model import Device, ResourceConfig
+from host.model import Device, Health, ResourceConfig
 from host.plugins import DriverRegistry, disabled_in_config, load_drivers
 from host.protocol import POD_RESOURCES_SOCKET
 from host.reload import ConfigReloader, is_empty
@@ -635,7 +635,7 @@ def _print_table(rows: List[Dict[str, Any]]) -> None:
         )
         if "dra" in row:
             details = f"dra={row['dra']['device_name']} {details}".strip()
-        if row["health"] != "Healthy" and row["health_reason"]:
+        if row["health"] != Health.HEALTHY.value and row["health_reason"]:
             details = f"({row['health_reason']}) {details}".strip()
         table.append((
             row["resource"], row["id"], row["health"],

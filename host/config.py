@@ -34,7 +34,8 @@ except ImportError:  # pragma: no cover - Python < 3.11
     import tomli as tomllib  # type: ignore[no-redef]
 
 __all__ = [  # the public names, importable from here as before the split
-    "DEFAULT_CONFIG_PATH", "FILE_KEY", "MAX_CONFIG_BYTES", "MAX_REPLICAS", "MAX_RESOURCES",
+    "CONFIG_VERSION", "DEFAULT_CONFIG_PATH", "FILE_KEY", "MAX_CONFIG_BYTES", "MAX_REPLICAS",
+    "MAX_RESOURCES",
     "Config", "ConfigError", "HostSettings", "default_config", "dns_subdomain_error", "hint",
     "load_config", "overlap_error", "parse_config", "show", "typed", "unknown_key",
 ]
@@ -46,7 +47,10 @@ DEFAULT_CONFIG_PATH = "/etc/device-plugin-host/config.toml"
 _TOML_POSITION = re.compile(r"\s*\((?:at line (\d+), column (\d+)|at end of document)\)\s*\Z")
 
 
-_TOP_KEYS = ("host", "resource")
+_TOP_KEYS = ("version", "host", "resource")
+#: The config format this host reads; ``version`` is optional, and any other value is refused
+#: (a file written for a later format must not be half understood).
+CONFIG_VERSION = 1
 
 
 def parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config:
@@ -137,7 +141,15 @@ def _parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config
     for key in document:
         if key not in _TOP_KEYS:
             raise ConfigError(file, toml_key(key), unknown_key(key, _TOP_KEYS))
+    if "version" in document:
+        version = document["version"]
+        if isinstance(version, bool) or not isinstance(version, int) or \
+                version != CONFIG_VERSION:
+            raise ConfigError(file, "version", f"must be {CONFIG_VERSION} (the only config format "
+                                               f"this host reads), got {show(version)}")
     host = parse_host(file, document.get("host", {}))
+    if host.disabled_drivers:
+        drivers = {n: d for n, d in drivers.items() if n not in host.disabled_drivers}
 
     if "resource" not in document:
         defaults = default_config(drivers)
@@ -163,7 +175,7 @@ def _parse_config(text: str, file: str, drivers: Mapping[str, Driver]) -> Config
     resources: List[ResourceConfig] = []
     first_index: Dict[str, int] = {}
     for index, entry in enumerate(entries):
-        resource = parse_resource(file, index, entry, drivers)
+        resource = parse_resource(file, index, entry, drivers, host.disabled_drivers)
         if resource.name in first_index:
             raise ConfigError(
                 file,

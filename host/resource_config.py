@@ -7,7 +7,7 @@ raises while checking still ends in one config error line, never a traceback.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Mapping, Sequence, Tuple
 
 from host.cdi import kind_error
 from host.config_errors import ConfigError, hint, show, toml_key, typed, unknown_key
@@ -33,7 +33,8 @@ _REPLICA_POLICIES = ("pack", "spread")
 
 
 def parse_resource(
-    file: str, index: int, entry: object, drivers: Mapping[str, Driver]
+    file: str, index: int, entry: object, drivers: Mapping[str, Driver],
+    disabled: Collection[str] = (),
 ) -> ResourceConfig:
     where = f"resource[{index}]"
     if not isinstance(entry, dict):
@@ -59,6 +60,10 @@ def parse_resource(
     driver_name = entry["driver"]
     if not isinstance(driver_name, str):
         raise ConfigError(file, f"{where}.driver", f"must be a string, got {typed(driver_name)}")
+    if driver_name in disabled:
+        raise ConfigError(file, f"{where}.driver",
+                          f"driver {show(driver_name)} is disabled by host.disabled_drivers; "
+                          "remove the resource or the driver from that list")
     driver = drivers.get(driver_name)
     if driver is None:
         raise ConfigError(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from host.config_errors import ConfigError, show, toml_key, typed, unknown_key
 from host.config_values import Range, check_enum, check_node_name, check_path, check_seconds
@@ -45,6 +45,9 @@ class HostSettings:
     plugins_registry_dir: str = "/var/lib/kubelet/plugins_registry"
     dra_plugins_dir: str = "/var/lib/kubelet/plugins"
     dra_state_dir: str = "/var/lib/device-plugin-host/dra"  # the prepared-claims checkpoint
+    # Installed driver packages the host must not load (a broken third-party driver, a kind
+    # of device this node must not advertise); resources naming one are a config error.
+    disabled_drivers: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -117,11 +120,13 @@ def check_host_value(file: str, key: str, field_name: str, value: object) -> obj
         return path
     if field_name == "node_name":
         return check_node_name(file, key, value)
+    if field_name == "disabled_drivers":
+        return check_driver_names(file, key, value)
     if field_name == "metrics_address":
         if not isinstance(value, str):
             raise ConfigError(file, key, f"must be a string like \"127.0.0.1:9400\", got "
                                          f"{typed(value)}")
-        from host.metrics import parse_address  # prometheus_client only when needed
+        from host.http_endpoint import parse_address  # no prometheus_client
 
         try:
             parse_address(value)
@@ -129,6 +134,25 @@ def check_host_value(file: str, key: str, field_name: str, value: object) -> obj
             raise ConfigError(file, key, str(error)) from None
         return value
     return check_seconds(file, key, _HOST_NUMBERS[field_name], value)
+
+
+def check_driver_names(file: str, key: str, value: object) -> Tuple[str, ...]:
+    """``disabled_drivers = ["name", ...]``: driver names as their packages register them
+    (entry point names). A name that is not installed is allowed: one file serves many
+    nodes, and blocking a package before it is installed is what an operator may want."""
+    if not isinstance(value, list):
+        raise ConfigError(file, key, f"must be an array of driver names, got {typed(value)}")
+    names: List[str] = []
+    for position, item in enumerate(value):
+        where = f"{key}[{position}]"
+        if not isinstance(item, str):
+            raise ConfigError(file, where, f"must be a driver name (a string), got {typed(item)}")
+        if not item.strip() or item != item.strip() or any(c.isspace() for c in item):
+            raise ConfigError(file, where, f"{show(item)} is not a driver name (no spaces)")
+        if item in names:
+            raise ConfigError(file, where, f"{show(item)} is listed twice")
+        names.append(item)
+    return tuple(names)
 
 
 def parse_host(file: str, table: object) -> HostSettings:
