@@ -218,10 +218,10 @@ class HostApp:
         if snapshot.update(devices):
             log.info("resource %s: %d devices (%d healthy)", resource.name, len(devices),
                      sum(1 for d in devices if d.healthy))
-        service = self.services.get(resource.name)
-        if service is not None and service.refresh_options():
-            self._register_again(service, "GetPreferredAllocation is "
-                                 + ("useful now" if service.options.
+        serving = self.services.get(resource.name)
+        if serving is not None and serving.refresh_options():
+            self._register_again(serving, "GetPreferredAllocation is "
+                                 + ("useful now" if serving.options.
                                     get_preferred_allocation_available else "no longer useful"))
         self.metrics.set_devices(resource.name, devices)
         self.nfd.update(resource.name, devices)
@@ -484,9 +484,9 @@ class HostApp:
         except DrainError as error:  # unreadable now: the marks already applied stay
             log.error("%s; keeping the %d marks applied before", error, len(self.inventory.drains))
             return
-        for (resource, device), reason in drains.items():
-            if (resource, device) not in self.inventory.drains:
-                log.warning("resource %s: device %s drained by an operator: %s", resource,
+        for (resource_name, device), reason in drains.items():
+            if (resource_name, device) not in self.inventory.drains:
+                log.warning("resource %s: device %s drained by an operator: %s", resource_name,
                             device, reason)
         for name in self.inventory.set_drains(drains):
             resource = self.inventory.resources.get(name)

@@ -15,7 +15,7 @@ import re
 import stat
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple, cast
 
 import pluggy
 
@@ -232,7 +232,9 @@ class DriverRegistry:
             return
         for impl in impls:
             try:
-                drivers = list(impl.function() or ())
+                # pluggy types a hook's result as object; list() of a non-iterable raises
+                # TypeError, reported below like any other failure of the hook.
+                drivers = list(cast(Iterable[object], impl.function() or ()))
             except Exception as error:
                 self._fail(source, f"device_plugin_host_drivers raised "
                                    f"{type(error).__name__}: {error}", name)

@@ -30,7 +30,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from drivers.sriov.qat import QatPf, parse_services, read_qat
 from drivers.sriov.selectors import index_ranges, parse_pf
@@ -322,8 +322,10 @@ class SriovDriver(Driver):
                 f"link of PF {name} is up again; its VFs are usable",
             )
         present = {record.vf.function.address for record in inventory.vfs}
-        self._health_log.retain([("pf", name) for name in pfs] + [
-            key for key in self._health_log.active if key[0] == "vf" and key[2] in present])
+        keep: List[Hashable] = [("pf", name) for name in pfs]
+        keep += [key for key in self._health_log.active
+                 if isinstance(key, tuple) and key[0] == "vf" and key[2] in present]
+        self._health_log.retain(keep)
 
     def select(self, inventory: SriovInventory, resource: ResourceConfig) -> Sequence[Device]:
         key = env_name(resource.name)
