@@ -8,11 +8,22 @@ register. Later rescans only update snapshots; ListAndWatch streams see the chan
 from __future__ import annotations
 
 import asyncio
-import gc
+import concurrent.futures
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Set, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    Optional,
+    Set,
+    Tuple,
+    Union,
+)
 
 from host import devinfo
 from host.cdi import FILE_PREFIX, CdiWriter
@@ -31,6 +42,7 @@ from host.overlap import Overlap
 from host.registration import Endpoint, Registrar
 from host.service import DevicePluginService
 from host.snapshot import Snapshot
+from host.tasks import Background
 from host.watch import EventSource, RescanScheduler, device_events
 
 if TYPE_CHECKING:  # host.dra is imported only when a resource needs it
@@ -68,26 +80,27 @@ class HostApp:
         self.ready = asyncio.Event()
         self.started_at = time.monotonic()
         self.on_ready: List[Callable[[], None]] = []
-        self._safety: Optional[asyncio.TimerHandle] = None
-        self._rescan_task: Optional[asyncio.Task] = None
-        self._expiry: Optional[asyncio.TimerHandle] = None
+        # Every task and timer of the host (rescans, reloads, safety rescan, expiry, health
+        # checks, the event scheduler, CDI retries, the NFD write, device-info passes):
+        # stop() cancels and awaits them all before it removes any file (host/tasks.py).
+        self.background = Background("host")
         self._stopped = False
         self._events_spec = events
         self._drain_watch: Optional[DirectoryWatch] = None
-        self._health_timers: Dict[str, asyncio.TimerHandle] = {}
+        self._health_checked: Set[str] = set()  # drivers with a health-check timer
         self._cdi_watch: Optional[DirectoryWatch] = None
-        self._cdi_retry: Optional[asyncio.TimerHandle] = None
         self._cdi_backoff = 1.0
-        self._rescans: Set[asyncio.Task] = set()
+        self._cdi_thread: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.events: Optional[EventSource] = None
-        self.scheduler = RescanScheduler(self._drivers_for_subsystem, self.request_rescan)
+        self.scheduler = RescanScheduler(self._drivers_for_subsystem, self.request_rescan,
+                                         background=self.background)
         self.metrics = HostMetrics(pod_resources_socket=config.host.pod_resources_socket)
         # SR-IOV CNI device-info files: written at Allocate by the driver, removed here.
         self.devinfo = devinfo.DeviceInfoReconciler(
             lambda: self.config.resources, lambda name: self.inventory.devices.get(name, []),
-            self._held_devices)
+            self._held_devices, background=self.background)
         self._pod_client: Optional[PodResourcesClient] = None
-        self.nfd = FeatureFile(config.host.nfd_features_file)
+        self.nfd = FeatureFile(config.host.nfd_features_file, background=self.background)
         # Resources with api = "dra", and device plugins registered through the plugin
         # watcher: built at start only when configured, so the device-plugin-only path never
         # imports host.dra (nor the API client).
@@ -112,12 +125,17 @@ class HostApp:
         self.inventory.warn_overlaps = self.config.is_default
         await self.inventory.scan()
         self.inventory.warn_overlaps = True
+        if self._stopped:
+            return  # stop() came during the first scan: serve nothing, write nothing
         if self.inventory.overlaps and not self.config.is_default:
             # The operator's file makes two resources advertise one device: refuse to start
             # (exit 2) rather than let two pods be given it. Built-in defaults that overlap
             # are the drivers' doing; the first resource keeps the device (inventory).
             raise overlap_error(self.config, self.inventory.overlaps[0])
         self.metrics.sync_drivers(self.inventory.status)
+        await self._write_specs(self.config.resources)
+        if self._stopped:
+            return
         for resource in self.config.resources:
             self._sync(resource)
         self.nfd.flush()
@@ -128,39 +146,28 @@ class HostApp:
         self._arm_health_checks()
         self._arm_expiry()
         self._check_ready()
-        # Everything built so far lives as long as the process: keep it out of the cyclic
-        # collector, whose full passes over ~80,000 objects (10,000 devices) took ~18 ms and
-        # set ListAndWatch's p99.
-        gc.freeze()
 
     async def stop(self) -> None:
-        """Stop serving and remove every socket of ours; hung driver threads are abandoned."""
+        """Stop serving and remove every socket and file of ours; hung driver threads are
+        abandoned. Every task and timer has ended before the first file is removed: nothing
+        started by the host writes a CDI spec (or anything else) after stop() returns."""
         self._stopped = True
-        self.scheduler.close()
         if self._drain_watch is not None:
             self._drain_watch.close()
         if self._cdi_watch is not None:
             self._cdi_watch.close()
-        if self._cdi_retry is not None:
-            self._cdi_retry.cancel()
-        for timer in self._health_timers.values():
-            timer.cancel()
         if self.events is not None:
             self.events.close()
-        if self._safety is not None:
-            self._safety.cancel()
-        if self._expiry is not None:
-            self._expiry.cancel()
-        if self._rescan_task is not None:
-            self._rescan_task.cancel()
-        for task in list(self._rescans):
-            task.cancel()
+        self.scheduler.close()
+        await self.background.aclose()
         await self.registrar.close()
         for endpoint in list(self.watched.values()):
             await endpoint.close()
         self.watched.clear()
         await self._stop_dra()
-        self.cdi.remove_all()
+        self.cdi.remove_all()  # waits for a write in progress; none starts after it
+        if self._cdi_thread is not None:
+            self._cdi_thread.shutdown(wait=False)
         await self.devinfo.stop()
         if self._pod_client is not None:
             await self._pod_client.close()
@@ -175,6 +182,8 @@ class HostApp:
         return self.registrar.endpoints.get(resource)
 
     def _sync(self, resource: ResourceConfig) -> None:
+        if self._stopped:
+            return  # files are being (or were) removed: never write or serve again
         devices = self.inventory.devices.get(resource.name, [])
         if resource.api == "dra":
             self._sync_dra(resource, devices)
@@ -233,6 +242,24 @@ class HostApp:
             return None
         return {(a.resource, d) for a in assignments(pods) for d in a.devices}
 
+    async def _write_specs(self, resources: Iterable[ResourceConfig]) -> None:
+        """Write these resources' CDI specs in a worker thread: JSON and fsync of thousands of
+        devices must not stall the loop (and every ListAndWatch stream with it). ``_sync``
+        then finds each spec current for the very device list it pushes (no JSON, one
+        stat). One thread: writes land in the order they were asked for."""
+        items = [(r.name, self.inventory.devices.get(r.name, [])) for r in resources if r.cdi]
+        if not items or self._stopped:
+            return
+        if self._cdi_thread is None:
+            self._cdi_thread = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="cdi-writer")
+        await asyncio.get_running_loop().run_in_executor(self._cdi_thread, self._write_now,
+                                                         items)
+
+    def _write_now(self, items: List[Tuple[str, List[Device]]]) -> None:
+        for name, devices in items:
+            self.cdi.update(name, devices)
+
     def _write_cdi(self, resource: ResourceConfig, devices: List[Device]) -> List[Device]:
         """Write the resource's CDI spec; the devices as they may be advertised.
 
@@ -264,14 +291,11 @@ class HostApp:
     def _arm_cdi_retry(self) -> None:
         """While a spec is missing, retry with backoff (1 s doubling to 30 s) besides the
         rescans: freeing space elsewhere on the filesystem sends no event."""
-        if self._cdi_retry is not None:
-            self._cdi_retry.cancel()
-            self._cdi_retry = None
+        self.background.cancel("cdi retry")
         if not self.cdi.problems or self._stopped:
             self._cdi_backoff = 1.0
             return
-        self._cdi_retry = asyncio.get_running_loop().call_later(self._cdi_backoff,
-                                                                self._check_cdi)
+        self.background.later("cdi retry", self._cdi_backoff, self._check_cdi)
         self._cdi_backoff = min(self._cdi_backoff * 2, 30.0)
 
     def _watch_cdi(self) -> None:
@@ -295,6 +319,8 @@ class HostApp:
         """Rescan drivers and push every changed resource to its streams."""
         changed = await self.inventory.scan(drivers)
         self.metrics.sync_drivers(self.inventory.status)
+        await self._write_specs(r for r in map(self.inventory.resources.get, changed)
+                                if r is not None)
         for name in changed:
             resource = self.inventory.resources.get(name)
             if resource is not None:
@@ -308,16 +334,8 @@ class HostApp:
     def request_rescan(self, drivers: Optional[Iterable[str]] = None) -> None:
         if self._stopped:
             return
-        task = asyncio.get_running_loop().create_task(self.rescan(drivers))
-        self._rescans.add(task)  # owned: cancelled on stop, its failure logged, never lost
-        task.add_done_callback(self._rescan_done)
-
-    def _rescan_done(self, task: asyncio.Task) -> None:
-        self._rescans.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            error = task.exception()
-            log.error("rescan failed: %s: %s; the next event or safety rescan tries again",
-                      type(error).__name__, error, exc_info=error)
+        # Owned: cancelled and awaited by stop(), its failure logged, never lost.
+        self.background.spawn(self.rescan(drivers), "rescan", on_error=_rescan_failed)
 
     # -- live reload ------------------------------------------------------------------------
     async def overlaps_in(self, config: Config) -> List[Overlap]:
@@ -340,11 +358,14 @@ class HostApp:
         GetPreferredAllocation on or off, see _sync). New ones register; removed
         ones stop serving. Host settings that need a restart are reported, not applied.
         """
+        if self._stopped:
+            return
         old = {r.name: r for r in self.config.resources}
         new = {r.name: r for r in config.resources}
         for field in ("plugin_dir", "host_root", "pod_resources_socket", "drain_file",
                       "cdi_dir", "metrics_address", "nfd_features_file", "node_name",
-                      "kubeconfig", "plugins_registry_dir", "dra_plugins_dir", "dra_state_dir"):
+                      "kubeconfig", "plugins_registry_dir", "dra_plugins_dir", "dra_state_dir",
+                      "disabled_drivers"):
             if getattr(config.host, field) != getattr(self.config.host, field):
                 log.warning("reload: [host] %s changed; it takes effect at the next restart",
                             field)
@@ -400,43 +421,41 @@ class HostApp:
             if devinfo.enabled(before) and not devinfo.enabled(resource):
                 self.devinfo.remove_resource(before)
         await self.rescan(rescan)
+        await self._write_specs(config.resources)
         for resource in config.resources:
             self._sync(resource)
             # Each new resource starts an endpoint task (server, socket, Register): let the
             # loop run between them, so a reload to 256 resources never holds it for long.
             await asyncio.sleep(0)
+        if self._stopped:
+            return  # stop() came meanwhile: start no watch, arm no timer
         if self._cdi_watch is None:
             self._watch_cdi()
         self.nfd.schedule()
         self.devinfo.start()
         self._arm_health_checks()
-        gc.freeze()  # as at start: the new services live on; keep full collections short
 
     # -- periodic health and operator drains ---------------------------------------------------
     def _arm_health_checks(self) -> None:
         # One timer per driver, at its resources' shortest interval: a rescan covers every
         # resource of the driver, so a timer per resource rescanned it N times (issue 10.5).
-        loop = asyncio.get_running_loop()
         wanted: Dict[str, float] = {}
         for r in self.config.resources:
             if r.health_interval_s > 0:
                 wanted[r.driver] = min(wanted.get(r.driver, r.health_interval_s),
                                        r.health_interval_s)
-        for name in list(self._health_timers):
-            if name not in wanted:
-                self._health_timers.pop(name).cancel()
+        for name in self._health_checked - set(wanted):
+            self.background.cancel(("health", name))
+        self._health_checked = set(wanted)
 
         def check(driver: str, interval: float) -> None:
             if self._stopped:
                 return
             self.request_rescan([driver])
-            self._health_timers[driver] = loop.call_later(interval, check, driver, interval)
+            self.background.later(("health", driver), interval, check, driver, interval)
 
         for driver, interval in wanted.items():
-            timer = self._health_timers.pop(driver, None)
-            if timer is not None:
-                timer.cancel()
-            self._health_timers[driver] = loop.call_later(interval, check, driver, interval)
+            self.background.later(("health", driver), interval, check, driver, interval)
 
     def _watch_drains(self) -> None:
         path = self.config.host.drain_file
@@ -508,23 +527,18 @@ class HostApp:
         interval = self.config.host.rescan_interval_s
         if interval <= 0 or self._stopped:
             return
-        loop = asyncio.get_running_loop()
 
         def fire() -> None:
             self.request_rescan()
             self._arm_safety_rescan()
 
-        self._safety = loop.call_later(interval, fire)
+        self.background.later("safety rescan", interval, fire)
 
     def _arm_expiry(self) -> None:
         delay = self.inventory.next_expiry()
-        if self._expiry is not None:
-            self._expiry.cancel()
-            self._expiry = None
+        self.background.cancel("expiry")
         if delay is not None and not self._stopped:
-            self._expiry = asyncio.get_running_loop().call_later(
-                delay + 0.01, self.request_rescan, []
-            )
+            self.background.later("expiry", delay + 0.01, self.request_rescan, [])
 
     def _register_again(self, service: DevicePluginService, why: str) -> None:
         """New options reach the kubelet only through a new registration (it reads them in
@@ -653,3 +667,7 @@ class HostApp:
             for callback in self.on_ready:
                 callback()
 
+
+def _rescan_failed(error: BaseException) -> None:
+    log.error("rescan failed: %s: %s; the next event or safety rescan tries again",
+              type(error).__name__, error, exc_info=error)

@@ -343,7 +343,7 @@ class Inventory:
             seen.add(device_id)
             if not isinstance(device.health, Health):
                 device = device.with_health(
-                    Health.HEALTHY if device.health == "Healthy" else Health.UNHEALTHY,
+                    Health.HEALTHY if device.health == Health.HEALTHY.value else Health.UNHEALTHY,
                     device.health_reason,
                 )
             numa = device.numa_nodes

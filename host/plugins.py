@@ -160,20 +160,13 @@ class LoadFailure:
 DISABLED_REASON = "disabled by [host] disabled_drivers"
 
 
-def _project(label: Optional[str]) -> Optional[str]:
-    """The normalised project name (PEP 503) of a "Name Version" label."""
-    if not label:
-        return None
-    return re.sub(r"[-_.]+", "-", label.rsplit(" ", 1)[0]).lower()
-
-
 @dataclass
 class DriverRegistry:
     drivers: Dict[str, Driver] = field(default_factory=dict)
     sources: Dict[str, str] = field(default_factory=dict)
     failures: List[LoadFailure] = field(default_factory=list)
-    #: Entry points skipped, never imported, because ``[host] disabled_drivers`` names them
-    #: (by entry-point name or by distribution name): name -> source.
+    #: Entry points skipped, never imported, because ``[host] disabled_drivers`` names them:
+    #: entry-point name -> source.
     disabled: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -185,11 +178,11 @@ class DriverRegistry:
         self, group: str = hookspecs.ENTRY_POINT_GROUP, disabled: Iterable[str] = ()
     ) -> None:
         """Import and register every entry point of ``group``, except those ``disabled``
-        names (an entry-point name, or a distribution name for all of its entry points):
-        those are not imported at all, so a package that breaks or slows the host on import
-        can be switched off without uninstalling it."""
-        blocked: FrozenSet[str] = frozenset(name.strip().lower() for name in disabled)
-        projects = frozenset(re.sub(r"[-_.]+", "-", name) for name in blocked)
+        names (entry-point names, which are the driver names of the built-ins and of most
+        packages): those are not imported at all, so a package that breaks or slows the
+        host on import can be switched off without uninstalling it. The config loader
+        refuses a resource of a disabled driver and serves none of its defaults."""
+        blocked: FrozenSet[str] = frozenset(disabled)
         seen = set()
         for entry_point, dist in sorted(_entry_points(group), key=lambda pair: pair[0].name):
             key = (entry_point.name, entry_point.value)
@@ -197,7 +190,7 @@ class DriverRegistry:
                 continue
             seen.add(key)
             source = f"entry point {entry_point.name} ({dist or entry_point.value})"
-            if entry_point.name.lower() in blocked or _project(dist) in projects:
+            if entry_point.name in blocked:
                 self.disabled[entry_point.name] = source
                 log.info("%s: %s; not imported", source, DISABLED_REASON)
                 continue
@@ -264,11 +257,6 @@ class DriverRegistry:
         """Loaded drivers plus stand-ins for those that failed, so a config naming a broken
         driver still starts: that resource reports the failure, the others serve."""
         drivers: Dict[str, Driver] = {}
-        # A disabled package's driver is named like its entry point (the built-ins' are):
-        # a resource naming it serves nothing and says why, like a driver that failed.
-        for name in self.disabled:
-            if name not in self.drivers:
-                drivers[name] = UnavailableDriver(name, DISABLED_REASON)
         for failure in self.failures:
             if failure.driver and failure.driver not in self.drivers:
                 drivers[failure.driver] = UnavailableDriver(failure.driver, failure.reason)
