@@ -31,7 +31,7 @@ from host.isolation import DriverCalls
 from host.lock import HostLock, LockHeld, running_host
 from host.logs import setup_logging
 from host.model import Device, Health, ResourceConfig
-from host.plugins import DriverRegistry, disabled_in_config, load_drivers
+from host.plugins import DriverRegistry, configured_drivers, disabled_in_config, load_drivers
 from host.protocol import POD_RESOURCES_SOCKET
 from host.reload import ConfigReloader, is_empty
 from host.socket_names import KUBELET_SOCKET
@@ -232,7 +232,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         return code
     # [host] disabled_drivers: those packages are never imported (host/plugins.py).
     config_file = args.file if args.command == "check-config" else args.config
-    registry = load_drivers(disabled_in_config(config_file, DEFAULT_CONFIG_PATH))
+    disabled = disabled_in_config(config_file, DEFAULT_CONFIG_PATH)
+    if args.command == "run":  # the configured drivers first; the others once serving
+        path = args.config or (DEFAULT_CONFIG_PATH if os.path.lexists(DEFAULT_CONFIG_PATH)
+                               else None)
+        registry = load_drivers(first=configured_drivers(path), disabled=disabled)
+    else:
+        registry = load_drivers(disabled=disabled)
     try:
         if args.command == "check-config":
             config = load_config(args.file, registry.with_unavailable())
@@ -371,6 +377,13 @@ async def _announce_ready(app: HostApp, notifier: Notifier, config: Config) -> N
         notifier.ready(f"serving; registration pending for {', '.join(pending)}")
 
 
+def _load_rest(registry: DriverRegistry, app: HostApp) -> None:
+    if registry.load_pending():
+        for name, driver in registry.with_unavailable().items():
+            app.drivers.setdefault(name, driver)
+            app.inventory.drivers.setdefault(name, driver)
+
+
 def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -> int:
     from host.app import HostApp
 
@@ -423,6 +436,10 @@ def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -
             gc.freeze()
             reloader.on_outcome = lambda outcome: gc.freeze() if outcome == "applied" else None
             reloader.start()
+            # The drivers no resource uses load once serving (a reload may name them; a broken
+            # package is still reported): a moment after all are registered, or in 5 s.
+            app.on_ready.append(lambda: loop.call_later(0.5, _load_rest, registry, app))
+            loop.call_later(5.0, _load_rest, registry, app)
             announce = loop.create_task(_announce_ready(app, notifier, config))
             await stop.wait()
             announce.cancel()

@@ -49,7 +49,7 @@ def test_a_disabled_built_in_driver_is_not_imported():
     done = _python(
         "import json, sys\n"
         "from host.plugins import load_drivers\n"
-        "registry = load_drivers(['gpu'])\n"
+        "registry = load_drivers(disabled=['gpu'])\n"
         "print(json.dumps([sorted(registry.drivers), sorted(registry.with_unavailable()),\n"
         "                  'drivers.gpu' in sys.modules, 'drivers.usb' in sys.modules,\n"
         "                  registry.disabled_lines()]))")
@@ -65,7 +65,7 @@ def test_a_package_is_disabled_before_its_import_can_fail(tmp_path):
     _probe_package(tmp_path)
     env = "import os\nos.environ['PROBE_BREAKS'] = '1'\n"
     done = _python(env + "from host.plugins import load_drivers\n"
-                   "registry = load_drivers(['probe'])\n"
+                   "registry = load_drivers(disabled=['probe'])\n"
                    "assert 'probe' not in registry.drivers and not registry.failures\n"
                    "print(registry.disabled_lines())", tmp_path)
     assert done.returncode == 0, done.stderr
@@ -111,3 +111,20 @@ def test_discover_and_check_config_say_which_driver_is_disabled(tmp_path):
         assert done.returncode == 0, done.stderr
         assert "driver usb: entry point usb (" in done.stdout + done.stderr
         assert DISABLED_REASON in done.stdout + done.stderr
+
+
+def test_a_disabled_driver_stays_out_of_the_drivers_loaded_after_serving_starts():
+    """``run`` loads the configured drivers first and the others once serving (perf): a
+    disabled one is never among either, and is reported from the start."""
+    done = _python(
+        "import json, sys\n"
+        "from host.plugins import load_drivers\n"
+        "registry = load_drivers(first=['usb'], disabled=['gpu'])\n"
+        "early = [sorted(registry.drivers), registry.disabled_lines()]\n"
+        "registry.load_pending()\n"
+        "print(json.dumps(early + [sorted(registry.drivers), 'drivers.gpu' in sys.modules]))")
+    assert done.returncode == 0, done.stderr
+    early, early_lines, late, gpu_imported = json.loads(done.stdout)
+    assert early == ["usb"] and len(early_lines) == 1 and "driver gpu" in early_lines[0]
+    assert "gpu" not in late and {"usb", "sriov", "rdma"} <= set(late)
+    assert gpu_imported is False
