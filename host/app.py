@@ -354,7 +354,8 @@ class HostApp:
 
         Unchanged resources keep their socket, registration and stream. Changed ones keep
         them too when the kubelet-visible options are the same (new selectors or replicas
-        just send a new snapshot); otherwise they re-register. New ones register; removed
+        just send a new snapshot); otherwise they re-register (also when replicas turn
+        GetPreferredAllocation on or off, see _sync). New ones register; removed
         ones stop serving. Host settings that need a restart are reported, not applied.
         """
         if self._stopped:

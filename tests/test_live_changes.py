@@ -164,13 +164,16 @@ def test_reload_keeps_unchanged_streams_adds_and_removes(short_dir, run, tmp_pat
             await sim.wait_for(lambda s: "example.com/new" in s.resources
                                and s.resources["example.com/new"].allocatable == 3
                                and s.resources["example.com/grow"].capacity == 2
+                               and s.resources["example.com/grow"].options
+                               .get_preferred_allocation_available
                                and not s.resources["example.com/gone"].connected,
                                timeout=3, what="reload applied")
             # Unchanged: same socket, same registration, same stream, no new message.
             assert (keep.registrations, keep.endpoint, keep.snapshots) == keep_state
             assert keep.connected
-            # Changed replicas: same stream, a new snapshot, no re-registration.
-            assert sim.resources["example.com/grow"].registrations == grow_registrations
+            # Changed replicas: a new snapshot, and one registration more, since replicas turn
+            # GetPreferredAllocation on (issue 15: a change of that option re-registers).
+            assert sim.resources["example.com/grow"].registrations == grow_registrations + 1
             assert "example.com/gone" not in app.served()
 
     run(scenario())

@@ -5,6 +5,7 @@ the option reaches the kubelet only through a new registration."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 from host.model import Device, ResourceConfig
@@ -48,7 +49,7 @@ def test_a_device_on_a_second_numa_node_re_registers_with_the_option(short_dir, 
             await sim.wait_for(lambda s: NAME in s.resources and s.resources[NAME].live,
                                what="registered")
             state = sim.resources[NAME]
-            first = state.endpoint
+            first = state.registrations
             assert not state.options.get_preferred_allocation_available
             assert (await sim.call_options(NAME)).get_preferred_allocation_available is False
             result = await sim.allocate(NAME, 1, pod="a")
@@ -58,19 +59,24 @@ def test_a_device_on_a_second_numa_node_re_registers_with_the_option(short_dir, 
                                     replace(make_devices("gpu", 1, (1,))[0], id="gpu4")]
             await app.rescan(["m"])
             await sim.wait_for(
-                lambda s: s.resources[NAME].endpoint != first and s.resources[NAME].live
+                lambda s: s.resources[NAME].registrations > first and s.resources[NAME].live
+                and s.resources[NAME].options.get_preferred_allocation_available
                 and len(s.resources[NAME].devices) == 5, what="registered again")
             assert sim.resources[NAME].options.get_preferred_allocation_available
             result = await sim.allocate(NAME, 1, pod="b")
             assert result.preferred is not None  # now it asks, and the host answers
 
-            second = sim.resources[NAME].endpoint
+            second = sim.resources[NAME].registrations
             driver.devices[NAME] = driver.devices[NAME][:4]  # back to one node
             await app.rescan(["m"])
             await sim.wait_for(
-                lambda s: s.resources[NAME].endpoint != second and s.resources[NAME].live
+                lambda s: s.resources[NAME].registrations > second and s.resources[NAME].live
+                and not s.resources[NAME].options.get_preferred_allocation_available
                 and len(s.resources[NAME].devices) == 4, what="registered a third time")
             assert not sim.resources[NAME].options.get_preferred_allocation_available
+            third = sim.resources[NAME].registrations
+            await asyncio.sleep(0.3)  # the replaced stream's end must not start a loop
+            assert sim.resources[NAME].registrations == third
 
     run(scenario())
 
@@ -84,13 +90,13 @@ def test_a_change_of_devices_on_the_same_nodes_keeps_the_registration(short_dir,
         async with kubelet_and_host(config, {"m": driver}) as (sim, app):
             await sim.wait_for(lambda s: NAME in s.resources and s.resources[NAME].live,
                                what="registered")
-            first = sim.resources[NAME].endpoint
+            first = sim.resources[NAME].registrations
             assert sim.resources[NAME].options.get_preferred_allocation_available
             driver.devices[NAME] = driver.devices[NAME][:3]
             await app.rescan(["m"])
             await sim.wait_for(lambda s: len(s.resources[NAME].devices) == 3,
                                what="the new snapshot")
-            assert sim.resources[NAME].endpoint == first
+            assert sim.resources[NAME].registrations == first
 
     run(scenario())
 
