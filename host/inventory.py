@@ -98,6 +98,8 @@ class Inventory:
                 self._vanished.pop(name, None)
                 self._reported.pop(name, None)
                 self._claims.pop(name, None)
+                self._aer.retain(name, ())
+                self._aer_problems.pop(name, None)
         # A resource whose config changed (selectors, replicas) is rescanned by the caller;
         # its replicas are re-derived right away from what the driver last reported.
         for name, resource in self.resources.items():
@@ -183,10 +185,15 @@ class Inventory:
         for resource in resources:
             devices = self._reported[resource.name]
             if resource.health_interval_s > 0:
+                read = aer.get(resource.name, {})
                 self._aer_problems[resource.name] = {
                     address: self._aer.problem(resource.name, address, counts)
-                    for address, counts in aer.get(resource.name, {}).items()
+                    for address, counts in read.items()
                 }
+                self._aer.retain(resource.name, read)
+            else:
+                self._aer.retain(resource.name, ())
+                self._aer_problems.pop(resource.name, None)
             if self._publish(resource.name, self._host_view(resource, devices)):
                 changed.add(resource.name)
         for extra in set(result) - {r.name for r in resources}:
