@@ -25,7 +25,7 @@ from typing import (
     Union,
 )
 
-from host import devinfo
+from host import devinfo, dra_wiring, reconfigure
 from host.cdi import FILE_PREFIX, CdiWriter
 from host.config import Config, overlap_error
 from host.drain import DrainError, read_drains
@@ -340,100 +340,13 @@ class HostApp:
     # -- live reload ------------------------------------------------------------------------
     async def overlaps_in(self, config: Config) -> List[Overlap]:
         """Scan with a config's resources, without applying them, for devices two of them
-        claim: a reload that would double-advertise a device is rejected like a bad file."""
-        trial = Inventory(
-            self.host, self.drivers, config.resources, self.calls,
-            discover_timeout_s=config.host.discover_timeout_s, vanished_grace_s=0,
-        )
-        trial.warn_overlaps = False
-        await trial.scan()
-        return trial.overlaps
+        claim (host/reconfigure.py)."""
+        return await reconfigure.overlaps_in(self, config)
 
     async def reload(self, config: Config) -> None:
-        """Apply a new, already validated config without a blip for unchanged resources.
-
-        Unchanged resources keep their socket, registration and stream. Changed ones keep
-        them too when the kubelet-visible options are the same (new selectors or replicas
-        just send a new snapshot); otherwise they re-register (also when replicas turn
-        GetPreferredAllocation on or off, see _sync). New ones register; removed
-        ones stop serving. Host settings that need a restart are reported, not applied.
-        """
-        if self._stopped:
-            return
-        old = {r.name: r for r in self.config.resources}
-        new = {r.name: r for r in config.resources}
-        for field in ("plugin_dir", "host_root", "pod_resources_socket", "drain_file",
-                      "cdi_dir", "metrics_address", "nfd_features_file", "node_name",
-                      "kubeconfig", "plugins_registry_dir", "dra_plugins_dir", "dra_state_dir",
-                      "disabled_drivers"):
-            if getattr(config.host, field) != getattr(self.config.host, field):
-                log.warning("reload: [host] %s changed; it takes effect at the next restart",
-                            field)
-        self.config = config
-        self.inventory.set_resources(config.resources)
-        removed = [name for name in old if name not in new]
-        for name in removed:
-            log.info("reload: resource %s removed; it stops serving", name)
-            self.cdi.remove(name)
-            self.metrics.remove_resource(name)
-            self.nfd.forget(name)
-            if devinfo.enabled(old[name]):
-                self.devinfo.remove_resource(old[name])
-            self.snapshots.pop(name, None)
-            self.services.pop(name, None)
-        # Together, not one after the other: each stop waits for its server's grace period
-        # (255 removals one by one took 13 s).
-        await asyncio.gather(*(self._unserve(name) for name in removed))
-        rescan: Set[str] = set()
-        for name, resource in new.items():
-            before = old.get(name)
-            if before == resource:
-                continue
-            rescan.add(resource.driver)
-            if before is not None and (before.api != resource.api or before.api == "dra"):
-                if before.api != resource.api:
-                    log.info("reload: resource %s moves to api = %r", name, resource.api)
-                    await self._unserve(name)
-                    self.snapshots.pop(name, None)
-                    self.services.pop(name, None)
-                elif before.dra_driver_name != resource.dra_driver_name:
-                    log.info("reload: resource %s changed its DRA driver name", name)
-                    await self._unserve(name)  # the old driver's registration goes with it
-                continue  # served again (or its DRA pool updated) by _sync after the rescan
-            service = self.services.get(name)
-            if before is None or service is None:
-                log.info("reload: resource %s added", name)
-                continue  # served by _sync after the rescan
-            driver = self.drivers.get(resource.driver) or UnavailableDriver(
-                resource.driver, "not installed")
-            if before.driver != resource.driver or service.needs_options_change(
-                    resource, driver) or before.registration != resource.registration:
-                log.info("reload: resource %s changed its driver or options; re-registering",
-                         name)
-                await self._unserve(name)
-                self.snapshots.pop(name, None)
-                self.services.pop(name, None)
-            else:
-                log.info("reload: resource %s changed; same stream, new snapshot", name)
-                service.resource = resource
-            if before.cdi and not resource.cdi:
-                self.cdi.remove(name)
-            if devinfo.enabled(before) and not devinfo.enabled(resource):
-                self.devinfo.remove_resource(before)
-        await self.rescan(rescan)
-        await self._write_specs(config.resources)
-        for resource in config.resources:
-            self._sync(resource)
-            # Each new resource starts an endpoint task (server, socket, Register): let the
-            # loop run between them, so a reload to 256 resources never holds it for long.
-            await asyncio.sleep(0)
-        if self._stopped:
-            return  # stop() came meanwhile: start no watch, arm no timer
-        if self._cdi_watch is None:
-            self._watch_cdi()
-        self.nfd.schedule()
-        self.devinfo.start()
-        self._arm_health_checks()
+        """Apply a new, already validated config without a blip for unchanged resources
+        (host/reconfigure.py)."""
+        await reconfigure.apply_config(self, config)
 
     # -- periodic health and operator drains ---------------------------------------------------
     def _arm_health_checks(self) -> None:
@@ -556,81 +469,18 @@ class HostApp:
     # -- readiness -----------------------------------------------------------------------
     # -- DRA and plugin-watcher registration ----------------------------------------------------
     async def _start_dra(self) -> None:
-        from host.dra.frontend import DraFrontEnd
-        from host.dra.kube import KubeClient, KubeConfigError
-        from host.dra.metrics import DraMetrics
-        from host.dra.startup import DraStartError, check_cluster, check_settings
-
-        check_settings(self.config)
-        try:
-            self.kube = KubeClient.from_settings(self.config.host.kubeconfig)
-        except KubeConfigError as error:
-            raise DraStartError(f"no API access for DRA: {error}") from None
-        try:
-            await check_cluster(self.kube, self.config)
-        except BaseException:
-            await self.kube.close()
-            self.kube = None
-            raise
-        from host.dra.publisher import SlicePublisher
-
-        # Unhealthy devices are left out of the slices: device taints (KEP-5055) are off by
-        # default before 1.37, and a taint the server drops would advertise a broken device.
-        self.publisher = SlicePublisher(self.kube, self.config.host.node_name,
-                                        metrics=self.metrics, taint_unhealthy=False)
-        host = self.config.host
-        self.dra = DraFrontEnd(
-            node_name=host.node_name, claims=self.kube, calls=self.calls,
-            registry_dir=host.plugins_registry_dir, plugins_dir=host.dra_plugins_dir,
-            state_dir=host.dra_state_dir, cdi_dir=host.cdi_dir,
-            allocate_timeout_s=host.allocate_timeout_s, publisher=self.publisher,
-            metrics=DraMetrics(self.metrics.registry))
-        self.dra.on_registered = self._dra_registered
-        if self.publisher is not None:
-            await self.publisher.start()
+        """Raises DraStartError (before serving anything) when DRA cannot work here."""
+        await dra_wiring.start_dra(self)
 
     async def _stop_dra(self) -> None:
-        if self.dra is not None:
-            await self.dra.close()
-        if self.publisher is not None:
-            await self.publisher.stop(delete=False)  # the kubelet wipes them if we stay away
-        if self.kube is not None:
-            await self.kube.close()
+        await dra_wiring.stop_dra(self)
 
     def _sync_dra(self, resource: ResourceConfig, devices: List[Device]) -> None:
-        if self.dra is None:
-            if resource.name not in self._dra_deferred:
-                self._dra_deferred.add(resource.name)
-                log.error("resource %s: api = \"dra\" came with a reload; it takes effect "
-                          "at the next restart (the API client is set up at start)",
-                          resource.name)
-            return
-        driver = self.drivers.get(resource.driver) or UnavailableDriver(
-            resource.driver, "not installed")
-        self.dra.sync(resource, driver, devices)
-        self.metrics.set_devices(resource.name, devices)
-        if not self.dra.all_registered():
-            self.ready.clear()
+        dra_wiring.sync_dra(self, resource, devices)
 
     def _watch_register(self, service: DevicePluginService) -> None:
         """A device plugin registered through the plugin watcher instead of kubelet.sock."""
-        from host.dra.registrar import (
-            PluginWatcherEndpoint,
-            device_plugin_info,
-            registration_socket_name,
-        )
-        from host.protocol import VERSION
-
-        name = service.resource.name
-        host = self.config.host
-        folder = registration_socket_name(name)[: -len("-reg.sock")]
-        socket = os.path.join(host.dra_plugins_dir, folder, "device-plugin.sock")
-        endpoint = PluginWatcherEndpoint(
-            device_plugin_info(name, socket, VERSION), host.plugins_registry_dir,
-            lambda generation: (service.handler(generation),),
-            label=f"resource {name}", on_registered=self._watched_registered)
-        self.watched[name] = endpoint
-        endpoint.start()
+        dra_wiring.watch_register(self, service)
 
     async def _unserve(self, name: str) -> None:
         await self.registrar.remove(name)
