@@ -3,6 +3,12 @@
 Start-up order is the one the kubelet needs: scan every driver (concurrently, off the loop),
 then for each resource create its snapshot and service, serve its socket, and only then
 register. Later rescans only update snapshots; ListAndWatch streams see the change at once.
+
+Around it: the timers and watches that start rescans (host/scheduling.py), applying a reloaded
+config (host/reconfigure.py), the DRA side (host/dra_wiring.py), and the one owner of every
+task and timer (host/tasks.py). What stays is the lifecycle (start and stop order), one
+resource's sync (snapshot, CDI spec, service, registration) and readiness; keeping that story
+in one place is why this module is near 400 lines.
 """
 
 from __future__ import annotations
@@ -10,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import time
 from typing import (
     TYPE_CHECKING,
@@ -25,10 +30,9 @@ from typing import (
     Union,
 )
 
-from host import devinfo, dra_wiring, reconfigure
-from host.cdi import FILE_PREFIX, CdiWriter
+from host import devinfo, dra_wiring, reconfigure, scheduling
+from host.cdi import CdiWriter
 from host.config import Config, overlap_error
-from host.drain import DrainError, read_drains
 from host.driver import Driver, UnavailableDriver
 from host.hostfs import HostFS
 from host.inotify import DirectoryWatch
@@ -43,7 +47,7 @@ from host.registration import Endpoint, Registrar
 from host.service import DevicePluginService
 from host.snapshot import Snapshot
 from host.tasks import Background
-from host.watch import EventSource, RescanScheduler, device_events
+from host.watch import EventSource, RescanScheduler
 
 if TYPE_CHECKING:  # host.dra is imported only when a resource needs it
     from host.dra.frontend import DraFrontEnd
@@ -120,8 +124,8 @@ class HostApp:
         if any(r.api == "dra" for r in self.config.resources):
             await self._start_dra()
         self.registrar.start()
-        self._start_events()  # before the first scan: nothing plugged in meanwhile is missed
-        self._watch_drains()
+        scheduling.start_events(self)  # before the first scan: nothing plugged in is missed
+        scheduling.watch_drains(self)
         self.inventory.warn_overlaps = self.config.is_default
         await self.inventory.scan()
         self.inventory.warn_overlaps = True
@@ -140,11 +144,11 @@ class HostApp:
             self._sync(resource)
         self.nfd.flush()
         self.devinfo.start()
-        self._watch_cdi()
-        self._arm_cdi_retry()
-        self._arm_safety_rescan()
-        self._arm_health_checks()
-        self._arm_expiry()
+        scheduling.watch_cdi(self)
+        scheduling.arm_cdi_retry(self)
+        scheduling.arm_safety_rescan(self)
+        scheduling.arm_health_checks(self)
+        scheduling.arm_expiry(self)
         self._check_ready()
 
     async def stop(self) -> None:
@@ -277,44 +281,6 @@ class HostApp:
         return [d.with_health(Health.UNHEALTHY, broken[d.id])
                 if d.id in broken and d.healthy else d for d in devices]
 
-    def _check_cdi(self) -> None:
-        """Write again every CDI spec that should be on disk and is not (a failed write, a
-        file deleted by hand); cheap when all are there (one stat each)."""
-        if self._stopped:
-            return
-        for resource in self.config.resources:
-            if resource.cdi and resource.name in self.snapshots and \
-                    self.cdi.retry(resource.name):
-                self._sync(resource)
-        self._arm_cdi_retry()
-
-    def _arm_cdi_retry(self) -> None:
-        """While a spec is missing, retry with backoff (1 s doubling to 30 s) besides the
-        rescans: freeing space elsewhere on the filesystem sends no event."""
-        self.background.cancel("cdi retry")
-        if not self.cdi.problems or self._stopped:
-            self._cdi_backoff = 1.0
-            return
-        self.background.later("cdi retry", self._cdi_backoff, self._check_cdi)
-        self._cdi_backoff = min(self._cdi_backoff * 2, 30.0)
-
-    def _watch_cdi(self) -> None:
-        """Notice at once when someone deletes one of our spec files."""
-        if not any(r.cdi for r in self.config.resources):
-            return
-
-        def changed(names: Optional[List[str]]) -> None:
-            if names is None or any(n.startswith(FILE_PREFIX) for n in names):
-                self._check_cdi()
-
-        try:
-            self._cdi_watch = DirectoryWatch(self.cdi.directory, changed)
-            self._cdi_watch.start()
-        except OSError as error:
-            log.warning("cannot watch the CDI directory %s: %s; specs are checked at every "
-                        "rescan", self.cdi.directory, error)
-            self._cdi_watch = None
-
     async def rescan(self, drivers: Optional[Iterable[str]] = None) -> Set[str]:
         """Rescan drivers and push every changed resource to its streams."""
         changed = await self.inventory.scan(drivers)
@@ -327,8 +293,8 @@ class HostApp:
                 self._sync(resource)
         if changed:
             self.nfd.schedule()
-        self._check_cdi()
-        self._arm_expiry()
+        scheduling.check_cdi(self)
+        scheduling.arm_expiry(self)
         return changed
 
     def request_rescan(self, drivers: Optional[Iterable[str]] = None) -> None:
@@ -349,109 +315,12 @@ class HostApp:
         await reconfigure.apply_config(self, config)
 
     # -- periodic health and operator drains ---------------------------------------------------
-    def _arm_health_checks(self) -> None:
-        # One timer per driver, at its resources' shortest interval: a rescan covers every
-        # resource of the driver, so a timer per resource rescanned it N times (issue 10.5).
-        wanted: Dict[str, float] = {}
-        for r in self.config.resources:
-            if r.health_interval_s > 0:
-                wanted[r.driver] = min(wanted.get(r.driver, r.health_interval_s),
-                                       r.health_interval_s)
-        for name in self._health_checked - set(wanted):
-            self.background.cancel(("health", name))
-        self._health_checked = set(wanted)
-
-        def check(driver: str, interval: float) -> None:
-            if self._stopped:
-                return
-            self.request_rescan([driver])
-            self.background.later(("health", driver), interval, check, driver, interval)
-
-        for driver, interval in wanted.items():
-            self.background.later(("health", driver), interval, check, driver, interval)
-
-    def _watch_drains(self) -> None:
-        path = self.config.host.drain_file
-        self._apply_drains()
-        directory = os.path.dirname(path)
-        try:  # watching the directory itself, not a busy ancestor such as /var/lib or /tmp
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-        except OSError as error:
-            log.debug("cannot create %s (%s); watching for it", directory, error)
-        name = os.path.basename(path)
-
-        def changed(names: Optional[List[str]]) -> None:
-            if names is None or name in names:
-                self._apply_drains()
-
-        try:
-            self._drain_watch = DirectoryWatch(directory, changed)
-            self._drain_watch.start()
-        except OSError as error:
-            log.warning("cannot watch the drain file %s: %s", path, error)
-            self._drain_watch = None
-
-    def _apply_drains(self) -> None:
-        try:
-            drains = read_drains(self.config.host.drain_file)
-        except DrainError as error:  # unreadable now: the marks already applied stay
-            log.error("%s; keeping the %d marks applied before", error, len(self.inventory.drains))
-            return
-        for (resource, device), reason in drains.items():
-            if (resource, device) not in self.inventory.drains:
-                log.warning("resource %s: device %s drained by an operator: %s", resource,
-                            device, reason)
-        for name in self.inventory.set_drains(drains):
-            resource = self.inventory.resources.get(name)
-            if resource is not None:
-                self._sync(resource)
-
-    def _start_events(self) -> None:
-        spec = self._events_spec
-        if spec is None:
-            return
-        if spec == "udev":
-            subsystems = {s for name in self.inventory.by_driver
-                          for s in getattr(self.drivers.get(name), "subsystems", ())}
-            if not subsystems:
-                return
-            source: EventSource = device_events(subsystems)  # + rtnetlink for "net"
-        elif isinstance(spec, str):
-            raise ValueError(f"unknown event source {spec!r}")
-        else:
-            source = spec
-        try:
-            source.start(self.scheduler.event)
-        except Exception as error:
-            log.debug("event source failed to start", exc_info=True)
-            log.warning("device events unavailable (%s); relying on the safety rescan every "
-                        "%g s", error, self.config.host.rescan_interval_s)
-            return
-        self.events = source
-
     def _drivers_for_subsystem(self, subsystem: str) -> Set[str]:
         return self.inventory.drivers_for_subsystem(subsystem)
 
     def _driver_unhung(self, driver: str) -> None:
         log.info("driver %r returned from a call that had timed out; rescanning it", driver)
         self.request_rescan([driver])
-
-    def _arm_safety_rescan(self) -> None:
-        interval = self.config.host.rescan_interval_s
-        if interval <= 0 or self._stopped:
-            return
-
-        def fire() -> None:
-            self.request_rescan()
-            self._arm_safety_rescan()
-
-        self.background.later("safety rescan", interval, fire)
-
-    def _arm_expiry(self) -> None:
-        delay = self.inventory.next_expiry()
-        self.background.cancel("expiry")
-        if delay is not None and not self._stopped:
-            self.background.later("expiry", delay + 0.01, self.request_rescan, [])
 
     def _register_again(self, service: DevicePluginService, why: str) -> None:
         """New options reach the kubelet only through a new registration (it reads them in

@@ -13,7 +13,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, List, Set
 
-from host import devinfo
+from host import devinfo, scheduling
 from host.config import Config
 from host.driver import UnavailableDriver
 from host.inventory import Inventory
@@ -118,7 +118,7 @@ async def apply_config(app: HostApp, config: Config) -> None:
     if app._stopped:
         return  # stop() came meanwhile: start no watch, arm no timer
     if app._cdi_watch is None:
-        app._watch_cdi()
+        scheduling.watch_cdi(app)
     app.nfd.schedule()
     app.devinfo.start()
-    app._arm_health_checks()
+    scheduling.arm_health_checks(app)
