@@ -46,7 +46,6 @@ BACKOFF_MAX_S = 5.0
 SERVER_STOP_GRACE_S = 0.05  # streams run forever: grace only lets a unary call finish
 RETIRE_AFTER_S = 1.0
 STREAM_END_GRACE_S = 0.05
-PROBE_TIMEOUT_S = 1.0
 
 # Issue 10.1: after a Register failed to connect (the kubelet stopping, its dead socket left
 # behind), that subchannel sits in reconnect backoff and keeps retrying on its own; by default a

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, NoReturn, Optional, Sequence
 
 import grpc
 
@@ -83,10 +83,26 @@ def preferred_allocation_useful(
 
 
 class RequestError(Exception):
+    """A request the host refuses: the gRPC status and the reason the kubelet is told."""
+
     def __init__(self, code: grpc.StatusCode, reason: str) -> None:
         super().__init__(reason)
         self.code = code
         self.reason = reason
+
+    @classmethod
+    def from_driver(cls, error: DriverCallError, code: grpc.StatusCode) -> RequestError:
+        """A driver hook that failed (``code``) or did not answer in time (DEADLINE_EXCEEDED)."""
+        return cls(grpc.StatusCode.DEADLINE_EXCEEDED if error.timed_out else code, str(error))
+
+
+async def refuse(context: grpc.aio.ServicerContext, resource: str, what: str,
+                 error: RequestError) -> NoReturn:
+    """The one way an RPC refuses: one warning line naming the resource, then the status and
+    reason to the kubelet (``abort`` raises; nothing after it runs)."""
+    log.warning("resource %s: %s: %s", resource, what, error.reason)
+    await context.abort(error.code, error.reason)
+    raise AssertionError("unreachable")  # abort always raises
 
 
 def _show(device_id: str) -> str:
@@ -252,9 +268,7 @@ class DevicePluginService:
             return response
         except RequestError as error:
             self._observe("refused", error, started)
-            log.warning("resource %s: Allocate refused: %s", self.resource.name, error.reason)
-            await context.abort(error.code, error.reason)
-            raise AssertionError("unreachable") from None
+            await refuse(context, self.resource.name, "Allocate refused", error)
 
     async def _driver_allocate(
         self, devices: Sequence[Device], merged: ContainerAllocation
@@ -265,9 +279,7 @@ class DevicePluginService:
                 self.driver.allocate, self.resource, devices, merged,
             )
         except DriverCallError as error:
-            code = (grpc.StatusCode.DEADLINE_EXCEEDED if error.timed_out
-                    else grpc.StatusCode.INTERNAL)
-            raise RequestError(code, str(error)) from None
+            raise RequestError.from_driver(error, grpc.StatusCode.INTERNAL) from None
         if not isinstance(result, ContainerAllocation):
             raise RequestError(grpc.StatusCode.INTERNAL,
                                f"driver {self.driver.name!r} allocate returned "
@@ -320,10 +332,7 @@ class DevicePluginService:
                 response.container_responses.add().deviceIDs.extend(ids)
             return response
         except RequestError as error:
-            log.warning("resource %s: GetPreferredAllocation refused: %s", self.resource.name,
-                        error.reason)
-            await context.abort(error.code, error.reason)
-            raise AssertionError("unreachable") from None
+            await refuse(context, self.resource.name, "GetPreferredAllocation refused", error)
 
     async def _preferred_one(
         self, container: api.ContainerPreferredAllocationRequest, where: str
@@ -409,15 +418,11 @@ class DevicePluginService:
                         self.driver.pre_start, self.resource, devices,
                     )
                 except DriverCallError as error:
-                    code = (grpc.StatusCode.DEADLINE_EXCEEDED if error.timed_out
-                            else grpc.StatusCode.FAILED_PRECONDITION)
-                    raise RequestError(code, str(error)) from None
+                    raise RequestError.from_driver(
+                        error, grpc.StatusCode.FAILED_PRECONDITION) from None
             return api.PreStartContainerResponse()
         except RequestError as error:
-            log.warning("resource %s: PreStartContainer failed: %s", self.resource.name,
-                        error.reason)
-            await context.abort(error.code, error.reason)
-            raise AssertionError("unreachable") from None
+            await refuse(context, self.resource.name, "PreStartContainer failed", error)
 
     def _observe(self, event: str, detail: object, started: float) -> None:
         if self.observer is not None:

@@ -23,18 +23,10 @@ from __future__ import annotations
 import logging
 import posixpath
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from drivers.rdma.sysfs import (
-    LINK_LAYERS,
-    CharDevice,
-    IbDevice,
-    count_by_parent,
-    list_ib_devices,
-    scan_char_devices,
-)
+from drivers.rdma.sysfs import LINK_LAYERS, IbDevice, count_by_parent, list_ib_devices
 from host.driver import Driver, SelectorError, selector_values
-from host.health import rdma_ports_problem
 from host.hostfs import HostFS
 from host.model import Device, DeviceNode, Health, ResourceConfig
 from host.pci import (
@@ -43,8 +35,17 @@ from host.pci import (
     check_pci_selectors,
     read_function,
 )
+from host.rdma_chardev import CharDevice, scan_char_devices
 
 log = logging.getLogger(__name__)
+
+def rdma_ports_problem(device: str, states: Iterable[Tuple[int, Optional[str]]]) -> str:
+    """An RDMA device none of whose ports is ACTIVE (ports without a state are not judged)."""
+    known = [(number, state) for number, state in states if state]
+    if not known or any(state.upper() == "ACTIVE" for _, state in known):
+        return ""
+    listing = ", ".join(f"port {number} {state}" for number, state in known)
+    return f"no port of {device} is ACTIVE ({listing})"
 
 EXCLUSIVE = "exclusive"
 SHARED = "shared"

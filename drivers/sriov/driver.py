@@ -32,18 +32,29 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from drivers.rdma.sysfs import CharIndex, scan_char_devices
 from drivers.sriov.qat import QatPf, parse_services, read_qat
 from drivers.sriov.selectors import index_ranges, parse_pf
 from drivers.sriov.sysfs import LINK_TYPES, VirtualFunction, list_virtual_functions
 from host import devinfo
 from host.driver import Driver, SelectorError, normalise_hex_ids, selector_values
-from host.health import TransitionLog, link_problem
+from host.health import TransitionLog
 from host.hostfs import HostFS
 from host.model import ContainerAllocation, Device, DeviceNode, Health, ResourceConfig
 from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors
+from host.rdma_chardev import CharIndex, scan_char_devices
 
 log = logging.getLogger(__name__)
+
+#: Link states that mean "no traffic can pass" (operstate values from the kernel's IF_OPER_*).
+LINK_DOWN = frozenset({"down", "lowerlayerdown", "notpresent"})
+
+
+def link_problem(interface: str, operstate: Optional[str]) -> str:
+    """A netdev whose link is down; "unknown"/"dormant"/missing are not judged (many drivers
+    never report operstate, and a VF's link only comes up inside its pod)."""
+    if operstate and operstate.lower() in LINK_DOWN:
+        return f"link of {interface} is {operstate}"
+    return ""
 
 VFIO_CONTAINER = "/dev/vfio/vfio"
 IOMMUFD = "/dev/iommu"  # the iommufd misc device (drivers/iommu/iommufd/main.c)
