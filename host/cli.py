@@ -30,7 +30,7 @@ from host.drain import (
 from host.exit import EXIT_CONFIG, CommandError
 from host.lock import running_host
 from host.logs import setup_logging
-from host.plugins import DriverRegistry, load_drivers
+from host.plugins import DriverRegistry, configured_drivers, load_drivers
 from host.protocol import POD_RESOURCES_SOCKET
 from host.reload import is_empty
 from host.serve import run
@@ -219,7 +219,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         if not args.json and os.path.isdir(args.dra_state_dir):
             _claims(args, quiet=True)
         return code
-    registry = load_drivers()
+    if args.command == "run":  # the configured drivers first; the others once serving
+        path = args.config or (DEFAULT_CONFIG_PATH if os.path.lexists(DEFAULT_CONFIG_PATH)
+                               else None)
+        registry = load_drivers(first=configured_drivers(path))
+    else:
+        registry = load_drivers()
     try:
         if args.command == "check-config":
             config = load_config(args.file, registry.with_unavailable())

@@ -12,6 +12,7 @@ import importlib
 import logging
 import os
 import re
+import stat
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -164,15 +165,42 @@ class DriverRegistry:
     def __post_init__(self) -> None:
         self.manager = pluggy.PluginManager(hookspecs.PROJECT)
         self.manager.add_hookspecs(hookspecs)
+        self._pending: List[Tuple[EntryPoint, Optional[str]]] = []
 
     # -- loading ---------------------------------------------------------------------------
-    def load_entry_points(self, group: str = hookspecs.ENTRY_POINT_GROUP) -> None:
+    def load_entry_points(self, group: str = hookspecs.ENTRY_POINT_GROUP,
+                          first: Optional[Iterable[str]] = None) -> None:
+        """Load the group's entry points. With ``first`` (the driver names a config file
+        uses), only the entry points of those names load now, when they provide every one of
+        them; the others wait for ``load_pending`` (a driver package's import is the biggest
+        part of a start beyond grpc's own). A name no entry point of that name provides
+        means a package whose drivers are named otherwise: everything loads."""
         seen = set()
+        found = []
         for entry_point, dist in sorted(_entry_points(group), key=lambda pair: pair[0].name):
             key = (entry_point.name, entry_point.value)
             if key in seen:  # the same distribution visible twice on sys.path
                 continue
             seen.add(key)
+            found.append((entry_point, dist))
+        if first is None:
+            self._pending = []
+            self._load(found)
+            return
+        wanted = set(first)
+        self._pending = [pair for pair in found if pair[0].name not in wanted]
+        self._load([pair for pair in found if pair[0].name in wanted])
+        if not wanted <= set(self.with_unavailable()):
+            self.load_pending()
+
+    def load_pending(self) -> bool:
+        """Load the entry points ``load_entry_points(first=...)`` left; True when any were."""
+        pending, self._pending = self._pending, []
+        self._load(pending)
+        return bool(pending)
+
+    def _load(self, entry_points: List[Tuple[EntryPoint, Optional[str]]]) -> None:
+        for entry_point, dist in entry_points:
             source = f"entry point {entry_point.name} ({dist or entry_point.value})"
             try:
                 plugin = entry_point.load()
@@ -244,7 +272,36 @@ class DriverRegistry:
         return drivers
 
 
-def load_drivers() -> DriverRegistry:
+def load_drivers(first: Optional[Iterable[str]] = None) -> DriverRegistry:
     registry = DriverRegistry()
-    registry.load_entry_points()
+    registry.load_entry_points(first=first)
     return registry
+
+
+def configured_drivers(path: Optional[str]) -> Optional[List[str]]:
+    """The driver names a config file's resources use, read ahead of its validation so that
+    only those drivers load before serving; None (load every driver) for a file that does
+    not say, cannot be read or parsed (load_config then reports it), or has no resources
+    (the drivers' defaults are served)."""
+    if path is None:
+        return None
+    from host.config import MAX_CONFIG_BYTES, tomllib
+
+    try:  # as load_config reads it: a FIFO must not hang, a huge file is not read whole
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        with open(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                return None
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            return None
+        data = tomllib.loads(raw.decode("utf-8"))
+    except Exception:  # load_config reports whatever is wrong with the file
+        return None
+    resources = data.get("resource") if isinstance(data, dict) else None
+    if not isinstance(resources, list) or not resources:
+        return None
+    names = [r.get("driver") for r in resources if isinstance(r, dict)]
+    if len(names) != len(resources) or not all(isinstance(n, str) and n for n in names):
+        return None
+    return sorted(set(names))

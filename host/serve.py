@@ -49,6 +49,13 @@ async def announce_ready(app: HostApp, notifier: Notifier, config: Config) -> No
         notifier.ready(f"serving; registration pending for {', '.join(pending)}")
 
 
+def _load_rest(registry: DriverRegistry, app: HostApp) -> None:
+    if registry.load_pending():
+        for name, driver in registry.with_unavailable().items():
+            app.drivers.setdefault(name, driver)
+            app.inventory.drivers.setdefault(name, driver)
+
+
 def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -> int:
     from host.app import HostApp
 
@@ -101,9 +108,16 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
             gc.freeze()
             reloader.on_outcome = lambda outcome: gc.freeze() if outcome == "applied" else None
             reloader.start()
-            announce = loop.create_task(announce_ready(app, notifier, config))
+            # The drivers no resource uses load once serving (a reload may name them; a broken
+            # package is still reported): a moment after all are registered, or in 5 s. Both
+            # timers are the host's, cancelled by its stop().
+            app.on_ready.append(lambda: app.background.later(
+                "load other drivers", 0.5, _load_rest, registry, app))
+            app.background.later("load other drivers (fallback)", 5.0, _load_rest, registry, app)
+            announce = app.background.spawn(announce_ready(app, notifier, config), "readiness")
             await stop.wait()
-            announce.cancel()
+            if announce is not None:
+                announce.cancel()
             log.info("stopping: removing our sockets")
             notifier.stopping()
         finally:
