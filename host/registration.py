@@ -13,6 +13,11 @@ doubling backoff, and nothing but a new kubelet identity cuts that backoff short
 caused by our own socket changes never wake a registration. After a connect failure the next
 attempts first check with a plain connect() that the socket accepts at all, so a dead
 kubelet's left-over socket costs no Register calls while it is down.
+
+The kubelet's socket identity and channels are in host/kubelet_link.py, the plain-socket
+checks in host/socket_probe.py. The Endpoint's reconcile loop stays whole (a little under 400
+lines with the Registrar): its states and their transitions are one story, split apart they
+could no longer be read against the kubelet's behaviour (facts §3, §8).
 """
 
 from __future__ import annotations
