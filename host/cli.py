@@ -2,7 +2,9 @@
 
 ``run`` lives in host/serve.py and ``discover`` in host/discovery.py; this module parses,
 loads the config the same way for every command, and turns every operator-caused error into
-one line and an exit code (host/exit.py), never a traceback.
+one line and an exit code (host/exit.py), never a traceback. It is a little over 300 lines
+because argparse's definitions of every command and flag (their help texts are the
+operator's reference) sit in one ``_parser``.
 """
 
 from __future__ import annotations

@@ -109,12 +109,15 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
             reloader.on_outcome = lambda outcome: gc.freeze() if outcome == "applied" else None
             reloader.start()
             # The drivers no resource uses load once serving (a reload may name them; a broken
-            # package is still reported): a moment after all are registered, or in 5 s.
-            app.on_ready.append(lambda: loop.call_later(0.5, _load_rest, registry, app))
-            loop.call_later(5.0, _load_rest, registry, app)
-            announce = loop.create_task(announce_ready(app, notifier, config))
+            # package is still reported): a moment after all are registered, or in 5 s. Both
+            # timers are the host's, cancelled by its stop().
+            app.on_ready.append(lambda: app.background.later(
+                "load other drivers", 0.5, _load_rest, registry, app))
+            app.background.later("load other drivers (fallback)", 5.0, _load_rest, registry, app)
+            announce = app.background.spawn(announce_ready(app, notifier, config), "readiness")
             await stop.wait()
-            announce.cancel()
+            if announce is not None:
+                announce.cancel()
             log.info("stopping: removing our sockets")
             notifier.stopping()
         finally:

@@ -1,5 +1,9 @@
 """The DevicePlugin service of one resource: the six RPCs, answered from its Snapshot.
 
+The rules that need no service state (refusals, CDI names in an answer, when
+GetPreferredAllocation is worth advertising) are in host/service_rules.py; a little over
+300 lines remain because each RPC's checks are read best next to its handler.
+
 Handlers are registered through a generic handler so ListAndWatch can yield pre-serialized
 snapshots (bytes pass through an identity serializer). Every refusal carries a gRPC status and a
 reason; nothing a request contains can raise out of a handler.
@@ -9,18 +13,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
-from typing import Callable, List, NoReturn, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import grpc
 
 from host import allocation
-from host.cdi import qualified_names
 from host.driver import Driver, implements
 from host.isolation import DriverCallError, DriverCalls
 from host.model import ContainerAllocation, Device, PreferredRequest, ResourceConfig
 from host.protocol import api
 from host.protocol.convert import allocate_response
+from host.service_rules import RequestError, preferred_allocation_useful, refuse, with_cdi
 from host.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
@@ -28,81 +31,6 @@ log = logging.getLogger(__name__)
 PRE_START_TIMEOUT_S = 28.0  # inside the kubelet's 30 s PreStartContainer deadline
 MAX_IDS_PER_REQUEST = 100_000
 SERVICE_NAME = "v1beta1.DevicePlugin"
-
-
-def with_cdi(
-    resource: ResourceConfig, devices: Sequence[Device], merged: ContainerAllocation,
-    resolvable: Optional[Callable[[str, Sequence[str]], bool]] = None,
-) -> ContainerAllocation:
-    """Add the devices' CDI names (and drop what the spec already carries, unless the
-    resource keeps device specs as a fallback for runtimes without CDI).
-
-    ``resolvable`` says whether the spec on disk holds the names: a name a runtime cannot
-    resolve fails the container, so without it the fallback's device nodes go alone, and
-    without a fallback the request is refused."""
-    ours = qualified_names(resource.name, devices)
-    if resolvable is not None and not resolvable(
-            resource.name, [name.partition("=")[2] for name in ours]):
-        if resource.cdi_fallback:
-            return merged
-        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"the CDI spec of {resource.name} is not on disk; its devices "
-                           "cannot be resolved by the container runtime now")
-    names = tuple(dict.fromkeys([*merged.cdi_devices, *ours]))
-    if resource.cdi_fallback:
-        return replace(merged, cdi_devices=names)
-    return replace(merged, cdi_devices=names, device_nodes=(), mounts=())
-
-
-def preferred_allocation_useful(
-    resource: ResourceConfig, driver: Driver, devices: Sequence[Device]
-) -> bool:
-    """Whether GetPreferredAllocation can change what the kubelet would pick on its own.
-
-    The kubelet calls it before every Allocate when it is advertised (one more round trip in
-    each pod's admission), so it is advertised only where our answer can differ in a way that
-    matters: replicas (pack/spread over the shared devices), a driver's own policy where it has
-    something to go by (``Driver.preferred_useful``: link information such as NVLink, XGMI or
-    a Neuron ring, partitions of one card), or devices on more than one NUMA node
-    (NUMA-compact). Devices on one node or none are interchangeable to the host.
-    """
-    if resource.replicas > 1:
-        return True
-    if implements(driver, "preferred"):
-        useful = getattr(driver, "preferred_useful", None)
-        if not callable(useful) or useful(resource, devices):
-            return True
-    first: Optional[int] = None
-    for device in devices:
-        for node in device.numa_nodes:
-            if first is None:
-                first = node
-            elif node != first:
-                return True
-    return False
-
-
-class RequestError(Exception):
-    """A request the host refuses: the gRPC status and the reason the kubelet is told."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
-
-    @classmethod
-    def from_driver(cls, error: DriverCallError, code: grpc.StatusCode) -> RequestError:
-        """A driver hook that failed (``code``) or did not answer in time (DEADLINE_EXCEEDED)."""
-        return cls(grpc.StatusCode.DEADLINE_EXCEEDED if error.timed_out else code, str(error))
-
-
-async def refuse(context: grpc.aio.ServicerContext, resource: str, what: str,
-                 error: RequestError) -> NoReturn:
-    """The one way an RPC refuses: one warning line naming the resource, then the status and
-    reason to the kubelet (``abort`` raises; nothing after it runs)."""
-    log.warning("resource %s: %s: %s", resource, what, error.reason)
-    await context.abort(error.code, error.reason)
-    raise AssertionError("unreachable")  # abort always raises
 
 
 def _show(device_id: str) -> str:
