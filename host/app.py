@@ -3,6 +3,12 @@
 Start-up order is the one the kubelet needs: scan every driver (concurrently, off the loop),
 then for each resource create its snapshot and service, serve its socket, and only then
 register. Later rescans only update snapshots; ListAndWatch streams see the change at once.
+
+Around it: the timers and watches that start rescans (host/scheduling.py), applying a reloaded
+config (host/reconfigure.py), the DRA side (host/dra_wiring.py), and the one owner of every
+task and timer (host/tasks.py). What stays is the lifecycle (start and stop order), one
+resource's sync (snapshot, CDI spec, service, registration) and readiness; keeping that story
+in one place is why this module is near 400 lines.
 """
 
 from __future__ import annotations
@@ -10,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import time
 from typing import (
     TYPE_CHECKING,
@@ -25,10 +30,9 @@ from typing import (
     Union,
 )
 
-from host import devinfo
-from host.cdi import FILE_PREFIX, CdiWriter
+from host import devinfo, dra_wiring, reconfigure, scheduling
+from host.cdi import CdiWriter
 from host.config import Config, overlap_error
-from host.drain import DrainError, read_drains
 from host.driver import Driver, UnavailableDriver
 from host.hostfs import HostFS
 from host.inotify import DirectoryWatch
@@ -43,7 +47,7 @@ from host.registration import Endpoint, Registrar
 from host.service import DevicePluginService
 from host.snapshot import Snapshot
 from host.tasks import Background
-from host.watch import EventSource, RescanScheduler, device_events
+from host.watch import EventSource, RescanScheduler
 
 if TYPE_CHECKING:  # host.dra is imported only when a resource needs it
     from host.dra.frontend import DraFrontEnd
@@ -120,8 +124,8 @@ class HostApp:
         if any(r.api == "dra" for r in self.config.resources):
             await self._start_dra()
         self.registrar.start()
-        self._start_events()  # before the first scan: nothing plugged in meanwhile is missed
-        self._watch_drains()
+        scheduling.start_events(self)  # before the first scan: nothing plugged in is missed
+        scheduling.watch_drains(self)
         self.inventory.warn_overlaps = self.config.is_default
         await self.inventory.scan()
         self.inventory.warn_overlaps = True
@@ -140,11 +144,11 @@ class HostApp:
             self._sync(resource)
         self.nfd.flush()
         self.devinfo.start()
-        self._watch_cdi()
-        self._arm_cdi_retry()
-        self._arm_safety_rescan()
-        self._arm_health_checks()
-        self._arm_expiry()
+        scheduling.watch_cdi(self)
+        scheduling.arm_cdi_retry(self)
+        scheduling.arm_safety_rescan(self)
+        scheduling.arm_health_checks(self)
+        scheduling.arm_expiry(self)
         self._check_ready()
 
     async def stop(self) -> None:
@@ -218,10 +222,10 @@ class HostApp:
         if snapshot.update(devices):
             log.info("resource %s: %d devices (%d healthy)", resource.name, len(devices),
                      sum(1 for d in devices if d.healthy))
-        serving = self.services.get(resource.name)
-        if serving is not None and serving.refresh_options():
-            self._register_again(serving, "GetPreferredAllocation is "
-                                 + ("useful now" if serving.options.
+        service = self.services.get(resource.name)
+        if service is not None and service.refresh_options():
+            self._register_again(service, "GetPreferredAllocation is "
+                                 + ("useful now" if service.options.
                                     get_preferred_allocation_available else "no longer useful"))
         self.metrics.set_devices(resource.name, devices)
         self.nfd.update(resource.name, devices)
@@ -277,44 +281,6 @@ class HostApp:
         return [d.with_health(Health.UNHEALTHY, broken[d.id])
                 if d.id in broken and d.healthy else d for d in devices]
 
-    def _check_cdi(self) -> None:
-        """Write again every CDI spec that should be on disk and is not (a failed write, a
-        file deleted by hand); cheap when all are there (one stat each)."""
-        if self._stopped:
-            return
-        for resource in self.config.resources:
-            if resource.cdi and resource.name in self.snapshots and \
-                    self.cdi.retry(resource.name):
-                self._sync(resource)
-        self._arm_cdi_retry()
-
-    def _arm_cdi_retry(self) -> None:
-        """While a spec is missing, retry with backoff (1 s doubling to 30 s) besides the
-        rescans: freeing space elsewhere on the filesystem sends no event."""
-        self.background.cancel("cdi retry")
-        if not self.cdi.problems or self._stopped:
-            self._cdi_backoff = 1.0
-            return
-        self.background.later("cdi retry", self._cdi_backoff, self._check_cdi)
-        self._cdi_backoff = min(self._cdi_backoff * 2, 30.0)
-
-    def _watch_cdi(self) -> None:
-        """Notice at once when someone deletes one of our spec files."""
-        if not any(r.cdi for r in self.config.resources):
-            return
-
-        def changed(names: Optional[List[str]]) -> None:
-            if names is None or any(n.startswith(FILE_PREFIX) for n in names):
-                self._check_cdi()
-
-        try:
-            self._cdi_watch = DirectoryWatch(self.cdi.directory, changed)
-            self._cdi_watch.start()
-        except OSError as error:
-            log.warning("cannot watch the CDI directory %s: %s; specs are checked at every "
-                        "rescan", self.cdi.directory, error)
-            self._cdi_watch = None
-
     async def rescan(self, drivers: Optional[Iterable[str]] = None) -> Set[str]:
         """Rescan drivers and push every changed resource to its streams."""
         changed = await self.inventory.scan(drivers)
@@ -327,8 +293,8 @@ class HostApp:
                 self._sync(resource)
         if changed:
             self.nfd.schedule()
-        self._check_cdi()
-        self._arm_expiry()
+        scheduling.check_cdi(self)
+        scheduling.arm_expiry(self)
         return changed
 
     def request_rescan(self, drivers: Optional[Iterable[str]] = None) -> None:
@@ -340,205 +306,21 @@ class HostApp:
     # -- live reload ------------------------------------------------------------------------
     async def overlaps_in(self, config: Config) -> List[Overlap]:
         """Scan with a config's resources, without applying them, for devices two of them
-        claim: a reload that would double-advertise a device is rejected like a bad file."""
-        trial = Inventory(
-            self.host, self.drivers, config.resources, self.calls,
-            discover_timeout_s=config.host.discover_timeout_s, vanished_grace_s=0,
-        )
-        trial.warn_overlaps = False
-        await trial.scan()
-        return trial.overlaps
+        claim (host/reconfigure.py)."""
+        return await reconfigure.overlaps_in(self, config)
 
     async def reload(self, config: Config) -> None:
-        """Apply a new, already validated config without a blip for unchanged resources.
-
-        Unchanged resources keep their socket, registration and stream. Changed ones keep
-        them too when the kubelet-visible options are the same (new selectors or replicas
-        just send a new snapshot); otherwise they re-register (also when replicas turn
-        GetPreferredAllocation on or off, see _sync). New ones register; removed
-        ones stop serving. Host settings that need a restart are reported, not applied.
-        """
-        if self._stopped:
-            return
-        old = {r.name: r for r in self.config.resources}
-        new = {r.name: r for r in config.resources}
-        for field in ("plugin_dir", "host_root", "pod_resources_socket", "drain_file",
-                      "cdi_dir", "metrics_address", "nfd_features_file", "node_name",
-                      "kubeconfig", "plugins_registry_dir", "dra_plugins_dir", "dra_state_dir",
-                      "disabled_drivers"):
-            if getattr(config.host, field) != getattr(self.config.host, field):
-                log.warning("reload: [host] %s changed; it takes effect at the next restart",
-                            field)
-        self.config = config
-        self.inventory.set_resources(config.resources)
-        removed = [name for name in old if name not in new]
-        for name in removed:
-            log.info("reload: resource %s removed; it stops serving", name)
-            self.cdi.remove(name)
-            self.metrics.remove_resource(name)
-            self.nfd.forget(name)
-            if devinfo.enabled(old[name]):
-                self.devinfo.remove_resource(old[name])
-            self.snapshots.pop(name, None)
-            self.services.pop(name, None)
-        # Together, not one after the other: each stop waits for its server's grace period
-        # (255 removals one by one took 13 s).
-        await asyncio.gather(*(self._unserve(name) for name in removed))
-        rescan: Set[str] = set()
-        for name, resource in new.items():
-            before = old.get(name)
-            if before == resource:
-                continue
-            rescan.add(resource.driver)
-            if before is not None and (before.api != resource.api or before.api == "dra"):
-                if before.api != resource.api:
-                    log.info("reload: resource %s moves to api = %r", name, resource.api)
-                    await self._unserve(name)
-                    self.snapshots.pop(name, None)
-                    self.services.pop(name, None)
-                elif before.dra_driver_name != resource.dra_driver_name:
-                    log.info("reload: resource %s changed its DRA driver name", name)
-                    await self._unserve(name)  # the old driver's registration goes with it
-                continue  # served again (or its DRA pool updated) by _sync after the rescan
-            service = self.services.get(name)
-            if before is None or service is None:
-                log.info("reload: resource %s added", name)
-                continue  # served by _sync after the rescan
-            driver = self.drivers.get(resource.driver) or UnavailableDriver(
-                resource.driver, "not installed")
-            if before.driver != resource.driver or service.needs_options_change(
-                    resource, driver) or before.registration != resource.registration:
-                log.info("reload: resource %s changed its driver or options; re-registering",
-                         name)
-                await self._unserve(name)
-                self.snapshots.pop(name, None)
-                self.services.pop(name, None)
-            else:
-                log.info("reload: resource %s changed; same stream, new snapshot", name)
-                service.resource = resource
-            if before.cdi and not resource.cdi:
-                self.cdi.remove(name)
-            if devinfo.enabled(before) and not devinfo.enabled(resource):
-                self.devinfo.remove_resource(before)
-        await self.rescan(rescan)
-        await self._write_specs(config.resources)
-        for resource in config.resources:
-            self._sync(resource)
-            # Each new resource starts an endpoint task (server, socket, Register): let the
-            # loop run between them, so a reload to 256 resources never holds it for long.
-            await asyncio.sleep(0)
-        if self._stopped:
-            return  # stop() came meanwhile: start no watch, arm no timer
-        if self._cdi_watch is None:
-            self._watch_cdi()
-        self.nfd.schedule()
-        self.devinfo.start()
-        self._arm_health_checks()
+        """Apply a new, already validated config without a blip for unchanged resources
+        (host/reconfigure.py)."""
+        await reconfigure.apply_config(self, config)
 
     # -- periodic health and operator drains ---------------------------------------------------
-    def _arm_health_checks(self) -> None:
-        # One timer per driver, at its resources' shortest interval: a rescan covers every
-        # resource of the driver, so a timer per resource rescanned it N times (issue 10.5).
-        wanted: Dict[str, float] = {}
-        for r in self.config.resources:
-            if r.health_interval_s > 0:
-                wanted[r.driver] = min(wanted.get(r.driver, r.health_interval_s),
-                                       r.health_interval_s)
-        for name in self._health_checked - set(wanted):
-            self.background.cancel(("health", name))
-        self._health_checked = set(wanted)
-
-        def check(driver: str, interval: float) -> None:
-            if self._stopped:
-                return
-            self.request_rescan([driver])
-            self.background.later(("health", driver), interval, check, driver, interval)
-
-        for driver, interval in wanted.items():
-            self.background.later(("health", driver), interval, check, driver, interval)
-
-    def _watch_drains(self) -> None:
-        path = self.config.host.drain_file
-        self._apply_drains()
-        directory = os.path.dirname(path)
-        try:  # watching the directory itself, not a busy ancestor such as /var/lib or /tmp
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-        except OSError as error:
-            log.debug("cannot create %s (%s); watching for it", directory, error)
-        name = os.path.basename(path)
-
-        def changed(names: Optional[List[str]]) -> None:
-            if names is None or name in names:
-                self._apply_drains()
-
-        try:
-            self._drain_watch = DirectoryWatch(directory, changed)
-            self._drain_watch.start()
-        except OSError as error:
-            log.warning("cannot watch the drain file %s: %s", path, error)
-            self._drain_watch = None
-
-    def _apply_drains(self) -> None:
-        try:
-            drains = read_drains(self.config.host.drain_file)
-        except DrainError as error:  # unreadable now: the marks already applied stay
-            log.error("%s; keeping the %d marks applied before", error, len(self.inventory.drains))
-            return
-        for (resource_name, device), reason in drains.items():
-            if (resource_name, device) not in self.inventory.drains:
-                log.warning("resource %s: device %s drained by an operator: %s", resource_name,
-                            device, reason)
-        for name in self.inventory.set_drains(drains):
-            resource = self.inventory.resources.get(name)
-            if resource is not None:
-                self._sync(resource)
-
-    def _start_events(self) -> None:
-        spec = self._events_spec
-        if spec is None:
-            return
-        if spec == "udev":
-            subsystems = {s for name in self.inventory.by_driver
-                          for s in getattr(self.drivers.get(name), "subsystems", ())}
-            if not subsystems:
-                return
-            source: EventSource = device_events(subsystems)  # + rtnetlink for "net"
-        elif isinstance(spec, str):
-            raise ValueError(f"unknown event source {spec!r}")
-        else:
-            source = spec
-        try:
-            source.start(self.scheduler.event)
-        except Exception as error:
-            log.debug("event source failed to start", exc_info=True)
-            log.warning("device events unavailable (%s); relying on the safety rescan every "
-                        "%g s", error, self.config.host.rescan_interval_s)
-            return
-        self.events = source
-
     def _drivers_for_subsystem(self, subsystem: str) -> Set[str]:
         return self.inventory.drivers_for_subsystem(subsystem)
 
     def _driver_unhung(self, driver: str) -> None:
         log.info("driver %r returned from a call that had timed out; rescanning it", driver)
         self.request_rescan([driver])
-
-    def _arm_safety_rescan(self) -> None:
-        interval = self.config.host.rescan_interval_s
-        if interval <= 0 or self._stopped:
-            return
-
-        def fire() -> None:
-            self.request_rescan()
-            self._arm_safety_rescan()
-
-        self.background.later("safety rescan", interval, fire)
-
-    def _arm_expiry(self) -> None:
-        delay = self.inventory.next_expiry()
-        self.background.cancel("expiry")
-        if delay is not None and not self._stopped:
-            self.background.later("expiry", delay + 0.01, self.request_rescan, [])
 
     def _register_again(self, service: DevicePluginService, why: str) -> None:
         """New options reach the kubelet only through a new registration (it reads them in
@@ -556,81 +338,18 @@ class HostApp:
     # -- readiness -----------------------------------------------------------------------
     # -- DRA and plugin-watcher registration ----------------------------------------------------
     async def _start_dra(self) -> None:
-        from host.dra.frontend import DraFrontEnd
-        from host.dra.kube import KubeClient, KubeConfigError
-        from host.dra.metrics import DraMetrics
-        from host.dra.startup import DraStartError, check_cluster, check_settings
-
-        check_settings(self.config)
-        try:
-            self.kube = KubeClient.from_settings(self.config.host.kubeconfig)
-        except KubeConfigError as error:
-            raise DraStartError(f"no API access for DRA: {error}") from None
-        try:
-            await check_cluster(self.kube, self.config)
-        except BaseException:
-            await self.kube.close()
-            self.kube = None
-            raise
-        from host.dra.publisher import SlicePublisher
-
-        # Unhealthy devices are left out of the slices: device taints (KEP-5055) are off by
-        # default before 1.37, and a taint the server drops would advertise a broken device.
-        self.publisher = SlicePublisher(self.kube, self.config.host.node_name,
-                                        metrics=self.metrics, taint_unhealthy=False)
-        host = self.config.host
-        self.dra = DraFrontEnd(
-            node_name=host.node_name, claims=self.kube, calls=self.calls,
-            registry_dir=host.plugins_registry_dir, plugins_dir=host.dra_plugins_dir,
-            state_dir=host.dra_state_dir, cdi_dir=host.cdi_dir,
-            allocate_timeout_s=host.allocate_timeout_s, publisher=self.publisher,
-            metrics=DraMetrics(self.metrics.registry))
-        self.dra.on_registered = self._dra_registered
-        if self.publisher is not None:
-            await self.publisher.start()
+        """Raises DraStartError (before serving anything) when DRA cannot work here."""
+        await dra_wiring.start_dra(self)
 
     async def _stop_dra(self) -> None:
-        if self.dra is not None:
-            await self.dra.close()
-        if self.publisher is not None:
-            await self.publisher.stop(delete=False)  # the kubelet wipes them if we stay away
-        if self.kube is not None:
-            await self.kube.close()
+        await dra_wiring.stop_dra(self)
 
     def _sync_dra(self, resource: ResourceConfig, devices: List[Device]) -> None:
-        if self.dra is None:
-            if resource.name not in self._dra_deferred:
-                self._dra_deferred.add(resource.name)
-                log.error("resource %s: api = \"dra\" came with a reload; it takes effect "
-                          "at the next restart (the API client is set up at start)",
-                          resource.name)
-            return
-        driver = self.drivers.get(resource.driver) or UnavailableDriver(
-            resource.driver, "not installed")
-        self.dra.sync(resource, driver, devices)
-        self.metrics.set_devices(resource.name, devices)
-        if not self.dra.all_registered():
-            self.ready.clear()
+        dra_wiring.sync_dra(self, resource, devices)
 
     def _watch_register(self, service: DevicePluginService) -> None:
         """A device plugin registered through the plugin watcher instead of kubelet.sock."""
-        from host.dra.registrar import (
-            PluginWatcherEndpoint,
-            device_plugin_info,
-            registration_socket_name,
-        )
-        from host.protocol import VERSION
-
-        name = service.resource.name
-        host = self.config.host
-        folder = registration_socket_name(name)[: -len("-reg.sock")]
-        socket = os.path.join(host.dra_plugins_dir, folder, "device-plugin.sock")
-        endpoint = PluginWatcherEndpoint(
-            device_plugin_info(name, socket, VERSION), host.plugins_registry_dir,
-            lambda generation: (service.handler(generation),),
-            label=f"resource {name}", on_registered=self._watched_registered)
-        self.watched[name] = endpoint
-        endpoint.start()
+        dra_wiring.watch_register(self, service)
 
     async def _unserve(self, name: str) -> None:
         await self.registrar.remove(name)

@@ -204,10 +204,6 @@ class DeviceInfoReconciler:
         if self._task is None and self._wanted():
             self._task = self._background.spawn(self._run(), "device-info reconcile")
 
-    def restart_if_needed(self) -> None:
-        """After a reload: start when a resource now writes files."""
-        self.start()
-
     async def _run(self) -> None:
         delay = min(self.first_pass_s, self.interval_s)
         while True:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Dict, Hashable, Iterable, Mapping, Optional, Tuple
+from typing import Dict, Hashable, Iterable, Optional, Set, Tuple
 
 from host.hostfs import HostFS
 
@@ -114,6 +114,14 @@ class AerTracker:
             rises.append(f"non-fatal {before.nonfatal}->{counts.nonfatal}")
         return f"PCIe AER errors rising on {pci_address} ({', '.join(rises)})" if rises else ""
 
-    def forget(self, resource: str, keep: Mapping[str, object]) -> None:
+    def retain(self, resource: str, addresses: Iterable[str]) -> None:
+        """Drop the counters of the resource's functions not in ``addresses`` (gone from the
+        host, no longer selected, or the resource stopped checking): without this, every
+        function ever seen kept its entry for the life of the process."""
+        keep = set(addresses)
         for key in [k for k in self._last if k[0] == resource and k[1] not in keep]:
             del self._last[key]
+
+    def tracked(self) -> Set[Tuple[str, str]]:
+        """(resource, pci address) pairs with counters kept, for tests and debugging."""
+        return set(self._last)

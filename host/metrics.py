@@ -34,7 +34,6 @@ from host.pod_metrics import (
     POD_LIST_TIMEOUT_S,
     AllocatedDevices,
     PodAllocations,
-    PodRow,
 )
 
 if TYPE_CHECKING:  # prometheus_client (and its http/email/wsgiref imports) load with HostMetrics
@@ -217,10 +216,6 @@ class HostMetrics:
                 pass
 
     # -- pods ---------------------------------------------------------------------------------
-    @property
-    def pod_rows(self) -> List[PodRow]:
-        return self.pods.rows
-
     async def refresh_pods(self) -> None:
         await self.pods.refresh()
 

@@ -35,7 +35,6 @@ from host.tasks import Background
 log = logging.getLogger(__name__)
 _TIMER = "nfd feature file"
 
-DEFAULT_PATH = "/etc/kubernetes/node-feature-discovery/features.d/device-plugin-host"
 MAX_BYTES = 64 * 1024  # NFD ignores a bigger feature file altogether
 _NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?\Z")
 _BAD_VALUE_CHARS = re.compile(r"[^-A-Za-z0-9_.]+")

@@ -160,47 +160,69 @@ class LoadFailure:
 DISABLED_REASON = "disabled by [host] disabled_drivers"
 
 
-def _project(label: Optional[str]) -> Optional[str]:
-    """The normalised project name (PEP 503) of a "Name Version" label."""
-    if not label:
-        return None
-    return re.sub(r"[-_.]+", "-", label.rsplit(" ", 1)[0]).lower()
-
-
 @dataclass
 class DriverRegistry:
     drivers: Dict[str, Driver] = field(default_factory=dict)
     sources: Dict[str, str] = field(default_factory=dict)
     failures: List[LoadFailure] = field(default_factory=list)
-    #: Entry points skipped, never imported, because ``[host] disabled_drivers`` names them
-    #: (by entry-point name or by distribution name): name -> source.
+    #: Entry points skipped, never imported, because ``[host] disabled_drivers`` names them:
+    #: entry-point name -> source.
     disabled: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.manager = pluggy.PluginManager(hookspecs.PROJECT)
         self.manager.add_hookspecs(hookspecs)
+        self._pending: List[Tuple[EntryPoint, Optional[str]]] = []
+        self._blocked: FrozenSet[str] = frozenset()  # [host] disabled_drivers
 
     # -- loading ---------------------------------------------------------------------------
-    def load_entry_points(
-        self, group: str = hookspecs.ENTRY_POINT_GROUP, disabled: Iterable[str] = ()
-    ) -> None:
-        """Import and register every entry point of ``group``, except those ``disabled``
-        names (an entry-point name, or a distribution name for all of its entry points):
-        those are not imported at all, so a package that breaks or slows the host on import
-        can be switched off without uninstalling it."""
-        blocked: FrozenSet[str] = frozenset(name.strip().lower() for name in disabled)
-        projects = frozenset(re.sub(r"[-_.]+", "-", name) for name in blocked)
+    def load_entry_points(self, group: str = hookspecs.ENTRY_POINT_GROUP,
+                          first: Optional[Iterable[str]] = None,
+                          disabled: Iterable[str] = ()) -> None:
+        """Load the group's entry points. With ``first`` (the driver names a config file
+        uses), only the entry points of those names load now, when they provide every one of
+        them; the others wait for ``load_pending`` (a driver package's import is the biggest
+        part of a start beyond grpc's own). A name no entry point of that name provides
+        means a package whose drivers are named otherwise: everything loads.
+
+        Entry points ``disabled`` names (``[host] disabled_drivers``: entry-point names, the
+        driver names of the built-ins and of most packages) are never imported, now or
+        pending, so a package that breaks or slows the host on import can be switched off
+        without uninstalling it. The config loader refuses a resource of a disabled driver
+        and serves none of its defaults."""
+        self._blocked = frozenset(disabled)
         seen = set()
+        found = []
         for entry_point, dist in sorted(_entry_points(group), key=lambda pair: pair[0].name):
             key = (entry_point.name, entry_point.value)
             if key in seen:  # the same distribution visible twice on sys.path
                 continue
             seen.add(key)
-            source = f"entry point {entry_point.name} ({dist or entry_point.value})"
-            if entry_point.name.lower() in blocked or _project(dist) in projects:
+            if entry_point.name in self._blocked:
+                source = f"entry point {entry_point.name} ({dist or entry_point.value})"
                 self.disabled[entry_point.name] = source
                 log.info("%s: %s; not imported", source, DISABLED_REASON)
                 continue
+            found.append((entry_point, dist))
+        if first is None:
+            self._pending = []
+            self._load(found)
+            return
+        wanted = set(first)
+        self._pending = [pair for pair in found if pair[0].name not in wanted]
+        self._load([pair for pair in found if pair[0].name in wanted])
+        if not wanted <= set(self.with_unavailable()):
+            self.load_pending()
+
+    def load_pending(self) -> bool:
+        """Load the entry points ``load_entry_points(first=...)`` left; True when any were."""
+        pending, self._pending = self._pending, []
+        self._load(pending)
+        return bool(pending)
+
+    def _load(self, entry_points: List[Tuple[EntryPoint, Optional[str]]]) -> None:
+        for entry_point, dist in entry_points:
+            source = f"entry point {entry_point.name} ({dist or entry_point.value})"
             try:
                 plugin = entry_point.load()
             except BaseException as error:
@@ -266,11 +288,6 @@ class DriverRegistry:
         """Loaded drivers plus stand-ins for those that failed, so a config naming a broken
         driver still starts: that resource reports the failure, the others serve."""
         drivers: Dict[str, Driver] = {}
-        # A disabled package's driver is named like its entry point (the built-ins' are):
-        # a resource naming it serves nothing and says why, like a driver that failed.
-        for name in self.disabled:
-            if name not in self.drivers:
-                drivers[name] = UnavailableDriver(name, DISABLED_REASON)
         for failure in self.failures:
             if failure.driver and failure.driver not in self.drivers:
                 drivers[failure.driver] = UnavailableDriver(failure.driver, failure.reason)
@@ -283,9 +300,10 @@ class DriverRegistry:
                 for name, source in sorted(self.disabled.items())]
 
 
-def load_drivers(disabled: Iterable[str] = ()) -> DriverRegistry:
+def load_drivers(first: Optional[Iterable[str]] = None,
+                 disabled: Iterable[str] = ()) -> DriverRegistry:
     registry = DriverRegistry()
-    registry.load_entry_points(disabled=disabled)
+    registry.load_entry_points(first=first, disabled=disabled)
     return registry
 
 
@@ -328,3 +346,32 @@ def disabled_in_config(path: Optional[str], default_path: str) -> Tuple[str, ...
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         return ()
     return tuple(names)
+
+
+def configured_drivers(path: Optional[str]) -> Optional[List[str]]:
+    """The driver names a config file's resources use, read ahead of its validation so that
+    only those drivers load before serving; None (load every driver) for a file that does
+    not say, cannot be read or parsed (load_config then reports it), or has no resources
+    (the drivers' defaults are served)."""
+    if path is None:
+        return None
+    from host.config import MAX_CONFIG_BYTES, tomllib
+
+    try:  # as load_config reads it: a FIFO must not hang, a huge file is not read whole
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        with open(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                return None
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            return None
+        data = tomllib.loads(raw.decode("utf-8"))
+    except Exception:  # load_config reports whatever is wrong with the file
+        return None
+    resources = data.get("resource") if isinstance(data, dict) else None
+    if not isinstance(resources, list) or not resources:
+        return None
+    names = [r.get("driver") for r in resources if isinstance(r, dict)]
+    if len(names) != len(resources) or not all(isinstance(n, str) and n for n in names):
+        return None
+    return sorted(set(names))

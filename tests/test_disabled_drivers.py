@@ -1,9 +1,9 @@
 """``[host] disabled_drivers``: an installed driver package the operator blocks is never
-imported, its resources serve nothing with the reason, and discover/check-config say so."""
+imported, and discover/check-config say so (the config loader refuses a resource of one and
+serves none of its defaults: tests/test_config_keys.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -11,9 +11,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
-from host import config as host_config
 from host.plugins import DISABLED_REASON, disabled_in_config, load_drivers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,37 +45,31 @@ def _probe_package(site: Path, *, broken: bool = False) -> None:
     """))
 
 
-def test_a_disabled_built_in_driver_is_not_imported_and_its_resources_report_why():
+def test_a_disabled_built_in_driver_is_not_imported():
     done = _python(
         "import json, sys\n"
         "from host.plugins import load_drivers\n"
-        "registry = load_drivers(['gpu'])\n"
-        "stand_in = registry.with_unavailable()['gpu']\n"
-        "try:\n"
-        "    stand_in.discover(None, [])\n"
-        "except RuntimeError as error:\n"
-        "    reason = str(error)\n"
-        "print(json.dumps([sorted(registry.drivers), 'drivers.gpu' in sys.modules,\n"
-        "                  'drivers.usb' in sys.modules, reason, registry.disabled_lines()]))")
+        "registry = load_drivers(disabled=['gpu'])\n"
+        "print(json.dumps([sorted(registry.drivers), sorted(registry.with_unavailable()),\n"
+        "                  'drivers.gpu' in sys.modules, 'drivers.usb' in sys.modules,\n"
+        "                  registry.disabled_lines()]))")
     assert done.returncode == 0, done.stderr
-    names, gpu_imported, usb_imported, reason, lines = json.loads(done.stdout)
-    assert "gpu" not in names and "usb" in names
+    names, configurable, gpu_imported, usb_imported, lines = json.loads(done.stdout)
+    assert "gpu" not in names and "usb" in names and "gpu" not in configurable
     assert gpu_imported is False and usb_imported is True
-    assert DISABLED_REASON in reason
     assert len(lines) == 1 and lines[0].startswith("driver gpu: entry point gpu (")
-    assert "disabled" in lines[0]
+    assert DISABLED_REASON in lines[0]
 
 
-def test_a_package_is_disabled_by_its_distribution_name_before_its_import_can_fail(tmp_path):
+def test_a_package_is_disabled_before_its_import_can_fail(tmp_path):
     _probe_package(tmp_path)
     env = "import os\nos.environ['PROBE_BREAKS'] = '1'\n"
-    for name in ("dph-probe", "DPH_Probe", "probe"):
-        done = _python(env + "from host.plugins import load_drivers\n"
-                       f"registry = load_drivers([{name!r}])\n"
-                       "assert 'probe' not in registry.drivers and not registry.failures\n"
-                       "print(registry.disabled_lines())", tmp_path)
-        assert done.returncode == 0, done.stderr
-        assert "dph-probe 0.1" in done.stdout
+    done = _python(env + "from host.plugins import load_drivers\n"
+                   "registry = load_drivers(disabled=['probe'])\n"
+                   "assert 'probe' not in registry.drivers and not registry.failures\n"
+                   "print(registry.disabled_lines())", tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "entry point probe (dph-probe 0.1)" in done.stdout
     # Not disabled, the same package is imported (and here stops the host on import).
     done = _python(env + "from host.plugins import load_drivers\nload_drivers()", tmp_path)
     assert "importing the probe package stops the host" in done.stderr
@@ -107,13 +98,6 @@ def test_the_setting_is_read_before_the_drivers_and_only_when_well_formed(tmp_pa
     assert disabled_in_config(str(fifo), "/nonexistent") == ()  # no hang waiting for a writer
 
 
-_KNOWS_KEY = "disabled_drivers" in {
-    f.name for cls in vars(host_config).values()
-    if isinstance(cls, type) and dataclasses.is_dataclass(cls) for f in dataclasses.fields(cls)}
-
-
-@pytest.mark.skipif(not _KNOWS_KEY, reason="[host] disabled_drivers is parsed by the config "
-                                           "modules (branch r12-core); not merged yet")
 def test_discover_and_check_config_say_which_driver_is_disabled(tmp_path):
     config = tmp_path / "host.toml"
     config.write_text('[host]\ndisabled_drivers = ["usb"]\n\n[[resource]]\nname = "x.com/y"\n'
@@ -127,3 +111,20 @@ def test_discover_and_check_config_say_which_driver_is_disabled(tmp_path):
         assert done.returncode == 0, done.stderr
         assert "driver usb: entry point usb (" in done.stdout + done.stderr
         assert DISABLED_REASON in done.stdout + done.stderr
+
+
+def test_a_disabled_driver_stays_out_of_the_drivers_loaded_after_serving_starts():
+    """``run`` loads the configured drivers first and the others once serving (perf): a
+    disabled one is never among either, and is reported from the start."""
+    done = _python(
+        "import json, sys\n"
+        "from host.plugins import load_drivers\n"
+        "registry = load_drivers(first=['usb'], disabled=['gpu'])\n"
+        "early = [sorted(registry.drivers), registry.disabled_lines()]\n"
+        "registry.load_pending()\n"
+        "print(json.dumps(early + [sorted(registry.drivers), 'drivers.gpu' in sys.modules]))")
+    assert done.returncode == 0, done.stderr
+    early, early_lines, late, gpu_imported = json.loads(done.stdout)
+    assert early == ["usb"] and len(early_lines) == 1 and "driver gpu" in early_lines[0]
+    assert "gpu" not in late and {"usb", "sriov", "rdma"} <= set(late)
+    assert gpu_imported is False

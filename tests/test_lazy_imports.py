@@ -67,3 +67,42 @@ def test_metrics_and_pod_resources_load_when_used():
     assert _loaded(modules, ("prometheus_client", "host.protocol.podresources_v1_pb2")) == [
         "prometheus_client", "host.protocol.podresources_v1_pb2"]
     assert "host.podresources" not in modules  # its client is made at the first scrape
+
+
+def test_run_loads_the_configured_drivers_first_and_the_others_later():
+    modules = _modules_after(
+        "from host.plugins import load_drivers\n"
+        "registry = load_drivers(first=['gpu'])\n"
+        "assert set(registry.drivers) == {'gpu'}, registry.drivers\n"
+        "import sys\n"
+        "early = sorted(m for m in sys.modules if m.startswith('drivers.'))\n"
+        "assert all(m.startswith('drivers.gpu') for m in early), early\n"
+        "assert registry.load_pending() and not registry.load_pending()\n"
+        "assert {'gpu', 'usb', 'sriov', 'fpga', 'rdma'} <= set(registry.drivers)\n")
+    assert "drivers.usb" in modules
+    # A name no entry point has: a package whose drivers are named otherwise, so all load.
+    _modules_after(
+        "from host.plugins import load_drivers\n"
+        "registry = load_drivers(first=['widget'])\n"
+        "assert {'gpu', 'usb', 'sriov'} <= set(registry.drivers)\n")
+
+
+def test_configured_drivers_reads_only_what_a_file_clearly_says(tmp_path):
+    from host.plugins import configured_drivers
+
+    path = tmp_path / "host.toml"
+    path.write_text('[[resource]]\nname = "example.com/a"\ndriver = "gpu"\n'
+                    '[[resource]]\nname = "example.com/b"\ndriver = "usb"\n'
+                    '[[resource]]\nname = "example.com/c"\ndriver = "gpu"\n')
+    assert configured_drivers(str(path)) == ["gpu", "usb"]
+    path.write_text('[host]\nlog_level = "info"\n')  # the drivers' defaults: all of them
+    assert configured_drivers(str(path)) is None
+    path.write_text('[[resource]]\nname = "example.com/a"\n')  # no driver: load_config says
+    assert configured_drivers(str(path)) is None
+    path.write_text("[[resource]\nbroken")
+    assert configured_drivers(str(path)) is None
+    assert configured_drivers(str(tmp_path / "missing.toml")) is None
+    assert configured_drivers(None) is None
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert configured_drivers(str(fifo)) is None  # never blocks waiting for a writer

@@ -127,9 +127,10 @@ class PciDriver(Driver):
         for fn in inventory.functions:
             if _is_passthrough(fn) and fn.kernel_driver not in named_drivers:
                 continue
-            if not matches(fn.attributes()):
+            attributes = fn.attributes()
+            if not matches(attributes):
                 continue
-            out.append(_device(inventory, fn, wanted))
+            out.append(_device(inventory, fn, wanted, attributes))
         return out
 
 
@@ -139,10 +140,12 @@ def _is_passthrough(fn: PciFunction) -> bool:
 
 
 def _device(
-    inventory: PciInventory, fn: PciFunction, wanted: Optional[FrozenSet[str]]
+    inventory: PciInventory, fn: PciFunction, wanted: Optional[FrozenSet[str]],
+    attributes: Dict[str, str],
 ) -> Device:
+    """``attributes``: the function's standard ones, already made for matching (this adds
+    to them)."""
     problems: List[str] = []
-    attributes = fn.attributes()
     if _is_passthrough(fn):
         paths = [VFIO_CONTAINER]
         if fn.iommu_group is None:

@@ -151,15 +151,6 @@ class FakeTree:
         self.link(f"{device_path}/driver", drivers)
         self.link(f"{drivers}/{name}", device_path)
 
-    def unbind_driver(self, device_path: str, bus: str = "pci") -> None:
-        real = self.real(f"{device_path}/driver")
-        if os.path.islink(real):
-            driver = posixpath.basename(os.readlink(real))
-            os.unlink(real)
-            stale = self.real(f"/sys/bus/{bus}/drivers/{driver}/{posixpath.basename(device_path)}")
-            if os.path.islink(stale):
-                os.unlink(stale)
-
     def pci_bridge(self, address: str, *, numa_node: Optional[int] = -1) -> str:
         """A PCIe root port / switch port that functions can sit behind."""
         return self.pci_function(
