@@ -222,10 +222,10 @@ class HostApp:
         if snapshot.update(devices):
             log.info("resource %s: %d devices (%d healthy)", resource.name, len(devices),
                      sum(1 for d in devices if d.healthy))
-        service = self.services.get(resource.name)
-        if service is not None and service.refresh_options():
-            self._register_again(service, "GetPreferredAllocation is "
-                                 + ("useful now" if service.options.
+        current = self.services.get(resource.name)
+        if current is not None and current.refresh_options():
+            self._register_again(current, "GetPreferredAllocation is "
+                                 + ("useful now" if current.options.
                                     get_preferred_allocation_available else "no longer useful"))
         self.metrics.set_devices(resource.name, devices)
         self.nfd.update(resource.name, devices)

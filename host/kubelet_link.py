@@ -57,6 +57,7 @@ class KubeletLink:
         self._last_id: Optional[KubeletId] = None
         self._retired: List[grpc.aio.Channel] = []
         self._closing_tasks: Set[asyncio.Future] = set()
+        self._retire_timers: List[asyncio.TimerHandle] = []  # owned: cancelled by close()
         # Shared by every endpoint: a plugin_dir problem is one line, not one per resource.
         self.dir_log = TransitionLog(log)
         # Called whenever one of our sockets was just bound in the plugin directory (so it
@@ -112,7 +113,8 @@ class KubeletLink:
             # Calls still on the old channel belong to a kubelet that is gone; give them
             # a moment to fail on their own instead of cancelling them under their caller.
             self._retired.append(old)
-            asyncio.get_running_loop().call_later(RETIRE_AFTER_S, self._close_retired, old)
+            self._retire_timers.append(asyncio.get_running_loop().call_later(
+                RETIRE_AFTER_S, self._close_retired, old))
 
     async def register(self, kid: KubeletId, request: api.RegisterRequest) -> None:
         channel = self._channel_of(kid)
@@ -127,12 +129,17 @@ class KubeletLink:
             raise
 
     def _close_retired(self, channel: grpc.aio.Channel) -> None:
+        self._retire_timers = [t for t in self._retire_timers if not t.cancelled()
+                               and t.when() > asyncio.get_running_loop().time()]
         if channel in self._retired:
             self._retired.remove(channel)
             self._closing_tasks.add(asyncio.ensure_future(channel.close()))
             self._closing_tasks = {t for t in self._closing_tasks if not t.done()}
 
     async def close(self) -> None:
+        for timer in self._retire_timers:  # the retired channels are closed right here
+            timer.cancel()
+        self._retire_timers = []
         channel, self._channel, self._channel_for = self._channel, None, None
         retired, self._retired = self._retired, []
         for old in [*retired, channel]:

@@ -117,9 +117,9 @@ def apply_drains(app: HostApp) -> None:
     except DrainError as error:  # unreadable now: the marks already applied stay
         log.error("%s; keeping the %d marks applied before", error, len(app.inventory.drains))
         return
-    for (resource, device), reason in drains.items():
-        if (resource, device) not in app.inventory.drains:
-            log.warning("resource %s: device %s drained by an operator: %s", resource,
+    for (name, device), reason in drains.items():
+        if (name, device) not in app.inventory.drains:
+            log.warning("resource %s: device %s drained by an operator: %s", name,
                         device, reason)
     for name in app.inventory.set_drains(drains):
         resource = app.inventory.resources.get(name)
