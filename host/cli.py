@@ -322,8 +322,8 @@ def _drain(args: argparse.Namespace, config: Config) -> int:
     path = config.host.drain_file
     try:
         if args.command == "drain" and (args.list or args.resource is None):
-            for (resource, device), reason in sorted(read_drains(path).items()):
-                print(f"{resource}\t{device}\t{reason}")
+            for (resource, device), why in sorted(read_drains(path).items()):
+                print(f"{resource}\t{device}\t{why}")
             return 0
         if args.device is None:
             raise CommandError("give RESOURCE and DEVICE (or --list)", EXIT_CONFIG)

@@ -374,4 +374,4 @@ def configured_drivers(path: Optional[str]) -> Optional[List[str]]:
     names = [r.get("driver") for r in resources if isinstance(r, dict)]
     if len(names) != len(resources) or not all(isinstance(n, str) and n for n in names):
         return None
-    return sorted(set(names))
+    return sorted({n for n in names if isinstance(n, str)})  # all are, as checked above

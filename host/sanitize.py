@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import replace
-from typing import FrozenSet, List, Optional, Set
+from typing import Collection, List, Optional, Set
 
 from host.model import Device, Health
 
@@ -23,7 +23,7 @@ BAD_ID = re.compile(r"[\s\x00-\x1f\x7f]")
 
 
 def sanitize(driver: str, resource: str, devices: object,
-             machine_numa: Optional[FrozenSet[int]]) -> List[Device]:
+             machine_numa: Optional[Collection[int]]) -> List[Device]:
     """The driver's devices for one resource, checked: garbage from a third-party driver is
 dropped or fixed, with at most five lines about it, and never reaches the kubelet."""
     out: List[Device] = []

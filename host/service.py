@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Set
 
 import grpc
 
@@ -49,7 +49,7 @@ class DevicePluginService:
         *,
         allocate_timeout_s: float,
         on_stream_end: Optional[Callable[[object, object], None]] = None,
-        observer: Optional[object] = None,
+        observer: Optional[Callable[[str, str, object, float], None]] = None,
     ) -> None:
         self.resource = resource
         self.driver = driver
@@ -222,8 +222,8 @@ class DevicePluginService:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"{where}: {len(ids)} ids is more than any resource has")
         if len(set(ids)) != len(ids):
-            seen = set()
-            duplicate = next(i for i in ids if i in seen or seen.add(i))
+            seen: Set[str] = set()
+            duplicate = next(i for i in ids if i in seen or _add(seen, i))
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"{where}: device id {_show(duplicate)} is listed twice")
         devices = []
@@ -359,3 +359,9 @@ class DevicePluginService:
                               time.perf_counter() - started)
             except Exception:  # metrics must never break an RPC
                 log.exception("observer failed")
+
+
+def _add(seen: Set[str], item: str) -> bool:
+    """``seen.add`` inside a generator's condition: False, so the search goes on."""
+    seen.add(item)
+    return False
