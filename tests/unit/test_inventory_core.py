@@ -142,3 +142,32 @@ def test_a_failing_driver_degrades_only_its_resources_with_its_error(fake_tree, 
     driver.fail = None
     scan(inv)
     assert all(h == "Healthy" for _, h in health(inv))
+
+
+# -- the pure steps themselves (host/host_view.py, host/sanitize.py): no loop, no driver ------
+def test_host_view_joins_reasons_drops_excluded_and_expands_replicas():
+    from host.host_view import host_view
+
+    res = ResourceConfig(NAME, "m", replicas=2)
+    sick = Device(id="a", attributes={"pci_address": "0000:18:00.0"}).with_health(
+        Health.UNHEALTHY, "driver says so")
+    devices = [sick, Device(id="b"), Device(id="c")]
+    out = host_view(res, devices, excluded={"c"}, aer={"0000:18:00.0": "AER errors rising"},
+                    drains={(NAME, "b::1"): "noisy"})
+    assert [(d.id, d.health.value) for d in out] == [
+        ("a::0", "Unhealthy"), ("a::1", "Unhealthy"), ("b::0", "Healthy"),
+        ("b::1", "Unhealthy")]
+    assert out[0].health_reason == "driver says so; AER errors rising"
+    assert out[3].health_reason == "drained by an operator: noisy"
+    assert host_view(ResourceConfig(NAME, "m"), [Device(id="b")], excluded=None, aer={},
+                     drains={}) == [Device(id="b")]
+
+
+def test_sanitize_drops_garbage_and_unknown_numa_nodes_without_a_driver():
+    from host.sanitize import sanitize
+
+    out = sanitize("m", NAME, [Device(id="ok", numa_nodes=(1,)), Device(id="ok"),
+                               Device(id="x\ny"), 42, Device(id="far", numa_nodes=(7,))],
+                   (0, 1))
+    assert [(d.id, d.numa_nodes) for d in out] == [("ok", (1,)), ("far", ())]
+    assert sanitize("m", NAME, "not a list", None) == []
