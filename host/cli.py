@@ -350,6 +350,7 @@ def _capture(args: argparse.Namespace) -> int:
 
     globs = ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/kfd", "/dev/dri/*",
              "/dev/dri/by-path/*", "/dev/infiniband/*", "/dev/vfio/*",
+             "/dev/vfio/devices/*", "/dev/iommu",
              "/dev/bus/usb/*/*", "/dev/dfl-*", "/dev/xclmgmt*", "/dev/ttyUSB*", "/dev/ttyACM*",
              "/dev/hidraw*", "/dev/video*", "/dev/accel/*", "/dev/neuron*", "/dev/hailo*")
     problem = host_root_problem(args.host_root)
