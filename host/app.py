@@ -27,6 +27,7 @@ from typing import (
     Optional,
     Set,
     Tuple,
+    TypeVar,
     Union,
 )
 
@@ -55,6 +56,7 @@ if TYPE_CHECKING:  # host.dra is imported only when a resource needs it
     from host.podresources import PodResourcesClient
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class HostApp:
@@ -95,6 +97,8 @@ class HostApp:
         self._cdi_watch: Optional[DirectoryWatch] = None
         self._cdi_backoff = 1.0
         self._cdi_thread: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._cdi_check: Optional[asyncio.Task] = None  # scheduling.schedule_cdi_check's
+        self._cdi_check_again = False
         self.events: Optional[EventSource] = None
         self.scheduler = RescanScheduler(self._drivers_for_subsystem, self.request_rescan,
                                          background=self.background)
@@ -252,13 +256,17 @@ class HostApp:
         then finds each spec current for the very device list it pushes (no JSON, one
         stat). One thread: writes land in the order they were asked for."""
         items = [(r.name, self.inventory.devices.get(r.name, [])) for r in resources if r.cdi]
-        if not items or self._stopped:
-            return
+        if items:
+            await self._in_cdi_thread(lambda: self._write_now(items))
+
+    async def _in_cdi_thread(self, fn: Callable[[], T]) -> Optional[T]:
+        """Run ``fn`` in the CDI writer's one thread; None (not run) once stopped."""
+        if self._stopped:
+            return None
         if self._cdi_thread is None:
             self._cdi_thread = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="cdi-writer")
-        await asyncio.get_running_loop().run_in_executor(self._cdi_thread, self._write_now,
-                                                         items)
+        return await asyncio.get_running_loop().run_in_executor(self._cdi_thread, fn)
 
     def _write_now(self, items: List[Tuple[str, List[Device]]]) -> None:
         for name, devices in items:
@@ -293,7 +301,7 @@ class HostApp:
                 self._sync(resource)
         if changed:
             self.nfd.schedule()
-        scheduling.check_cdi(self)
+        await scheduling.check_cdi(self)
         scheduling.arm_expiry(self)
         return changed
 

@@ -55,7 +55,13 @@ _CAPTURE_ATTRS = frozenset(
     # amdgpu partition modes and memory; KFD topology nodes and links
     + "current_compute_partition current_memory_partition available_compute_partition "
     "available_memory_partition mem_info_vram_total properties gpu_id generation_id".split()
+    # QAT PF services (qat/cfg_services; qat/state and heartbeat/status are named above) and
+    # the switchdev port names the sriov driver tells representors by
+    + "cfg_services phys_port_name".split()
 )
+# QAT firmware heartbeats live in debugfs (adf_heartbeat_dbgfs.c), one folder per PF: only
+# those folders are walked, never the rest of debugfs.
+_CAPTURE_GLOBS = ("/sys/kernel/debug/qat_*",)
 
 
 def capture_tree(root: str = "/", dev_globs: Sequence[str] = ()) -> Iterator[str]:
@@ -69,6 +75,8 @@ def capture_tree(root: str = "/", dev_globs: Sequence[str] = ()) -> Iterator[str
     seen: set = set()
     yield "# captured by device-plugin-host capture"
     pending = [r for r in _CAPTURE_ROOTS if os.path.lexists(prefix + r)]
+    for pattern in _CAPTURE_GLOBS:
+        pending.extend(sorted(real[len(prefix):] for real in glob.glob(prefix + pattern)))
     pending.append("/sys/devices/system/node")
     pending.append("/proc/driver/nvidia/gpus")
     while pending:

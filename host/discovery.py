@@ -115,6 +115,10 @@ async def _why_empty(inventory: Inventory, resource: ResourceConfig, config: Con
     status = inventory.status.get(resource.driver)
     if status is not None and status.last_error:
         return f"the driver failed: {status.last_error}"
+    for overlap in inventory.overlaps:
+        if overlap.second == resource.name:  # it matched them; file order gave them away
+            return (f"its {overlap.describe()} are advertised by {overlap.first}, which comes"
+                    f" first in the config (set shared_with to share them)")
     root = config.host.host_root
     if not resource.selectors:
         return f"the {resource.driver} driver found no devices under {root}"

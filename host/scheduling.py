@@ -26,16 +26,39 @@ if TYPE_CHECKING:
 log = logging.getLogger("host.app")  # the lines operators know
 
 
-def check_cdi(app: HostApp) -> None:
+async def check_cdi(app: HostApp) -> None:
     """Write again every CDI spec that should be on disk and is not (a failed write, a
-    file deleted by hand); cheap when all are there (one stat each)."""
+    file deleted by hand); cheap when all are there (one stat each). The stats and writes
+    run in the CDI writer's thread, like every spec write (HostApp._write_specs)."""
     if app._stopped:
         return
-    for resource in app.config.resources:
-        if resource.cdi and resource.name in app.snapshots and \
-                app.cdi.retry(resource.name):
-            app._sync(resource)
+    wanted = [r for r in app.config.resources if r.cdi and r.name in app.snapshots]
+    if wanted:
+        changed = await app._in_cdi_thread(
+            lambda: [r for r in wanted if app.cdi.retry(r.name)])
+        for resource in changed or ():
+            if app._stopped:
+                return
+            if resource in app.config.resources:  # not replaced by a reload meanwhile
+                app._sync(resource)
     arm_cdi_retry(app)
+
+
+def schedule_cdi_check(app: HostApp) -> None:
+    """check_cdi from a timer or a directory event: one owned task at a time, and one more
+    pass when asked again while it runs (a burst of events is one check, not one each)."""
+    if app._cdi_check is not None and not app._cdi_check.done():
+        app._cdi_check_again = True
+        return
+
+    async def run() -> None:
+        while True:
+            app._cdi_check_again = False
+            await check_cdi(app)
+            if not app._cdi_check_again:
+                return
+
+    app._cdi_check = app.background.spawn(run(), "cdi check")
 
 
 def arm_cdi_retry(app: HostApp) -> None:
@@ -45,7 +68,7 @@ def arm_cdi_retry(app: HostApp) -> None:
     if not app.cdi.problems or app._stopped:
         app._cdi_backoff = 1.0
         return
-    app.background.later("cdi retry", app._cdi_backoff, check_cdi, app)
+    app.background.later("cdi retry", app._cdi_backoff, schedule_cdi_check, app)
     app._cdi_backoff = min(app._cdi_backoff * 2, 30.0)
 
 
@@ -56,7 +79,7 @@ def watch_cdi(app: HostApp) -> None:
 
     def changed(names: Optional[List[str]]) -> None:
         if names is None or any(n.startswith(FILE_PREFIX) for n in names):
-            check_cdi(app)
+            schedule_cdi_check(app)
 
     try:
         app._cdi_watch = DirectoryWatch(app.cdi.directory, changed)

@@ -117,6 +117,10 @@ def check_host_value(file: str, key: str, field_name: str, value: object) -> obj
         path = check_path(file, key, field_name, value)
         if str(value).endswith("/"):
             raise ConfigError(file, key, f"must name a file, got {show(value)}")
+        if os.path.isdir(str(path)):  # NFD's docs name the directory; a rename onto it fails
+            example = show(str(path).rstrip("/") + "/device-plugin-host")
+            raise ConfigError(file, key, f"{show(value)} is a directory: name the file NFD"
+                                         f" reads in it, such as {example}")
         return path
     if field_name == "node_name":
         return check_node_name(file, key, value)

@@ -258,6 +258,24 @@ def test_unit_is_notify_restarting_hardened_and_independent_of_the_kubelet():
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
 
 
+def test_unit_can_write_the_nfd_feature_file_and_the_device_info_files():
+    """ProtectSystem=strict leaves /etc and /run read-only: the default nfd_features_file and
+    an sriov resource's device_info files (an Allocate fails when they cannot be written)
+    need their directories writable, and existing before the sandbox is built."""
+    import posixpath
+
+    from host.config import HostSettings
+    from host.devinfo import DEFAULT_DIR
+
+    service = _unit(UNIT_SOURCE)["Service"]
+    writable = [p.lstrip("-") for p in service["ReadWritePaths"]]
+    created = " ".join(service["ExecStartPre"])
+    for directory in (posixpath.dirname(HostSettings().nfd_features_file),
+                      DEFAULT_DIR.replace("/var/run/", "/run/")):
+        assert directory in writable, directory
+        assert directory in created, directory
+
+
 def test_unit_lets_localhost_scrape_the_metrics_endpoint():
     """IPAddressDeny=any alone drops every IP packet, loopback included: the README's
     `curl localhost:9400/metrics` could never work under the unit."""

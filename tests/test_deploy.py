@@ -387,6 +387,24 @@ def test_the_api_server_s_own_rules_hold(name):
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_the_pod_can_write_the_nfd_feature_file_and_the_device_info_files(name):
+    """The default nfd_features_file is only written where its directory exists, and an sriov
+    resource with device_info fails its Allocate when the files cannot be written: inside the
+    pod both directories must be the node's own, writable."""
+    import posixpath
+
+    from host.config import HostSettings
+    from host.devinfo import DEFAULT_DIR
+
+    found = mounts(render(name))
+    for directory in (posixpath.dirname(HostSettings().nfd_features_file), DEFAULT_DIR):
+        assert directory in found, directory
+        mount = found[directory]
+        assert not mount.get("readOnly"), directory
+        assert mount["volume"]["hostPath"]["path"] == directory, directory
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_udevd_is_invisible_to_a_pod_outside_the_host_network(name):
     """host/watch.py listens to udevd's events when /run/udev/control exists, and to the
     kernel's otherwise. udevd's events never reach a pod's own network namespace, the kernel's

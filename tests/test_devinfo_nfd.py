@@ -321,3 +321,19 @@ def test_rescans_coalesce_into_one_deferred_write(tmp_path, run) -> None:
         assert not path.exists()
 
     run(scenario())
+
+
+def test_an_nfd_features_file_that_names_a_directory_is_a_config_error(tmp_path):
+    """NFD's docs name the features.d *directory*; an operator who writes that path would
+    get a file that is never written (a rename onto a directory fails at every change)."""
+    import pytest
+
+    from host.config import ConfigError, parse_config
+
+    features_d = tmp_path / "features.d"
+    features_d.mkdir()
+    with pytest.raises(ConfigError) as error:
+        parse_config(f'[host]\nnfd_features_file = "{features_d}"\n', "c.toml", {})
+    message = str(error.value)
+    assert "host.nfd_features_file" in message and "directory" in message, message
+    parse_config(f'[host]\nnfd_features_file = "{features_d}/device-plugin-host"\n', "c.toml", {})

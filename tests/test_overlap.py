@@ -183,6 +183,21 @@ def test_discover_shows_an_overlapping_device_once_and_says_why(tmp_path):
     assert "also claimed by resource nvidia.com/gpu" in result.stderr
 
 
+def test_discover_says_a_resource_is_empty_because_the_first_took_its_devices(tmp_path):
+    # Its selectors do match: "no match for its selectors" would send the operator the
+    # wrong way. The per-resource line names the resource that advertises them.
+    root = tmp_path / "root"
+    _gpu_tree(root)
+    config = tmp_path / "c.toml"
+    config.write_text(TWO_NVIDIA.format(extra=""))
+    result = _cli("discover", "--config", str(config), "--host-root", str(root))
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines()
+                if x.startswith("  example.com/training-gpu:"))
+    assert "no match for its selectors" not in line, line
+    assert "advertised by nvidia.com/gpu" in line and "shared_with" in line, line
+
+
 def test_slices_of_one_card_in_two_resources_of_one_driver_are_not_an_overlap(short_dir, run):
     """MIG-style: each slice has its own id and its card's pci_address; two profiles on one
     GPU are two resources of one driver, and that is a normal layout."""

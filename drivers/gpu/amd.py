@@ -7,7 +7,7 @@ handing out the PCI function's render node gives a container partition 0 only. S
   ``current_memory_partition`` (amdgpu_gfx.c, amdgpu_gmc.c); a GPU without them (MI200 and
   older, Radeon) is never partitioned.
 * The partitions come from the KFD topology (see kfd.py): one node per live partition, with its
-  render minor and its index in location_id[31:28]. Render nodes alone would count the idle
+  render minor and its index OR-ed into location_id. Render nodes alone would count the idle
   ``amdgpu_xcp`` devices an SPX GPU still has.
 * A GPU with more than one KFD node is served as its partitions: each gets ``/dev/kfd`` and its
   own render node, the parent's NUMA node, and the id ``<parent address>-p<index>``,
@@ -87,7 +87,7 @@ def mode_matches(mode_name: Optional[str], wanted: Sequence[str]) -> bool:
 
 
 class Partition(NamedTuple):  # 64 per scan on an MI300X node: a tuple is cheapest
-    number: int  # the partition index (location_id[31:28])
+    number: int  # the partition index (KFD's node id in location_id)
     render: str  # "renderD129"
 
 

@@ -208,7 +208,8 @@ class GpuDriver(Driver):
         nvml = self._nvml_view() if bound else NO_NVML
         migs = read_mig_devices(host) if bound else {}
         amd_gpus = [fn for fn in gpus if fn.vendor == AMD and not _is_passthrough(fn)]
-        kfd, peers = self._kfd.read(host) if amd_gpus else ({}, {})
+        kfd, peers = (self._kfd.read(host, frozenset(fn.address for fn in amd_gpus))
+                      if amd_gpus else ({}, {}))
         entries = []
         for fn in gpus:
             passthrough = _is_passthrough(fn)

@@ -8,8 +8,11 @@ platform devices, allocated at probe whatever the partition mode), but only the 
 have KFD nodes. So KFD is the truth for "how many agents does this GPU have now".
 
 Layout (kfd_topology.c): ``properties`` holds ``<key> <value>`` lines; a GPU node has
-``location_id`` = PCI bus << 8 | devfn, with the partition id in bits 31:28 when the device has
-more than one node (kfd_topology_add_device), ``domain`` = the PCI domain, and
+``location_id`` = PCI bus << 8 | devfn, with the partition (node) id OR-ed into it when the
+device has more than one node (kfd_topology_add_device). Where depends on the kernel: ROCm's
+amdgpu and mainline OR it into the low bits (partition 3 of 0c:00.0 reads as 0c:00.3), a
+short-lived mainline form (925c7bd1d1cf, reverted) put it in bits 31:28; ``_owner`` maps
+both back to the GPU's own function. ``domain`` = the PCI domain, and
 ``drm_render_minor`` = the render minor of that agent. CPU nodes have gpu_id 0 and no SIMDs.
 ``io_links/<m>/properties`` name the peer (``node_to``) and the link ``type`` (kfd_crat.h:
 2 = PCIe, 11 = XGMI) with a ``weight`` (XGMI: 15 per hop). Memory is not read here: a
@@ -19,7 +22,7 @@ partition is shared by two CPX partitions, so a KFD memory bank is not a partiti
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
+from typing import AbstractSet, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
 
 from host.hostfs import HostFS
 
@@ -34,7 +37,7 @@ class KfdNode(NamedTuple):
 
     node: int
     address: str  # the PCI function it belongs to, "0000:0c:00.0"
-    partition: int  # location_id[31:28]; 0 on single-agent devices
+    partition: int  # the node id KFD OR-ed into location_id; 0 on single-agent devices
     render_minor: int
     xgmi: Tuple[Tuple[int, int], ...]  # (node_to, weight) of its XGMI io_links
 
@@ -72,6 +75,22 @@ def pci_address(domain: int, location_id: int) -> Tuple[str, int]:
     return f"{domain:04x}:{bus:02x}:{devfn >> 3:02x}.{devfn & 7}", partition
 
 
+def _owner(address: str, partition: int, gpus: AbstractSet[str]) -> Tuple[str, int]:
+    """The GPU function a KFD node belongs to, and its partition index.
+
+    With the low-bits encoding (``location_id |= node_id``), partition k of a GPU at
+    bb:dd.0 decodes to bb:dd.k, a function that is not that GPU (MI300 GPUs are function 0
+    of their slot; KFD would give two nodes one location_id for any other function, which
+    the driver reports as duplicate partitions). So a node whose address is not one of the
+    GPUs, on a slot whose function 0 is, is that GPU's partition k."""
+    if address in gpus or partition or address.endswith(".0"):
+        return address, partition
+    parent = address[:-1] + "0"
+    if parent in gpus:
+        return parent, int(address[-1])
+    return address, partition
+
+
 GENERATION = "/sys/class/kfd/kfd/topology/generation_id"
 Agents = Dict[str, List[KfdNode]]
 
@@ -87,16 +106,21 @@ class TopologyCache:
     """
 
     def __init__(self) -> None:
-        self._last: Optional[Tuple[str, str, Agents, Dict[str, Set[str]]]] = None
+        self._last: Optional[Tuple[str, str, AbstractSet[str], Agents, Dict[str, Set[str]]]]
+        self._last = None
 
-    def read(self, host: HostFS) -> Tuple[Agents, Dict[str, Set[str]]]:
+    def read(
+        self, host: HostFS, gpus: AbstractSet[str] = frozenset()
+    ) -> Tuple[Agents, Dict[str, Set[str]]]:
         """Each GPU's agents by PCI address, and each GPU's XGMI peers (shared between scans:
-        callers must not modify them)."""
+        callers must not modify them). ``gpus``: the AMD GPU functions on the machine, which
+        partitions in the low-bits encoding of location_id are folded into."""
         generation = host.read(GENERATION)
         last = self._last
-        if generation and last is not None and last[0] == host.root and last[1] == generation:
-            return last[2], last[3]
-        found = read_topology(host)
+        if (generation and last is not None and last[0] == host.root and last[1] == generation
+                and last[2] == gpus):
+            return last[3], last[4]
+        found = read_topology(host, gpus)
         peers = xgmi_peers(found)
         nodes: Agents = {}
         for node in found:
@@ -104,12 +128,13 @@ class TopologyCache:
         # Read it again after: a generation that moved while we read means a torn read,
         # which must not be remembered as the truth for that generation.
         if generation and host.read(GENERATION) == generation:
-            self._last = (host.root, generation, nodes, peers)
+            self._last = (host.root, generation, frozenset(gpus), nodes, peers)
         return nodes, peers
 
 
-def read_topology(host: HostFS) -> List[KfdNode]:
-    """Every GPU agent KFD lists; empty when KFD is not loaded or not visible."""
+def read_topology(host: HostFS, gpus: AbstractSet[str] = frozenset()) -> List[KfdNode]:
+    """Every GPU agent KFD lists; empty when KFD is not loaded or not visible. ``gpus`` (the
+    GPU functions present) lets a partition in location_id's low bits find its GPU."""
     out: List[KfdNode] = []
     linked: Set[str] = set()
     for name in sorted(host.listdir(TOPOLOGY), key=lambda n: (len(n), n)):
@@ -127,7 +152,7 @@ def read_topology(host: HostFS) -> List[KfdNode]:
         render = _int(fields, "drm_render_minor")
         if location is None or not render or render < 0:
             continue
-        address, partition = pci_address(domain, location)
+        address, partition = _owner(*pci_address(domain, location), gpus)
         # XGMI links belong to the GPU, not to a partition: every partition of one GPU
         # lists the same peers, so one partition's io_links per GPU tell it all (an MI300X
         # node in CPX has 64 x 65 link files; this reads 8 x 65).

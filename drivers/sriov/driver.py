@@ -322,9 +322,10 @@ class SriovDriver(Driver):
                 f"link of PF {name} is up again; its VFs are usable",
             )
         present = {record.vf.function.address for record in inventory.vfs}
+        present_pfs = {record.vf.pf.function.address for record in inventory.vfs}
         keep: List[Hashable] = [("pf", name) for name in pfs]
-        keep += [key for key in self._health_log.active
-                 if isinstance(key, tuple) and key[0] == "vf" and key[2] in present]
+        keep += [key for key in self._health_log.active if isinstance(key, tuple) and (
+            (key[0] == "vf" and key[2] in present) or (key[0] == "qat" and key[2] in present_pfs))]
         self._health_log.retain(keep)
 
     def select(self, inventory: SriovInventory, resource: ResourceConfig) -> Sequence[Device]:
@@ -335,6 +336,7 @@ class SriovDriver(Driver):
         qat_problems = {address: facts.problem(address) for address, facts in
                         inventory.qat.items()}
         out = []
+        qat_vfs: Dict[str, int] = {}  # QAT PF address -> how many of its VFs this resource has
         for record in inventory.vfs:
             pf_address = record.vf.pf.function.address
             qat = inventory.qat.get(pf_address)
@@ -358,7 +360,10 @@ class SriovDriver(Driver):
                 )
             # Logged here, not in scan: a VF no resource selects is nobody's problem. The PF's
             # link is logged once per PF in scan; each problem once, when it starts.
-            own = "; ".join(p for p in problem.split("; ") if p and p != record.link_down)
+            own = "; ".join(p for p in problem.split("; ")
+                            if p and p != record.link_down and p != pf_down)
+            if pf_address in inventory.qat:
+                qat_vfs[pf_address] = qat_vfs.get(pf_address, 0) + 1
             self._health_log.update(
                 ("vf", resource.name, record.vf.function.address), own,
                 f"resource {resource.name}: {own}; reported Unhealthy",
@@ -373,6 +378,16 @@ class SriovDriver(Driver):
                     env={key: record.vf.function.address},
                     attributes=record.attributes(qat),
                 )
+            )
+        # A QAT PF's own problem (down, firmware heartbeat) reads the same for each of its
+        # VFs: one line per PF and resource with the count, when it starts and when it clears.
+        for pf_address, count in qat_vfs.items():
+            pf_problem = qat_problems.get(pf_address) or ""
+            self._health_log.update(
+                ("qat", resource.name, pf_address), pf_problem,
+                f"resource {resource.name}: {pf_problem}: its {count} VF(s) are reported "
+                "Unhealthy",
+                f"resource {resource.name}: QAT PF {pf_address} is usable again",
             )
         return out
 

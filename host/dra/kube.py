@@ -28,7 +28,7 @@ import ssl
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, AsyncIterator, Dict, List, Mapping, Optional
 
 import httpx
 
@@ -36,6 +36,9 @@ RESOURCE_API = "/apis/resource.k8s.io/v1"
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 TOKEN_REREAD_S = 60.0
 DEFAULT_TIMEOUT_S = 10.0
+# A watch asks the server to end it after this long (it is then started again from the last
+# resourceVersion seen); a silent connection is given up a little after that.
+WATCH_TIMEOUT_S = 300
 
 
 # Every (verb, API group, resource) KubeClient calls: the DaemonSet's RBAC must grant these
@@ -44,6 +47,7 @@ API_ACCESS = (
     ("get", "", "nodes"),
     ("get", "resource.k8s.io", "resourceclaims"),
     ("list", "resource.k8s.io", "resourceslices"),
+    ("watch", "resource.k8s.io", "resourceslices"),
     ("get", "resource.k8s.io", "resourceslices"),
     ("create", "resource.k8s.io", "resourceslices"),
     ("update", "resource.k8s.io", "resourceslices"),
@@ -327,6 +331,52 @@ class KubeClient:
             "GET", f"{RESOURCE_API}/resourceslices",
             params={"fieldSelector": f"spec.driver={driver},spec.nodeName={node_name}"})
         return list((result or {}).get("items") or [])
+
+    async def watch_node_slices(self, node_name: str, resource_version: Optional[str],
+                                timeout_s: int = WATCH_TIMEOUT_S
+                                ) -> AsyncIterator[Dict[str, Any]]:
+        """The watch events ({"type", "object"}) of the node's ResourceSlices after
+        ``resource_version``, until the server ends the watch. An ERROR event (410 Expired
+        after compaction) is raised as KubeError with the Status's code."""
+        params = {"fieldSelector": f"spec.nodeName={node_name}", "watch": "true",
+                  "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_s)}
+        if resource_version:
+            params["resourceVersion"] = resource_version
+        timeout = httpx.Timeout(10.0, read=timeout_s + 30.0)
+        path = f"{RESOURCE_API}/resourceslices"
+        for attempt in (0, 1):
+            headers = {}
+            token = self._token.get(force=attempt == 1)
+            if token:
+                headers["Authorization"] = f"Bearer {token}"
+            try:
+                async with self._http.stream("GET", path, params=params, headers=headers,
+                                             timeout=timeout) as response:
+                    if response.status_code == 401 and attempt == 0 and \
+                            self._token.rereadable:
+                        continue
+                    if response.status_code >= 400:
+                        await response.aread()
+                        raise _error_from(response)
+                    async for line in response.aiter_lines():
+                        if not line.strip():
+                            continue
+                        try:
+                            event = json.loads(line)
+                        except ValueError as err:
+                            raise KubeError(response.status_code, "BadResponse",
+                                            f"watch {path}: not JSON") from err
+                        if event.get("type") == "ERROR":
+                            status = event.get("object") or {}
+                            raise KubeError(int(status.get("code") or 500),
+                                            str(status.get("reason") or "Error"),
+                                            str(status.get("message") or ""))
+                        yield event
+                    return
+            except httpx.TimeoutException as err:
+                raise KubeError(0, "Timeout", f"watch {path}: {err!r}") from err
+            except httpx.RequestError as err:
+                raise KubeError(0, "Unavailable", f"watch {path}: {err!r}") from err
 
     async def get_resource_slice(self, name: str) -> Dict[str, Any]:
         return await self._call("GET", f"{RESOURCE_API}/resourceslices/{name}")

@@ -13,6 +13,13 @@ nothing is lost while the API server is away; 409 -> re-read and retry at once (
 backoff); 422 -> the server's reason logged once per distinct reason and counted in
 ``device_plugin_host_dra_slice_rejections_total``, and not retried until the pool's devices
 change (the same content would be rejected again).
+
+Slices deleted by someone else are published again without waiting for a device change: a
+second owned task watches the node's slices (as upstream's resourceslice controller does
+with an informer). The kubelet deletes all slices of its node when it starts, but in the
+background and with retries (DRAPluginManager.wipeResourceSlices: Node GET first, backoff
+from 1 s), so the wipe can land after our plugin registered and republished; and the DRA
+manager wipes a driver's slices 30 s after its plugin's connection dropped.
 """
 
 from __future__ import annotations
@@ -90,6 +97,10 @@ class SlicePublisher:
         self._wake: Optional[asyncio.Event] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task] = None
+        self._watch_task: Optional[asyncio.Task] = None
+        # UIDs of slices we deleted ourselves: their DELETED events are not news.
+        self._deleted_uids: Set[str] = set()
+        self.republished_after_delete = 0  # pools marked again after someone deleted a slice
         self._idle: Optional[asyncio.Event] = None
         self._node_uid: Optional[str] = None
         self._node_warned = False
@@ -147,16 +158,18 @@ class SlicePublisher:
         self._idle = asyncio.Event()
         self._wake.set()
         self._task = asyncio.create_task(self._run(), name="dra-slice-publisher")
+        self._watch_task = asyncio.create_task(self._watch(), name="dra-slice-watch")
 
     async def stop(self, delete: bool = False, timeout_s: float = 5.0) -> None:
         """Stop the owner task; with ``delete``, remove our slices (best effort, bounded)."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._watch_task, self._task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        self._task = self._watch_task = None
         if delete:
             try:
                 await asyncio.wait_for(self._delete_all(), timeout_s)
@@ -178,6 +191,72 @@ class SlicePublisher:
         with self._lock:
             return [k for k, s in self._pools.items() if s.synced_version != s.version
                     and s.rejected_version != s.version]
+
+    # -- the watch task -----------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        """Follow the node's slices; a DELETED one of a pool we publish marks that pool.
+
+        Started without a resourceVersion (the server's current state, sent as ADDED events,
+        which say nothing new); resumed from the last resourceVersion seen after the stream
+        ends or breaks, so deletions during an outage still arrive; after 410 Expired the
+        events in between are lost, so every pool is read again."""
+        version: Optional[str] = None
+        backoff = BACKOFF_MIN_S
+        warned = False
+        while True:
+            try:
+                async for event in self.client.watch_node_slices(self.node_name, version):
+                    backoff, warned = BACKOFF_MIN_S, False
+                    obj = event.get("object") or {}
+                    seen = (obj.get("metadata") or {}).get("resourceVersion")
+                    if seen:
+                        version = str(seen)
+                    if event.get("type") == "DELETED":
+                        self._deleted_elsewhere(obj)
+            except KubeError as err:
+                if err.status == 410:
+                    log.info("DRA: the ResourceSlice watch expired (%s); reading our pools "
+                             "again", err.message)
+                    version = None
+                    self._deleted_uids.clear()
+                    self.republish()
+                    continue
+                refused = 400 <= err.status < 500 and err.status != 429
+                if refused and not warned:
+                    # 403: the account may not watch resourceslices (RBAC of an older
+                    # overlay, a kubeconfig user); slices deleted by others then stay gone.
+                    warned = True
+                    log.warning("DRA: cannot watch ResourceSlices (%s %s: %s); slices deleted "
+                                "by others are not published again until this works",
+                                err.status, err.reason, err.message)
+                log.debug("DRA: ResourceSlice watch failed (%s); again in %.2f s", err,
+                          backoff)
+                await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    def _deleted_elsewhere(self, obj: Dict[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        uid = meta.get("uid")
+        if uid in self._deleted_uids:
+            self._deleted_uids.discard(uid)
+            return
+        spec = obj.get("spec") or {}
+        key = (str(spec.get("driver")), str((spec.get("pool") or {}).get("name")))
+        with self._lock:
+            state = self._pools.get(key)
+            if state is None or state.devices is None:
+                return
+            state.observed = None
+            state.version += 1
+            # The garbage collector deletes slices whose Node owner is gone (a Node deleted
+            # and registered again has a new UID): read the Node again, or the next slices
+            # would carry the dead UID and be collected again, over and over.
+            self._node_uid = None
+        self.republished_after_delete += 1
+        log.info("DRA: ResourceSlice %s of pool %s was deleted by someone else; publishing it "
+                 "again", meta.get("name"), key[1])
+        self._poke()
 
     # -- the owner task -----------------------------------------------------------------------
 
@@ -346,14 +425,21 @@ class SlicePublisher:
         self._synced(key, state, version)
 
     async def _delete(self, state: _Pool, name: str, obj: Dict[str, Any]) -> None:
-        assert state.observed is not None
+        # state.observed may be dropped meanwhile (republish, a watched deletion): then the
+        # next reconcile reads the pool again, and there is nothing to forget here.
+        uid = obj["metadata"].get("uid")
+        if uid:
+            self._deleted_uids.add(uid)
         try:
             await self._call("delete", self.client.delete_resource_slice(
                 name, obj["metadata"].get("resourceVersion")))
         except KubeError as err:
+            if uid and err.status != 404:
+                self._deleted_uids.discard(uid)  # still there: its deletion is not ours
             if err.status != 404:
                 raise
-        state.observed.pop(name, None)
+        if state.observed is not None:
+            state.observed.pop(name, None)
 
     @staticmethod
     def _taints_lost(sent: Dict[str, Any], stored: Dict[str, Any]) -> bool:

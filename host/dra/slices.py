@@ -58,10 +58,16 @@ def attribute_key(name: str) -> str:
     return key[:MAX_ID_LEN]
 
 
+def _too_long(value: str) -> bool:
+    """The server's limit counts bytes (Go's len of the UTF-8 string), not characters: a
+    64-character USB product string with a "®" in it is 65 bytes and a 422."""
+    return len(value.encode("utf-8", "surrogatepass")) > MAX_VALUE_LEN
+
+
 def _value(name: str, raw: str) -> Optional[Dict[str, Any]]:
     if name in _INT_ATTRIBUTES and _INT.match(raw) and -(2 ** 63) <= int(raw) < 2 ** 63:
         return {"int": int(raw)}
-    if len(raw) > MAX_VALUE_LEN:
+    if _too_long(raw):
         # A truncated value would match selectors it should not; the full one would get the
         # whole slice rejected (422). Such facts stay visible in `discover`.
         return None
@@ -77,10 +83,10 @@ def device_attributes(device: Device) -> Dict[str, Dict[str, Any]]:
     facts = device.attributes
     out: Dict[str, Dict[str, Any]] = {}
     root = facts.get("pcie_root")
-    if root:
+    if root and not _too_long(root):
         out[PCIE_ROOT] = {"string": root}
     address = facts.get("pci_address")
-    if address and len(address) <= MAX_VALUE_LEN:
+    if address and not _too_long(address):
         out[PCI_BUS_ID] = {"string": address}
     if len(device.numa_nodes) == 1:
         out[NUMA_NODE] = {"int": int(device.numa_nodes[0])}
@@ -101,7 +107,15 @@ def device_attributes(device: Device) -> Dict[str, Dict[str, Any]]:
 
 
 def _quantity(size: int) -> str:
-    for suffix, scale in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
+    """``size`` bytes as the API server stores it (resource.Quantity's canonical form), so a
+    slice read back compares equal to the one we would write: binary suffixes when the size
+    is a whole number of KiB, else decimal ones ("16000000000" is stored as "16G")."""
+    for suffix, scale in (("Ei", 1 << 60), ("Pi", 1 << 50), ("Ti", 1 << 40), ("Gi", 1 << 30),
+                          ("Mi", 1 << 20), ("Ki", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale}{suffix}"
+    for suffix, scale in (("E", 10 ** 18), ("P", 10 ** 15), ("T", 10 ** 12), ("G", 10 ** 9),
+                          ("M", 10 ** 6), ("k", 10 ** 3)):
         if size >= scale and size % scale == 0:
             return f"{size // scale}{suffix}"
     return str(size)

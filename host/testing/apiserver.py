@@ -20,7 +20,12 @@ get, Node get. Like the real server it
   * answers 401 without one of ``tokens`` as bearer token, and serves HTTPS with ``tls=True``
     (a self-signed certificate for 127.0.0.1; ``write_service_account`` lays out the token
     and CA as the kubelet mounts them, for the in-cluster path);
-  * sends Retry-After: 1 with a 429, as API Priority and Fairness does.
+  * sends Retry-After: 1 with a 429, as API Priority and Fairness does;
+  * streams ResourceSlice watches (``?watch=true``, chunked JSON lines of {"type", "object"},
+    field selectors as for lists): from ``resourceVersion`` on, or the current objects as
+    ADDED first without one; an ERROR event 410 Expired for a resourceVersion older than the
+    last ``compact()``; a DeleteCollection (``delete_slices_of_node``) is one DELETED event
+    per slice. Watches are counted in ``watches``, not in ``requests``/``request_log``.
 Failure injection (``fail_next``) answers the next N matching requests with a given status,
 with the Status body the real server would send.
 
@@ -53,6 +58,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from host.testing.resource_validation import (
     DecodeError,
     FieldError,
+    canonicalize_quantities,
     resource_slice_errors,
 )
 
@@ -127,6 +133,9 @@ class _State:
     nodes: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     claims: Dict[Tuple[str, str], Dict[str, Any]] = field(default_factory=dict)
     revision: int = 1
+    # The watch cache's history of ResourceSlice events: (revision, type, object).
+    events: List[Tuple[int, str, Dict[str, Any]]] = field(default_factory=list)
+    compacted: int = 0  # a watch from an older resourceVersion gets 410 Expired
 
 
 def parse_field_selector(text: str) -> List[Tuple[str, str, bool]]:
@@ -179,11 +188,14 @@ class ApiServerStandIn:
         self._thread: Optional[threading.Thread] = None
         self._server: Optional[asyncio.AbstractServer] = None
         self._writers: Set[asyncio.StreamWriter] = set()
+        self._serving: Set[asyncio.Task] = set()  # one per open connection
         self._tmpdir = tempfile.mkdtemp(prefix="dph-apiserver-")
         self.kubeconfig_path = os.path.join(self._tmpdir, "kubeconfig")
         self.ca_path = os.path.join(self._tmpdir, "ca.crt")
         self._changed = threading.Condition(self._lock)
         self._writes = 0
+        self._watch_wakers: Set[asyncio.Event] = set()  # one per open watch, on self._loop
+        self.watches = 0  # watch requests served (kept out of ``requests``/``request_log``)
         # Called from the server's thread after each successful write with (verb, object):
         # lets a benchmark timestamp the moment the server holds a change.
         self.on_write: Optional[Callable[[str, Dict[str, Any]], None]] = None
@@ -280,6 +292,8 @@ class ApiServerStandIn:
             transport = writer.transport
             transport.abort()  # a dead process: RST, no graceful close
         self._writers.clear()
+        if self._serving:  # let each connection's task see its end before the loop stops
+            await asyncio.wait(set(self._serving), timeout=2)
         if server is not None:
             await server.wait_closed()
 
@@ -352,10 +366,11 @@ class ApiServerStandIn:
         with self._lock:
             names = [n for n, s in self._state.slices.items()
                      if s["spec"].get("nodeName") == node]
-            for name in names:
-                del self._state.slices[name]
-            if names:
+            for name in names:  # DeleteCollection deletes one by one: one revision each
+                old = self._state.slices.pop(name)
                 self._bump()
+                self._event("DELETED", old)
+            if names:
                 self._notify()
             return len(names)
 
@@ -367,7 +382,9 @@ class ApiServerStandIn:
             meta.setdefault("uid", str(uuid.uuid4()))
             meta.setdefault("creationTimestamp", _now())
             meta["resourceVersion"] = self._bump()
+            kind = "MODIFIED" if meta["name"] in self._state.slices else "ADDED"
             self._state.slices[meta["name"]] = stored
+            self._event(kind, stored)
             self._notify()
             return copy.deepcopy(stored)
 
@@ -402,6 +419,10 @@ class ApiServerStandIn:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
+        task = asyncio.current_task()
+        if task is not None:
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
         try:
             while True:
                 line = await reader.readline()
@@ -422,6 +443,10 @@ class ApiServerStandIn:
                 body = await reader.readexactly(length) if length else b""
                 if self.latency_s:
                     await asyncio.sleep(self.latency_s)
+                if self._is_watch(method, target):
+                    await self._serve_watch(target, headers.get("authorization", ""), reader,
+                                            writer)
+                    return  # the real server ends a watch by closing its response
                 status, payload = self._handle(method, target, body,
                                                headers.get("authorization", ""))
                 data = json.dumps(payload, separators=(",", ":")).encode()
@@ -522,6 +547,127 @@ class ApiServerStandIn:
         self._state.revision += 1
         return str(self._state.revision)
 
+    def _event(self, kind: str, obj: Dict[str, Any]) -> None:
+        """Record a ResourceSlice event at the current revision and wake open watches (a
+        deleted object carries the revision of its deletion, as etcd's watch reports it)."""
+        item = copy.deepcopy(obj)
+        item.setdefault("metadata", {})["resourceVersion"] = str(self._state.revision)
+        self._state.events.append((self._state.revision, kind, item))
+        loop = self._loop
+        if loop is not None and self._watch_wakers:
+            loop.call_soon_threadsafe(self._wake_watchers)
+
+    def _wake_watchers(self) -> None:
+        for waker in list(self._watch_wakers):
+            waker.set()
+
+    def compact(self) -> None:
+        """What etcd compaction does to the watch cache: a watch from a resourceVersion
+        before now is answered with an ERROR event, 410 Expired."""
+        with self._lock:
+            self._state.compacted = self._state.revision
+            self._state.events.clear()
+
+    # -- watch --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _is_watch(method: str, target: str) -> bool:
+        parts = urlsplit(target)
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        return method == "GET" and unquote(parts.path).rstrip("/") == \
+            f"{RESOURCE_PREFIX}/resourceslices" and query.get("watch") in ("1", "true")
+
+    async def _serve_watch(self, target: str, authorization: str,
+                           reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A ResourceSlice watch as the real server streams it: chunked JSON lines of
+        {"type", "object"}; from ``resourceVersion`` (events after it) or, without one, the
+        matching objects as ADDED first; ended by the server after ``timeoutSeconds``."""
+        query = {k: v[-1] for k, v in parse_qs(urlsplit(target).query).items()}
+        token = authorization[7:] if authorization.startswith("Bearer ") else None
+        with self._lock:
+            self.watches += 1
+            failure = self._take_failure("watch")
+            error: Optional[Tuple[int, Any]] = None
+            terms: List[Tuple[str, str, bool]] = []
+            if token not in self.tokens:
+                error = 401, status_body(401, "Unauthorized", "Unauthorized")
+            elif failure is not None:
+                error = failure.status, status_body(failure.status, failure.reason,
+                                                    failure.message)
+            else:
+                try:
+                    terms = parse_field_selector(query.get("fieldSelector", ""))
+                except ValueError as err:
+                    error = _bad_request(str(err))
+                for name, _value, _equal in terms:
+                    if error is None and name not in SLICE_FIELDS:
+                        error = _bad_request(f'field label not supported for {GROUP}/v1, '
+                                             f'Kind=ResourceSlice: {name}')
+        if error is not None:
+            data = json.dumps(error[1], separators=(",", ":")).encode()
+            writer.write(f"HTTP/1.1 {error[0]} {_REASONS.get(error[0], 'Error')}\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {len(data)}"
+                         "\r\n\r\n".encode("latin-1") + data)
+            await writer.drain()
+            return
+
+        def matches(obj: Dict[str, Any]) -> bool:
+            return all((_slice_field(obj, n) == v) == eq for n, v, eq in terms)
+
+        def chunk(kind: str, obj: Dict[str, Any]) -> bytes:
+            line = json.dumps({"type": kind, "object": obj}, separators=(",", ":")) + "\n"
+            raw = line.encode()
+            return f"{len(raw):x}\r\n".encode() + raw + b"\r\n"
+
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        waker = asyncio.Event()
+        self._watch_wakers.add(waker)
+        gone = asyncio.ensure_future(reader.read())  # the client closed (or was cut off)
+        deadline = time.monotonic() + float(query.get("timeoutSeconds") or 1800)
+        try:
+            with self._lock:
+                since = query.get("resourceVersion") or ""
+                if since in ("", "0"):
+                    for obj in self._state.slices.values():
+                        if matches(obj):
+                            writer.write(chunk("ADDED", obj))
+                    seen = self._state.revision
+                elif int(since) < self._state.compacted:
+                    expired = status_body(410, "Expired", f"too old resource version: {since} "
+                                          f"({self._state.compacted})")
+                    writer.write(chunk("ERROR", expired))
+                    seen = -1
+                else:
+                    seen = int(since)
+            while seen >= 0:
+                await writer.drain()
+                waker.clear()
+                with self._lock:
+                    fresh = [(rv, kind, obj) for rv, kind, obj in self._state.events
+                             if rv > seen]
+                for rv, kind, obj in fresh:
+                    seen = rv
+                    if matches(obj):
+                        writer.write(chunk(kind, obj))
+                if fresh:
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or gone.done():
+                    break
+                woken = asyncio.ensure_future(waker.wait())
+                await asyncio.wait({woken, gone}, timeout=remaining,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                woken.cancel()
+            if not gone.done():
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        finally:
+            self._watch_wakers.discard(waker)
+            gone.cancel()
+            if gone.done() and not gone.cancelled():
+                gone.exception()  # a reset connection: retrieved, not reported as lost
+
     # -- handlers (called with the lock held) -------------------------------------------------
 
     def _get_node(self, name: str, obj: Any, query: Dict[str, str]) -> Tuple[int, Any]:
@@ -583,11 +729,13 @@ class ApiServerStandIn:
             return _bad_request("resourceVersion should not be set on objects to be created")
         if not meta.get("name") and meta.get("generateName"):
             suffix = "".join(random.choice(_GENERATE_CHARS) for _ in range(5))
-            meta["name"] = meta["generateName"][: 253 - 5] + suffix
+            # names.SimpleNameGenerator: the base is cut to 63 - 5 characters first
+            meta["name"] = meta["generateName"][: 63 - 5] + suffix
         self._drop_disabled(obj, None)
         errors = resource_slice_errors(obj)
         if errors:
             return _invalid(meta.get("name") or meta.get("generateName") or "", errors)
+        canonicalize_quantities(obj)  # decoded into resource.Quantity, stored canonical
         name = meta["name"]
         if name in self._state.slices:
             return 409, status_body(409, "AlreadyExists",
@@ -599,6 +747,7 @@ class ApiServerStandIn:
         meta["resourceVersion"] = self._bump()
         obj["kind"], obj["apiVersion"] = "ResourceSlice", f"{GROUP}/v1"
         self._state.slices[name] = obj
+        self._event("ADDED", obj)
         return 201, copy.deepcopy(obj)
 
     def _update_slice(self, name: str, obj: Any, query: Dict[str, str]) -> Tuple[int, Any]:
@@ -620,16 +769,19 @@ class ApiServerStandIn:
         errors = resource_slice_errors(obj, old)
         if errors:
             return _invalid(name, errors)
+        canonicalize_quantities(obj)
         for key in ("uid", "creationTimestamp"):
             meta[key] = old["metadata"][key]
         obj["kind"], obj["apiVersion"] = "ResourceSlice", f"{GROUP}/v1"
-        if obj.get("spec") != old.get("spec"):
-            meta["generation"] = old["metadata"].get("generation", 1) + 1
+        # Only a spec change bumps metadata.generation (PrepareForUpdate); any change, the
+        # metadata's too (labels, owner references), is a write with a new resourceVersion.
+        spec_changed = obj.get("spec") != old.get("spec")
+        meta["generation"] = old["metadata"].get("generation", 1) + (1 if spec_changed else 0)
+        meta["resourceVersion"] = old["metadata"]["resourceVersion"]
+        if obj != old:
             meta["resourceVersion"] = self._bump()
-        else:
-            # A no-op update writes nothing and keeps the resourceVersion, as the real one.
-            meta["generation"] = old["metadata"].get("generation", 1)
-            meta["resourceVersion"] = old["metadata"]["resourceVersion"]
+            self._event("MODIFIED", obj)
+        # else: a no-op update writes nothing and keeps the resourceVersion, as the real one.
         self._state.slices[name] = obj
         return 200, copy.deepcopy(obj)
 
@@ -649,6 +801,7 @@ class ApiServerStandIn:
                              f"UID in object meta: {old['metadata']['uid']}")
         del self._state.slices[name]
         self._bump()
+        self._event("DELETED", old)
         return 200, copy.deepcopy(old)
 
 

@@ -210,8 +210,12 @@ def add_intel_gpu(
 #   amdgpu/amdgpu_device.c: mem_info_vram_total in bytes.
 # * amdkfd/kfd_topology.c: /sys/class/kfd/kfd/topology/nodes/<n>/{gpu_id,name,properties},
 #   properties as "<key> <value>" lines; node 0.. are CPU nodes (gpu_id 0, simd_count 0);
-#   location_id = pci_dev_id (bus << 8 | devfn) with, on multi-partition devices, the partition
-#   id in bits 31:28 (kfd_topology_add_device); domain = the PCI domain; drm_render_minor = the
+#   location_id = pci_dev_id (bus << 8 | devfn), on multi-partition devices OR-ed with the
+#   partition (node) id in its low bits: kfd_topology_add_device has
+#   "if (gpu->kfd->num_nodes > 1) location_id |= dev->gpu->node_id" (ROCm/amdgpu, and mainline
+#   since the bits-31:28 form of commit 925c7bd1d1cf was reverted: RCCL was not ready for it).
+#   So partition k of a GPU at bb:00.0 reads as bb:00.k. ``partition_bits="high"`` builds the
+#   short-lived bits-31:28 form instead; domain = the PCI domain; drm_render_minor = the
 #   partition's render minor. io_links/<m>/properties: type (2 PCIe, 11 XGMI: kfd_crat.h
 #   CRAT_IOLINK_TYPE_*), node_from, node_to, weight (PCIe 20, XGMI 15 per hop: kfd_crat.c).
 #   topology/generation_id shows sys_props.generation_count, incremented on every add, remove
@@ -227,8 +231,12 @@ class AmdMachine:
     """Allocates DRM minors, xcp platform devices and KFD nodes the way a real boot does:
     GPUs probe in order, each takes 8 consecutive card and render minors (its own + 7 xcp)."""
 
-    def __init__(self, tree: FakeTree, *, first_card: int = 1, cpu_nodes: int = 1) -> None:
+    def __init__(
+        self, tree: FakeTree, *, first_card: int = 1, cpu_nodes: int = 1,
+        partition_bits: str = "low",
+    ) -> None:
         self.tree = tree
+        self.partition_bits = partition_bits  # "low": today's kernels; "high": bits 31:28
         self.next_card = first_card
         self.next_render = 128
         self.next_xcp = 0
@@ -317,7 +325,12 @@ class AmdMachine:
             slot, func = rest.split(".")
             pci_id = int(bus, 16) << 8 | int(slot, 16) << 3 | int(func)
             for index in range(count):
-                location = pci_id | (index << 28) if count > 1 else pci_id
+                if count == 1:
+                    location = pci_id
+                elif self.partition_bits == "high":
+                    location = pci_id | (index << 28)
+                else:
+                    location = pci_id | index
                 props: Dict[str, Any] = {
                     "cpu_cores_count": 0, "simd_count": 304 // count, "mem_banks_count": 1,
                     "caches_count": 0, "io_links_count": 0, "p2p_links_count": 0,

@@ -216,7 +216,9 @@ def label_name_errors(key: str, field: str) -> List[FieldError]:
 def _attribute_errors(value: Dict[str, Any], field: str) -> List[FieldError]:
     errs: List[FieldError] = []
     present = [k for k in ("int", "bool", "string", "version") if value.get(k) is not None]
-    if "string" in present and len(value["string"]) > ATTRIBUTE_VALUE_MAX:
+    # Go's len: bytes of the UTF-8 text, not characters.
+    if "string" in present and len(value["string"].encode("utf-8", "surrogatepass")) > \
+            ATTRIBUTE_VALUE_MAX:
         errs.append(_too_long(f"{field}.string", ATTRIBUTE_VALUE_MAX))
     if "version" in present:
         version = value["version"]
@@ -254,6 +256,47 @@ def _decode_attribute(value: Any, field: str) -> Dict[str, Any]:
                               f"into {expected.__name__}")
         out[key] = item
     return out
+
+
+_BINARY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
+           "Ei": 1 << 60}
+_DECIMAL = {"": 1, "k": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "P": 10 ** 15,
+            "E": 10 ** 18}
+_INTEGER_QUANTITY = re.compile(r"([+-]?\d+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?\Z")
+
+
+def canonical_quantity(text: Any) -> Any:
+    """What the API server stores for a quantity: resource.Quantity decodes it and writes
+    its canonical form back (apimachinery quantity.go CanonicalizeBytes): "1000" is "1k",
+    "2048Ki" is "2Mi", "1536" stays. The format is kept from the input (binary suffix:
+    BinarySI, else DecimalSI); a binary value under 1024 or not a whole multiple of 1Ki is
+    written in DecimalSI. Whole numbers only (what drivers report); others are kept as sent.
+    """
+    match = _INTEGER_QUANTITY.match(str(text))
+    if not match:
+        return text
+    suffix = match.group(2) or ""
+    value = int(match.group(1)) * (_BINARY.get(suffix) or _DECIMAL[suffix])
+    if suffix in _BINARY and abs(value) >= 1024:
+        for name, scale in sorted(_BINARY.items(), key=lambda kv: -kv[1]):
+            if value % scale == 0:
+                return f"{value // scale}{name}"
+    if value == 0:
+        return "0"
+    for name, scale in sorted(_DECIMAL.items(), key=lambda kv: -kv[1]):
+        if value % scale == 0:
+            return f"{value // scale}{name}"
+    return str(value)
+
+
+def canonicalize_quantities(obj: Dict[str, Any]) -> None:
+    """Every device capacity value of a ResourceSlice in its stored (canonical) form."""
+    for device in (obj.get("spec") or {}).get("devices") or []:
+        if not isinstance(device, dict):
+            continue
+        for capacity in (device.get("capacity") or {}).values():
+            if isinstance(capacity, dict) and "value" in capacity:
+                capacity["value"] = canonical_quantity(capacity["value"])
 
 
 def _capacity_errors(value: Any, field: str, multi: bool) -> List[FieldError]:

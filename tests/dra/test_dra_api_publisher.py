@@ -4,6 +4,7 @@ attributes read back, 300 devices in 3 slices, hot-plug, health, outages, 422 an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import pytest
@@ -333,3 +334,159 @@ def test_too_many_requests_waits_the_servers_retry_after(run):
 
 def publisher_error_kinds(api):
     return [(m, code) for m, _p, code in api.request_log if m != "GET"][-2:]
+
+
+def test_slices_deleted_by_the_kubelet_after_our_republish_come_back(run):
+    # The kubelet's start-up wipe runs in the background with retries (Node GET first, backoff
+    # from 1 s: DRAPluginManager.wipeResourceSlices), so it can land after our registration
+    # already republished: nothing else would make us publish again until a device changes.
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 5
+            while api.watches == 0 and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            assert api.delete_slices_of_node(NODE) == 1
+            ok = await loop.run_in_executor(
+                None, lambda: api.wait_for(lambda a: len(a.devices(DRIVER, NODE)) == 2, 5))
+            return ok
+
+        assert run(publishing(api, [gpu(0), gpu(1)], body))
+
+
+def test_our_own_deletes_cost_no_extra_requests_and_a_broken_watch_resumes(run):
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            api.reset_counters()
+            publisher.set_pool(DRIVER, POOL, [gpu(i) for i in range(10)])  # 130 -> 1 slice
+            assert await publisher.wait_synced()
+            await asyncio.sleep(0.2)  # the DELETED event of our own delete has arrived
+            assert publisher.republished_after_delete == 0
+            assert [m for m, _p, _c in api.request_log] == ["PUT", "DELETE"]
+            # An outage cuts the watch; a wipe while we are away is seen after it resumes.
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, api.stop)
+            api.delete_slices_of_node(NODE)
+            await loop.run_in_executor(None, api.start)
+            ok = await loop.run_in_executor(
+                None, lambda: api.wait_for(lambda a: len(a.devices(DRIVER, NODE)) == 10, 10))
+            return ok
+
+        assert run(publishing(api, [gpu(i) for i in range(130)], body))
+
+
+def test_an_expired_watch_reads_every_pool_again(run):
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, api.stop)
+            api.delete_slices_of_node(NODE)
+            api.compact()  # the deletion's event is gone from the watch cache: 410 on resume
+            await loop.run_in_executor(None, api.start)
+            return await loop.run_in_executor(
+                # Beyond BACKOFF_MAX_S: a loaded machine can stretch the outage over several
+                # retries of the watch, and each waits longer (a deadline, not a sleep).
+                None, lambda: api.wait_for(lambda a: len(a.devices(DRIVER, NODE)) == 1, 40))
+
+        assert run(publishing(api, [gpu(0)], body), timeout=60)
+
+
+def test_a_decimal_memory_size_is_written_as_the_server_stores_it(run):
+    # resource.Quantity decodes "5000000000" and stores "5G": a capacity written in another
+    # form never compares equal to what we read back, and every rescan would rewrite the pool
+    # with a new generation.
+    decimal = dataclasses.replace(gpu(0), attributes=dict(gpu(0).attributes,
+                                                          memory_bytes=str(5 * 10 ** 9)))
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            api.reset_counters()
+            publisher.set_pool(DRIVER, POOL, [decimal])
+            assert await publisher.wait_synced()
+
+        run(publishing(api, [decimal], body))
+        assert sum(api.requests.values()) == 0
+        [device] = api.devices(DRIVER, NODE).values()
+        assert device["capacity"] == {"memory": {"value": "5G"}}
+
+
+def test_slices_collected_with_a_replaced_node_come_back_owned_by_the_new_one(run):
+    # A Node deleted and registered again gets a new UID; the garbage collector deletes the
+    # slices owned by the old one. Republished with the cached old UID they would be
+    # collected again, forever.
+    with ApiServerStandIn() as api:
+        old = api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            new = api.add_node(NODE)
+            assert new["metadata"]["uid"] != old["metadata"]["uid"]
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 5
+            while api.watches == 0 and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            api.delete_slices_of_node(NODE)  # what the garbage collector does
+            ok = await loop.run_in_executor(
+                None, lambda: api.wait_for(lambda a: len(a.resource_slices(DRIVER, NODE)), 5))
+            return ok, new["metadata"]["uid"]
+
+        ok, uid = run(publishing(api, [gpu(0)], body))
+        assert ok
+        [piece] = api.resource_slices(DRIVER, NODE)
+        assert piece["metadata"]["ownerReferences"][0]["uid"] == uid
+
+
+def test_a_refused_watch_is_said_once(run, caplog):
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+        api.fail_next(403, count=3, verbs={"watch"}, reason="Forbidden",
+                      message='resourceslices.resource.k8s.io is forbidden: cannot "watch"')
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 5
+            while api.watches < 4 and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            return api.watches
+
+        with caplog.at_level(logging.WARNING, logger="host.dra.publisher"):
+            assert run(publishing(api, [gpu(0)], body)) >= 4
+        said = [r for r in caplog.records if "cannot watch ResourceSlices" in r.getMessage()]
+        assert len(said) == 1 and "forbidden" in said[0].getMessage()
+
+
+def test_a_republish_while_a_reconcile_deletes_slices_does_not_kill_the_publisher(run):
+    # republish() (a kubelet restart) or a watched deletion can drop the pool's view while a
+    # reconcile is between its update and its deletion of a slice no longer needed.
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+
+            def on_write(verb, obj):
+                if verb == "update":
+                    api.on_write = None
+                    publisher.republish()  # from the server's thread, as the hook runs
+
+            api.on_write = on_write
+            publisher.set_pool(DRIVER, POOL, [gpu(i) for i in range(10)])  # 2 slices -> 1
+            assert await publisher.wait_synced()
+            publisher.set_pool(DRIVER, POOL, [gpu(i) for i in range(11)])
+            assert await publisher.wait_synced()  # the owner task still runs
+
+        run(publishing(api, [gpu(i) for i in range(130)], body))
+        assert len(api.resource_slices(DRIVER, NODE)) == 1
+        assert len(api.devices(DRIVER, NODE)) == 11

@@ -94,3 +94,20 @@ def test_whatever_the_driver_records_the_slices_are_valid(records, taint):
     expected = {dra_device_name(d.id) for d in devices if d.healthy or taint}
     assert published == expected
     assert {s["spec"]["pool"]["resourceSliceCount"] for s in slices} == {len(slices)}
+
+
+def test_string_limits_count_utf8_bytes_as_the_api_server_does():
+    # validateDeviceAttribute: len(*StringValue) > 64 in Go counts bytes. 63 characters with
+    # one "®" (2 bytes) is 64 bytes: fine; 64 characters with one is 65 bytes: a 422.
+    fits = "Intel® " + "x" * 56
+    too_long = fits + "x"
+    assert len(fits.encode()) == 64 and len(too_long) == 64
+    device = Device(id="usb-1", attributes={"product": fits, "manufacturer": too_long})
+    attributes = device_attributes(device)
+    assert attributes["product"] == {"string": fits}
+    assert "manufacturer" not in attributes
+    [piece] = build_slices(DRIVER, "node-a", "node-a/example.com/usb", [device], 1)
+    assert resource_slice_errors(piece) == []
+    piece["spec"]["devices"][0]["attributes"]["manufacturer"] = {"string": too_long}
+    assert [e.field for e in resource_slice_errors(piece)] == [
+        "spec.devices[0].attributes[manufacturer].string"]

@@ -191,3 +191,32 @@ def test_field_selectors():
         assert [i["metadata"]["name"] for i in body["items"]] == ["s-n2"]
         _status, body = _request(api, "GET", f"{SLICES}?fieldSelector=spec.nodeName!%3Dn2")
         assert [i["metadata"]["name"] for i in body["items"]] == ["s-n1"]
+
+
+def test_generate_name_is_cut_to_58_characters_as_upstream_does():
+    # apiserver/pkg/storage/names: maxGeneratedNameLength = 63 - 5, whatever the resource.
+    with ApiServerStandIn() as api:
+        obj = good()
+        obj["metadata"] = {"generateName": "n" * 100 + "-"}
+        status, created = _request(api, "POST", SLICES, obj)
+        assert status == 201
+        assert created["metadata"]["name"].startswith("n" * 58)
+        assert len(created["metadata"]["name"]) == 63
+
+
+def test_a_metadata_only_update_is_a_write_without_a_new_generation():
+    # registry: any change is stored with a new resourceVersion; only a spec change bumps
+    # metadata.generation (resourceslice strategy PrepareForUpdate).
+    with ApiServerStandIn() as api:
+        obj = good()
+        obj["metadata"] = {"name": "s1"}
+        status, created = _request(api, "POST", SLICES, obj)
+        assert status == 201
+        created["metadata"]["labels"] = {"touched": "yes"}
+        status, labelled = _request(api, "PUT", f"{SLICES}/s1", created)
+        assert status == 200
+        assert labelled["metadata"]["labels"] == {"touched": "yes"}
+        assert labelled["metadata"]["generation"] == created["metadata"]["generation"]
+        assert labelled["metadata"]["resourceVersion"] != created["metadata"]["resourceVersion"]
+        # the stale resourceVersion is now a conflict
+        assert _request(api, "PUT", f"{SLICES}/s1", created)[0] == 409

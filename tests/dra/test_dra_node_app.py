@@ -400,3 +400,46 @@ def test_an_operator_drain_reaches_the_slice_the_health_stream_and_prepare(short
             await client.close()
 
     run(body())
+
+
+def test_a_kubelet_start_wipe_that_lands_after_our_registration_is_repaired(short_dir, run,
+                                                                            kube_api):
+    """The real DRA manager wipes the node's slices in the background (Node GET, backoff
+    from 1 s), racing the registrations: a wipe after our republish must not leave the node
+    without slices."""
+    kube_api.add_node(NODE)
+    config = _config(short_dir, kube_api, DRA)
+    dra_driver = naming.driver_name(DRA.name, None)
+    wiped = []
+
+    def wipe(node: str) -> int:
+        count = kube_api.delete_slices_of_node(node)
+        wiped.append(count)
+        return count
+
+    async def body():
+        client = KubeClient.from_settings(kube_api.kubeconfig_path)
+        kubelet = DraKubeletSimulator(
+            config.host.plugins_registry_dir, get_claim=client.get_resource_claim,
+            node_name=NODE, wipe_slices=wipe)
+        await kubelet.start()
+        app = HostApp(config, {"memory": _driver()}, events=None)
+        await app.start()
+        try:
+            await kubelet.wait_registered(dra_driver)
+            assert await app.publisher.wait_synced()
+            kubelet.startup_wipe_delay_s = 0.3
+            await kubelet.restart(wipe_sockets=True)
+            await kubelet.wait_registered(dra_driver)
+            assert await app.publisher.wait_synced()
+            await _until(lambda: len(wiped) == 2)
+            assert wiped[-1] == 1  # the wipe came after the republish and took our slice
+            loop = asyncio.get_running_loop()
+            assert await loop.run_in_executor(None, lambda: kube_api.wait_for(
+                lambda a: len(a.devices(dra_driver, NODE)) == 3, 10))
+        finally:
+            await app.stop()
+            await kubelet.stop()
+            await client.close()
+
+    run(body())

@@ -351,3 +351,23 @@ def test_device_health_streams_to_the_kubelet(short_dir, run, kube_api):
             assert n.front.services[DRIVER].health_streams == 1  # the old one is gone
 
     run(body())
+
+
+def test_health_is_advertised_for_kubelets_that_watch_only_advertised_services(short_dir, run,
+                                                                               kube_api):
+    """Newer DRA plugin managers (pickHealthService) start NodeWatchResources only for a
+    plugin whose supported_versions name the health service, as upstream's kubelet plugin
+    helper lists it; older ones ignore entries they do not know."""
+    async def body():
+        async with node(short_dir, kube_api, _driver(2)) as n:
+            kubelet = n.kubelet
+            kubelet.health_requires_advertised = True
+            await kubelet.restart(wipe_sockets=True)
+            before = kubelet.health_messages
+            await kubelet.wait_registered(DRIVER)
+            assert kubelet.plugin(DRIVER).chosen_service == "v1.DRAPlugin"
+            await kubelet.watcher.wait_for(lambda w: kubelet.health_messages > before,
+                                           what="the health stream of a newer kubelet")
+            assert kubelet.health(DRIVER, POOL, "gpu0") == ("Healthy", "")
+
+    run(body())

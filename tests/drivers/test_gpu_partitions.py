@@ -26,10 +26,10 @@ SPX_NPS1 = ResourceConfig("amd.com/spx_nps1", "gpu",
                           {"vendor": "0x1002", "partition_mode": "spx_nps1"})
 
 
-def _machine(tmp_path, modes) -> AmdMachine:
+def _machine(tmp_path, modes, partition_bits: str = "low") -> AmdMachine:
     tree = FakeTree(tmp_path / "root")
     tree.numa_nodes(2)
-    machine = AmdMachine(tree, cpu_nodes=2)
+    machine = AmdMachine(tree, cpu_nodes=2, partition_bits=partition_bits)
     for number, (compute, memory) in enumerate(modes):
         machine.add_gpu(f"0000:{0x0c + number * 0x10:02x}:00.0", numa_node=number // 4,
                         compute=compute, memory=memory)
@@ -72,6 +72,21 @@ def test_cpx_gpu_is_served_as_its_eight_partitions_with_kfd_and_their_own_nodes(
     spx = [d for d in devices if d.id == "0000:1c:00.0"]
     assert len(spx) == 1 and spx[0].attributes["partition_mode"] == "spx_nps1"
     assert spx[0].attributes["memory_bytes"] == "206141652992"
+
+
+@pytest.mark.parametrize("partition_bits", ["low", "high"])
+def test_both_kernel_encodings_of_the_partition_in_location_id_give_the_partitions(
+    tmp_path, partition_bits
+):
+    # ROCm/amdgpu and mainline OR the node id into location_id's low bits (partition 3 of
+    # 0c:00.0 reads as 0c:00.3); a short-lived mainline form put it in bits 31:28. Both are
+    # the same eight partitions of one GPU, never a GPU whose partitions are missing.
+    machine = _machine(tmp_path, [("CPX", "NPS4"), ("CPX", "NPS4")], partition_bits)
+    devices = _discover(machine)["amd.com/gpu"]
+    assert [d.id for d in devices] == [
+        f"0000:{bus}:00.0-p{i}" for bus in ("0c", "1c") for i in range(8)]
+    assert all(d.healthy for d in devices), [d.health_reason for d in devices]
+    assert [_paths(d)[1] for d in devices] == [f"/dev/dri/renderD{128 + i}" for i in range(16)]
 
 
 def test_eight_spx_gpus_are_eight_devices_not_sixty_four_render_nodes(tmp_path):

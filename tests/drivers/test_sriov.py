@@ -230,6 +230,30 @@ def test_pf_link_down_makes_its_vfs_unhealthy_until_it_comes_up(tree: FakeTree) 
     assert all(d.healthy for d in discover(tree))
 
 
+def test_pf_link_down_is_one_warning_per_pf_not_one_per_vf_or_per_scan(tree, caplog) -> None:
+    """Issue 11 item 16: a PF with 64 VFs whose link is down logged 64 identical lines on
+    every scan. One line names the PF and how many VFs it takes down; the next scan of the
+    same driver says nothing new; once the link is back and down again, it is said again."""
+    pf = e810(tree, operstate="down", carrier=None)
+    driver = SriovDriver()
+    resource = ResourceConfig(name=RESOURCE, driver="sriov", selectors={})
+
+    def scan() -> List[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            driver.discover(HostFS(tree.root), [resource])
+        return [r.getMessage() for r in caplog.records if "ens1f0" in r.getMessage()]
+
+    first = scan()
+    assert len(first) == 1, first
+    assert "4 VF(s)" in first[0], first
+    assert scan() == []
+    tree.attr(f"{pf.path}/net/ens1f0/operstate", "up")
+    assert scan() == []
+    tree.attr(f"{pf.path}/net/ens1f0/operstate", "down")
+    assert len(scan()) == 1
+
+
 # -- selectors ---------------------------------------------------------------------------------
 def build_two_pfs(tree: FakeTree):
     """The E810 above and a ConnectX PF on InfiniBand (ib0) with 4 mlx5_core VFs, NUMA 0."""

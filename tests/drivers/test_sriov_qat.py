@@ -4,6 +4,9 @@ SR-IOV device plugin's ``_INFO`` variable, on fake trees in the kernel's QAT lay
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
@@ -17,7 +20,7 @@ from host.hostfs import HostFS
 from host.model import Device, DeviceNode, Health, ResourceConfig
 from host.testing.fake_net import sriov_pf, vfio_cdev
 from host.testing.fake_qat import heartbeat_status, qat_pf, remove_debugfs
-from host.testing.tree import FakeTree
+from host.testing.tree import FakeTree, load_machine
 
 REPO = Path(__file__).resolve().parents[2]
 CY = "qat.intel.com/cy"
@@ -323,3 +326,65 @@ def test_gpu_vfs_for_vms_are_served_on_vfio(tree: FakeTree) -> None:
     assert devices[pf.vf_addresses[0]].device_nodes[1] == DeviceNode("/dev/vfio/300")
     kernel = by_id(discover(tree))[pf.vf_addresses[2]]
     assert kernel.attributes["vf_mode"] == "kernel"  # on xe: the gpu driver's business
+
+
+def test_qat_node_survives_a_capture_with_its_services_heartbeat_and_iommufd_nodes(tmp_path):
+    """A captured QAT node is what a bug report carries: it must keep what the sriov driver
+    reads (qat/cfg_services and state, the debugfs heartbeat, the vfio cdev nodes), or the
+    report shows no devices (every service selector fails) and no failed heartbeat."""
+    root = tmp_path / "root"
+    original = load_machine("qat-node", root)
+    heartbeat_status(original, "0000:6b:00.0", "-1")  # this PF's firmware stopped answering
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    captured = tmp_path / "qat.tree"
+    result = subprocess.run(
+        [sys.executable, "-m", "host", "capture", "--host-root", str(root), "-o", str(captured)],
+        capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    text = captured.read_text(encoding="utf-8")
+    recaptured = FakeTree(tmp_path / "recaptured")
+    recaptured.load(text)
+
+    config = tmp_path / "qat.toml"  # the example, with iommufd on the dc VFs
+    config.write_text((REPO / "config" / "examples" / "qat-node.toml").read_text().replace(
+        'qat_services = "dc"\n', 'qat_services = "dc"\n[resource.settings]\niommufd = true\n'))
+
+    def discover(where: Path) -> List[tuple]:
+        out = subprocess.run(
+            [sys.executable, "-m", "host", "discover", "--host-root", str(where),
+             "--config", str(config), "--json"],
+            capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+        assert out.returncode == 0, out.stderr
+        return [(r["resource"], r["id"], r["health"], r["health_reason"], r["numa_nodes"],
+                 [n["host_path"] for n in r["device_nodes"]]) for r in json.loads(out.stdout)]
+
+    before = discover(root)
+    assert any(row[2] == "Unhealthy" for row in before)
+    assert any("/dev/iommu" in row[5] and row[2] == "Healthy" for row in before)
+    assert discover(tmp_path / "recaptured") == before
+
+
+def test_a_failed_heartbeat_is_one_warning_per_pf_not_one_per_vf_or_scan(tree, caplog) -> None:
+    """A QAT PF's own problem reads the same for each of its VFs (64 on a real 4xxx): one
+    warning per PF and resource when it starts, nothing while it lasts, again after it
+    cleared and came back."""
+    import logging
+
+    cy, _ = two_endpoints(tree)
+    heartbeat_status(tree, cy.address, "-1")
+    driver = SriovDriver()
+    resource = ResourceConfig(name=CY, driver="sriov", selectors={})
+
+    def scan() -> List[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            driver.discover(HostFS(tree.root), [resource])
+        return [r.getMessage() for r in caplog.records if "heartbeat" in r.getMessage()]
+
+    first = scan()
+    assert len(first) == 1 and "4 VF(s)" in first[0], first
+    assert scan() == []
+    heartbeat_status(tree, cy.address, "0")
+    assert scan() == []
+    heartbeat_status(tree, cy.address, "-1")
+    assert len(scan()) == 1

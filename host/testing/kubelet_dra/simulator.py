@@ -106,6 +106,7 @@ class DraKubeletSimulator:
         call_timeout_s: float = CALL_TIMEOUT_S,
         kube: Optional[Any] = None,
         wiping_delay_s: float = WIPING_DELAY_S,
+        startup_wipe_delay_s: Optional[float] = None,
     ) -> None:
         self.registry_dir = registry_dir
         self.plugins_dir = plugins_dir
@@ -118,6 +119,11 @@ class DraKubeletSimulator:
         # its last plugin is gone (cancelled when one registers again).
         self._kube = kube
         self.wiping_delay_s = wiping_delay_s
+        # None: the start-up wipe is done before the plugin watcher starts. A number: as the
+        # real DRAPluginManager does it, in the background after that long (its Node GET and
+        # backoff from 1 s), racing the plugins' registration.
+        self.startup_wipe_delay_s = startup_wipe_delay_s
+        self._startup_wipe: Optional[asyncio.Task] = None
         self._wipes: Dict[str, asyncio.Task] = {}
         self.wiped_drivers: List[str] = []
         self.claims: Dict[str, ClaimInfo] = {}
@@ -129,17 +135,31 @@ class DraKubeletSimulator:
         # DRAResourceHealth (ResourceHealthStatus on, the 1.36 default): per driver, per
         # "pool/device"; the stream errors the kubelet would log every 5 s.
         self.watch_health = True
+        # Newer DRA plugin managers (pickHealthService) open the health stream only for a
+        # plugin that lists the health service ("v1alpha1.DRAResourceHealth") among its
+        # supported_versions; 1.36.2 opens it for every plugin.
+        self.health_requires_advertised = False
         self.device_health: Dict[str, Dict[str, DeviceHealth]] = {}
         self.health_errors: List[str] = []
         self.health_messages = 0
         self._health_tasks: Dict[str, asyncio.Task] = {}
 
     # -- lifecycle -----------------------------------------------------------------------
+    async def _wipe_node(self, delay_s: float = 0.0) -> None:
+        if delay_s:
+            await asyncio.sleep(delay_s)
+        assert self._wipe_slices is not None
+        result = self._wipe_slices(self.node_name)
+        if asyncio.iscoroutine(result):
+            await result
+
     async def start(self) -> None:
         if self._wipe_slices is not None:
-            result = self._wipe_slices(self.node_name)
-            if asyncio.iscoroutine(result):
-                await result
+            if self.startup_wipe_delay_s is None:
+                await self._wipe_node()
+            else:
+                self._startup_wipe = asyncio.get_running_loop().create_task(
+                    self._wipe_node(self.startup_wipe_delay_s), name="kubelet start-up wipe")
         self.watcher = PluginWatcher(self.registry_dir,
                                      get_info_timeout_s=self.get_info_timeout_s,
                                      on_register=self._registered,
@@ -153,6 +173,9 @@ class DraKubeletSimulator:
         health, self._health_tasks = list(self._health_tasks.values()), {}
         health += list(self._wipes.values())
         self._wipes.clear()
+        if self._startup_wipe is not None:
+            health.append(self._startup_wipe)
+            self._startup_wipe = None
         for task in health:
             task.cancel()
         await asyncio.gather(*health, return_exceptions=True)
@@ -212,7 +235,8 @@ class DraKubeletSimulator:
                 # grpc.NewClient + Connect(): created once, connects on demand.
                 self._channels[plugin.endpoint] = grpc.aio.insecure_channel(
                     f"unix://{plugin.endpoint}", options=[("grpc.enable_http_proxy", 0)])
-            if self.watch_health:
+            advertised = DRA_HEALTH_SERVICE in plugin.supported
+            if self.watch_health and (advertised or not self.health_requires_advertised):
                 old = self._health_tasks.pop(plugin.name, None)
                 if old is not None:
                     old.cancel()

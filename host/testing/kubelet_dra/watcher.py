@@ -21,7 +21,7 @@ import os
 import stat
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 
@@ -54,6 +54,7 @@ class RegisteredPlugin:
     socket_path: str  # the registration socket it came from
     chosen_service: str  # DRA: "v1.DRAPlugin" or "v1beta1.DRAPlugin"; device plugins: version
     inode: int = 0  # of the registration socket: a new inode is a new socket (fsnotify Create)
+    supported: Tuple[str, ...] = ()  # PluginInfo.supported_versions as the plugin sent them
     registered_at: float = field(default_factory=time.monotonic)
 
 
@@ -221,7 +222,8 @@ class PluginWatcher:
             try:
                 chosen = self._validate(info, endpoint)
                 plugin = RegisteredPlugin(info.type, info.name, endpoint, path, chosen,
-                                          inode=inode)
+                                          inode=inode,
+                                          supported=tuple(info.supported_versions))
                 self._check_register(plugin)
             except ValidationError as error:
                 await self._notify(stub, False, f"plugin validation failed with err: {error}")
