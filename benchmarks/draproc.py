@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import signal
 import sys
@@ -44,6 +45,7 @@ async def serve(kubeconfig: str, root: str, node: str, devices: int) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     async with running_host(config, {DRIVER: driver}) as app:
+        gc.freeze()  # as `cli run` does once the host has started
         app.on_ready.append(lambda: print("ready", flush=True))
         if app.ready.is_set():
             print("ready", flush=True)

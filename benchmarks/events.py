@@ -17,6 +17,7 @@ grpc.aio servers measured side by side.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import tempfile
 from typing import Dict, List
@@ -53,6 +54,7 @@ async def _measure_count(count: int, samples: int, root: str) -> Dict[str, List[
         try:
             async with PushFloor(plugin_dir) as floor, running_host(
                     config, {DRIVER: driver}, events=source):
+                gc.freeze()  # as `cli run` does once the host has started
                 await sim.wait_for(lambda k: all(k.resources[n].live for n in names),
                                    timeout=60, what=f"{count} resources registered")
                 for i in range(samples):

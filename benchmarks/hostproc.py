@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import shutil
 import signal
@@ -73,6 +74,7 @@ async def serve(resources: int, devices: int, plugin_dir: str, host_root: str,
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     async with running_host(config, {DRIVER: driver}, events=events) as app:
+        gc.freeze()  # as `cli run` does once the host has started
         if events and app.events is None:
             print("event source failed to start", file=sys.stderr, flush=True)
             return

@@ -14,6 +14,7 @@ uses, but without the simulator's bookkeeping). Host and floor samples alternate
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import tempfile
 from typing import Dict, List
@@ -50,6 +51,7 @@ async def _measure_size(n: int, updates: int, root: str) -> Dict[str, List[float
         try:
             async with PushFloor(plugin_dir) as floor, running_host(
                     config, {DRIVER: MemoryDriver(DRIVER, {RESOURCE: devices})}) as app:
+                gc.freeze()  # as `cli run` does once the host has started
                 await sim.wait_for(lambda k: k.resources[RESOURCE].live
                                    and len(k.resources[RESOURCE].devices) == n, timeout=30,
                                    what=f"{n} devices registered")

@@ -16,6 +16,7 @@ as long as a reload took.
 from __future__ import annotations
 
 import asyncio
+import gc
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, List, Tuple
@@ -88,6 +89,7 @@ async def _measure(count: int, rounds: int) -> Tuple[List[float], List[float], L
         ticker = Ticker()
         try:
             await app.start()
+            gc.freeze()  # as `cli run` does once the host has started
             await sim.wait_for(lambda s: s.resources["example.com/r0"].connected, timeout=30)
             for _ in range(rounds):
                 for size in (count, 1):

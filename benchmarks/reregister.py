@@ -25,6 +25,7 @@ ideally 1.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import tempfile
 from typing import Callable, Dict, List, Sequence, Tuple
@@ -93,6 +94,7 @@ async def _measure_size(n: int, restarts: int, root: str) -> Dict[str, List[floa
         samples: Dict[str, List[float]] = {"host": [], "floor": []}
         try:
             async with running_host(config, {DRIVER: MemoryDriver(DRIVER, table)}):
+                gc.freeze()  # as `cli run` does once the host has started
                 await host_sim.wait_for(all_live(names), timeout=30, what="first registration")
                 await floor_register()
                 await floor_sim.wait_for(all_live(names), timeout=30, what="floor registered")
@@ -144,6 +146,7 @@ async def _measure_outages(n: int, outages: Sequence[float], restarts: int,
                               root)
         try:
             async with running_host(config, {DRIVER: MemoryDriver(DRIVER, table)}) as app:
+                gc.freeze()  # as `cli run` does once the host has started
                 await host_sim.wait_for(all_live(names), timeout=30, what="first registration")
                 await floor_register()
                 await floor_sim.wait_for(all_live(names), timeout=30, what="floor registered")

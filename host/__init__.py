@@ -1,12 +1,8 @@
-"""device-plugin-host: one process serving every kind of node device to the kubelet."""
+"""device-plugin-host: one process serving every kind of node device to the kubelet.
 
-import os as _os
+Importing this package (or any module a driver imports) changes no process state: the grpc
+settings the daemon wants are applied by its entry points (``host.process``), not here, so a
+driver package, a test or a tool embedding the host keeps its own environment.
+"""
 
 __version__ = "0.1.0"
-
-# grpc core logs every GOAWAY at INFO: hundreds of lines per kubelet restart. Errors only,
-# unless the operator asks for more (it must be set before grpc is first imported).
-_os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-# The host forks only to exec (a driver's pre-start program); grpc's fork handlers are for
-# children that keep using grpc, and some grpcio releases crash such a child in them.
-_os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")

@@ -3,21 +3,37 @@
 Start-up order is the one the kubelet needs: scan every driver (concurrently, off the loop),
 then for each resource create its snapshot and service, serve its socket, and only then
 register. Later rescans only update snapshots; ListAndWatch streams see the change at once.
+
+Around it: the timers and watches that start rescans (host/scheduling.py), applying a reloaded
+config (host/reconfigure.py), the DRA side (host/dra_wiring.py), and the one owner of every
+task and timer (host/tasks.py). What stays is the lifecycle (start and stop order), one
+resource's sync (snapshot, CDI spec, service, registration) and readiness; keeping that story
+in one place is why this module is near 400 lines.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
+import concurrent.futures
 import logging
-import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Set, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    Optional,
+    Set,
+    Tuple,
+    TypeVar,
+    Union,
+)
 
-from host import devinfo
-from host.cdi import FILE_PREFIX, CdiWriter
+from host import devinfo, dra_wiring, reconfigure, scheduling
+from host.cdi import CdiWriter
 from host.config import Config, overlap_error
-from host.drain import DrainError, read_drains
 from host.driver import Driver, UnavailableDriver
 from host.hostfs import HostFS
 from host.inotify import DirectoryWatch
@@ -31,7 +47,8 @@ from host.overlap import Overlap
 from host.registration import Endpoint, Registrar
 from host.service import DevicePluginService
 from host.snapshot import Snapshot
-from host.watch import EventSource, RescanScheduler, device_events
+from host.tasks import Background
+from host.watch import EventSource, RescanScheduler
 
 if TYPE_CHECKING:  # host.dra is imported only when a resource needs it
     from host.dra.frontend import DraFrontEnd
@@ -39,6 +56,7 @@ if TYPE_CHECKING:  # host.dra is imported only when a resource needs it
     from host.podresources import PodResourcesClient
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class HostApp:
@@ -68,26 +86,29 @@ class HostApp:
         self.ready = asyncio.Event()
         self.started_at = time.monotonic()
         self.on_ready: List[Callable[[], None]] = []
-        self._safety: Optional[asyncio.TimerHandle] = None
-        self._rescan_task: Optional[asyncio.Task] = None
-        self._expiry: Optional[asyncio.TimerHandle] = None
+        # Every task and timer of the host (rescans, reloads, safety rescan, expiry, health
+        # checks, the event scheduler, CDI retries, the NFD write, device-info passes):
+        # stop() cancels and awaits them all before it removes any file (host/tasks.py).
+        self.background = Background("host")
         self._stopped = False
         self._events_spec = events
         self._drain_watch: Optional[DirectoryWatch] = None
-        self._health_timers: Dict[str, asyncio.TimerHandle] = {}
+        self._health_checked: Set[str] = set()  # drivers with a health-check timer
         self._cdi_watch: Optional[DirectoryWatch] = None
-        self._cdi_retry: Optional[asyncio.TimerHandle] = None
         self._cdi_backoff = 1.0
-        self._rescans: Set[asyncio.Task] = set()
+        self._cdi_thread: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._cdi_check: Optional[asyncio.Task] = None  # scheduling.schedule_cdi_check's
+        self._cdi_check_again = False
         self.events: Optional[EventSource] = None
-        self.scheduler = RescanScheduler(self._drivers_for_subsystem, self.request_rescan)
+        self.scheduler = RescanScheduler(self._drivers_for_subsystem, self.request_rescan,
+                                         background=self.background)
         self.metrics = HostMetrics(pod_resources_socket=config.host.pod_resources_socket)
         # SR-IOV CNI device-info files: written at Allocate by the driver, removed here.
         self.devinfo = devinfo.DeviceInfoReconciler(
             lambda: self.config.resources, lambda name: self.inventory.devices.get(name, []),
-            self._held_devices)
+            self._held_devices, background=self.background)
         self._pod_client: Optional[PodResourcesClient] = None
-        self.nfd = FeatureFile(config.host.nfd_features_file)
+        self.nfd = FeatureFile(config.host.nfd_features_file, background=self.background)
         # Resources with api = "dra", and device plugins registered through the plugin
         # watcher: built at start only when configured, so the device-plugin-only path never
         # imports host.dra (nor the API client).
@@ -107,60 +128,54 @@ class HostApp:
         if any(r.api == "dra" for r in self.config.resources):
             await self._start_dra()
         self.registrar.start()
-        self._start_events()  # before the first scan: nothing plugged in meanwhile is missed
-        self._watch_drains()
+        scheduling.start_events(self)  # before the first scan: nothing plugged in is missed
+        scheduling.watch_drains(self)
         self.inventory.warn_overlaps = self.config.is_default
         await self.inventory.scan()
         self.inventory.warn_overlaps = True
+        if self._stopped:
+            return  # stop() came during the first scan: serve nothing, write nothing
         if self.inventory.overlaps and not self.config.is_default:
             # The operator's file makes two resources advertise one device: refuse to start
             # (exit 2) rather than let two pods be given it. Built-in defaults that overlap
             # are the drivers' doing; the first resource keeps the device (inventory).
             raise overlap_error(self.config, self.inventory.overlaps[0])
         self.metrics.sync_drivers(self.inventory.status)
+        await self._write_specs(self.config.resources)
+        if self._stopped:
+            return
         for resource in self.config.resources:
             self._sync(resource)
         self.nfd.flush()
         self.devinfo.start()
-        self._watch_cdi()
-        self._arm_cdi_retry()
-        self._arm_safety_rescan()
-        self._arm_health_checks()
-        self._arm_expiry()
+        scheduling.watch_cdi(self)
+        scheduling.arm_cdi_retry(self)
+        scheduling.arm_safety_rescan(self)
+        scheduling.arm_health_checks(self)
+        scheduling.arm_expiry(self)
         self._check_ready()
-        # Everything built so far lives as long as the process: keep it out of the cyclic
-        # collector, whose full passes over ~80,000 objects (10,000 devices) took ~18 ms and
-        # set ListAndWatch's p99.
-        gc.freeze()
 
     async def stop(self) -> None:
-        """Stop serving and remove every socket of ours; hung driver threads are abandoned."""
+        """Stop serving and remove every socket and file of ours; hung driver threads are
+        abandoned. Every task and timer has ended before the first file is removed: nothing
+        started by the host writes a CDI spec (or anything else) after stop() returns."""
         self._stopped = True
-        self.scheduler.close()
         if self._drain_watch is not None:
             self._drain_watch.close()
         if self._cdi_watch is not None:
             self._cdi_watch.close()
-        if self._cdi_retry is not None:
-            self._cdi_retry.cancel()
-        for timer in self._health_timers.values():
-            timer.cancel()
         if self.events is not None:
             self.events.close()
-        if self._safety is not None:
-            self._safety.cancel()
-        if self._expiry is not None:
-            self._expiry.cancel()
-        if self._rescan_task is not None:
-            self._rescan_task.cancel()
-        for task in list(self._rescans):
-            task.cancel()
+        self.scheduler.close()
+        await self.background.aclose()
         await self.registrar.close()
         for endpoint in list(self.watched.values()):
             await endpoint.close()
         self.watched.clear()
         await self._stop_dra()
-        self.cdi.remove_all()
+        self.cdi.remove_all()  # waits for a write in progress; none starts after it
+        if self._cdi_thread is not None:
+            self._cdi_thread.shutdown(wait=False)
         await self.devinfo.stop()
         if self._pod_client is not None:
             await self._pod_client.close()
@@ -175,6 +190,8 @@ class HostApp:
         return self.registrar.endpoints.get(resource)
 
     def _sync(self, resource: ResourceConfig) -> None:
+        if self._stopped:
+            return  # files are being (or were) removed: never write or serve again
         devices = self.inventory.devices.get(resource.name, [])
         if resource.api == "dra":
             self._sync_dra(resource, devices)
@@ -209,10 +226,10 @@ class HostApp:
         if snapshot.update(devices):
             log.info("resource %s: %d devices (%d healthy)", resource.name, len(devices),
                      sum(1 for d in devices if d.healthy))
-        service = self.services.get(resource.name)
-        if service is not None and service.refresh_options():
-            self._register_again(service, "GetPreferredAllocation is "
-                                 + ("useful now" if service.options.
+        current = self.services.get(resource.name)
+        if current is not None and current.refresh_options():
+            self._register_again(current, "GetPreferredAllocation is "
+                                 + ("useful now" if current.options.
                                     get_preferred_allocation_available else "no longer useful"))
         self.metrics.set_devices(resource.name, devices)
         self.nfd.update(resource.name, devices)
@@ -233,6 +250,28 @@ class HostApp:
             return None
         return {(a.resource, d) for a in assignments(pods) for d in a.devices}
 
+    async def _write_specs(self, resources: Iterable[ResourceConfig]) -> None:
+        """Write these resources' CDI specs in a worker thread: JSON and fsync of thousands of
+        devices must not stall the loop (and every ListAndWatch stream with it). ``_sync``
+        then finds each spec current for the very device list it pushes (no JSON, one
+        stat). One thread: writes land in the order they were asked for."""
+        items = [(r.name, self.inventory.devices.get(r.name, [])) for r in resources if r.cdi]
+        if items:
+            await self._in_cdi_thread(lambda: self._write_now(items))
+
+    async def _in_cdi_thread(self, fn: Callable[[], T]) -> Optional[T]:
+        """Run ``fn`` in the CDI writer's one thread; None (not run) once stopped."""
+        if self._stopped:
+            return None
+        if self._cdi_thread is None:
+            self._cdi_thread = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="cdi-writer")
+        return await asyncio.get_running_loop().run_in_executor(self._cdi_thread, fn)
+
+    def _write_now(self, items: List[Tuple[str, List[Device]]]) -> None:
+        for name, devices in items:
+            self.cdi.update(name, devices)
+
     def _write_cdi(self, resource: ResourceConfig, devices: List[Device]) -> List[Device]:
         """Write the resource's CDI spec; the devices as they may be advertised.
 
@@ -250,281 +289,46 @@ class HostApp:
         return [d.with_health(Health.UNHEALTHY, broken[d.id])
                 if d.id in broken and d.healthy else d for d in devices]
 
-    def _check_cdi(self) -> None:
-        """Write again every CDI spec that should be on disk and is not (a failed write, a
-        file deleted by hand); cheap when all are there (one stat each)."""
-        if self._stopped:
-            return
-        for resource in self.config.resources:
-            if resource.cdi and resource.name in self.snapshots and \
-                    self.cdi.retry(resource.name):
-                self._sync(resource)
-        self._arm_cdi_retry()
-
-    def _arm_cdi_retry(self) -> None:
-        """While a spec is missing, retry with backoff (1 s doubling to 30 s) besides the
-        rescans: freeing space elsewhere on the filesystem sends no event."""
-        if self._cdi_retry is not None:
-            self._cdi_retry.cancel()
-            self._cdi_retry = None
-        if not self.cdi.problems or self._stopped:
-            self._cdi_backoff = 1.0
-            return
-        self._cdi_retry = asyncio.get_running_loop().call_later(self._cdi_backoff,
-                                                                self._check_cdi)
-        self._cdi_backoff = min(self._cdi_backoff * 2, 30.0)
-
-    def _watch_cdi(self) -> None:
-        """Notice at once when someone deletes one of our spec files."""
-        if not any(r.cdi for r in self.config.resources):
-            return
-
-        def changed(names: Optional[List[str]]) -> None:
-            if names is None or any(n.startswith(FILE_PREFIX) for n in names):
-                self._check_cdi()
-
-        try:
-            self._cdi_watch = DirectoryWatch(self.cdi.directory, changed)
-            self._cdi_watch.start()
-        except OSError as error:
-            log.warning("cannot watch the CDI directory %s: %s; specs are checked at every "
-                        "rescan", self.cdi.directory, error)
-            self._cdi_watch = None
-
     async def rescan(self, drivers: Optional[Iterable[str]] = None) -> Set[str]:
         """Rescan drivers and push every changed resource to its streams."""
         changed = await self.inventory.scan(drivers)
         self.metrics.sync_drivers(self.inventory.status)
+        await self._write_specs(r for r in map(self.inventory.resources.get, changed)
+                                if r is not None)
         for name in changed:
             resource = self.inventory.resources.get(name)
             if resource is not None:
                 self._sync(resource)
         if changed:
             self.nfd.schedule()
-        self._check_cdi()
-        self._arm_expiry()
+        await scheduling.check_cdi(self)
+        scheduling.arm_expiry(self)
         return changed
 
     def request_rescan(self, drivers: Optional[Iterable[str]] = None) -> None:
         if self._stopped:
             return
-        task = asyncio.get_running_loop().create_task(self.rescan(drivers))
-        self._rescans.add(task)  # owned: cancelled on stop, its failure logged, never lost
-        task.add_done_callback(self._rescan_done)
-
-    def _rescan_done(self, task: asyncio.Task) -> None:
-        self._rescans.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            error = task.exception()
-            log.error("rescan failed: %s: %s; the next event or safety rescan tries again",
-                      type(error).__name__, error, exc_info=error)
+        # Owned: cancelled and awaited by stop(), its failure logged, never lost.
+        self.background.spawn(self.rescan(drivers), "rescan", on_error=_rescan_failed)
 
     # -- live reload ------------------------------------------------------------------------
     async def overlaps_in(self, config: Config) -> List[Overlap]:
         """Scan with a config's resources, without applying them, for devices two of them
-        claim: a reload that would double-advertise a device is rejected like a bad file."""
-        trial = Inventory(
-            self.host, self.drivers, config.resources, self.calls,
-            discover_timeout_s=config.host.discover_timeout_s, vanished_grace_s=0,
-        )
-        trial.warn_overlaps = False
-        await trial.scan()
-        return trial.overlaps
+        claim (host/reconfigure.py)."""
+        return await reconfigure.overlaps_in(self, config)
 
     async def reload(self, config: Config) -> None:
-        """Apply a new, already validated config without a blip for unchanged resources.
-
-        Unchanged resources keep their socket, registration and stream. Changed ones keep
-        them too when the kubelet-visible options are the same (new selectors or replicas
-        just send a new snapshot); otherwise they re-register (also when replicas turn
-        GetPreferredAllocation on or off, see _sync). New ones register; removed
-        ones stop serving. Host settings that need a restart are reported, not applied.
-        """
-        old = {r.name: r for r in self.config.resources}
-        new = {r.name: r for r in config.resources}
-        for field in ("plugin_dir", "host_root", "pod_resources_socket", "drain_file",
-                      "cdi_dir", "metrics_address", "nfd_features_file", "node_name",
-                      "kubeconfig", "plugins_registry_dir", "dra_plugins_dir", "dra_state_dir"):
-            if getattr(config.host, field) != getattr(self.config.host, field):
-                log.warning("reload: [host] %s changed; it takes effect at the next restart",
-                            field)
-        self.config = config
-        self.inventory.set_resources(config.resources)
-        removed = [name for name in old if name not in new]
-        for name in removed:
-            log.info("reload: resource %s removed; it stops serving", name)
-            self.cdi.remove(name)
-            self.metrics.remove_resource(name)
-            self.nfd.forget(name)
-            if devinfo.enabled(old[name]):
-                self.devinfo.remove_resource(old[name])
-            self.snapshots.pop(name, None)
-            self.services.pop(name, None)
-        # Together, not one after the other: each stop waits for its server's grace period
-        # (255 removals one by one took 13 s).
-        await asyncio.gather(*(self._unserve(name) for name in removed))
-        rescan: Set[str] = set()
-        for name, resource in new.items():
-            before = old.get(name)
-            if before == resource:
-                continue
-            rescan.add(resource.driver)
-            if before is not None and (before.api != resource.api or before.api == "dra"):
-                if before.api != resource.api:
-                    log.info("reload: resource %s moves to api = %r", name, resource.api)
-                    await self._unserve(name)
-                    self.snapshots.pop(name, None)
-                    self.services.pop(name, None)
-                elif before.dra_driver_name != resource.dra_driver_name:
-                    log.info("reload: resource %s changed its DRA driver name", name)
-                    await self._unserve(name)  # the old driver's registration goes with it
-                continue  # served again (or its DRA pool updated) by _sync after the rescan
-            service = self.services.get(name)
-            if before is None or service is None:
-                log.info("reload: resource %s added", name)
-                continue  # served by _sync after the rescan
-            driver = self.drivers.get(resource.driver) or UnavailableDriver(
-                resource.driver, "not installed")
-            if before.driver != resource.driver or service.needs_options_change(
-                    resource, driver) or before.registration != resource.registration:
-                log.info("reload: resource %s changed its driver or options; re-registering",
-                         name)
-                await self._unserve(name)
-                self.snapshots.pop(name, None)
-                self.services.pop(name, None)
-            else:
-                log.info("reload: resource %s changed; same stream, new snapshot", name)
-                service.resource = resource
-            if before.cdi and not resource.cdi:
-                self.cdi.remove(name)
-            if devinfo.enabled(before) and not devinfo.enabled(resource):
-                self.devinfo.remove_resource(before)
-        await self.rescan(rescan)
-        for resource in config.resources:
-            self._sync(resource)
-            # Each new resource starts an endpoint task (server, socket, Register): let the
-            # loop run between them, so a reload to 256 resources never holds it for long.
-            await asyncio.sleep(0)
-        if self._cdi_watch is None:
-            self._watch_cdi()
-        self.nfd.schedule()
-        self.devinfo.start()
-        self._arm_health_checks()
-        gc.freeze()  # as at start: the new services live on; keep full collections short
+        """Apply a new, already validated config without a blip for unchanged resources
+        (host/reconfigure.py)."""
+        await reconfigure.apply_config(self, config)
 
     # -- periodic health and operator drains ---------------------------------------------------
-    def _arm_health_checks(self) -> None:
-        # One timer per driver, at its resources' shortest interval: a rescan covers every
-        # resource of the driver, so a timer per resource rescanned it N times (issue 10.5).
-        loop = asyncio.get_running_loop()
-        wanted: Dict[str, float] = {}
-        for r in self.config.resources:
-            if r.health_interval_s > 0:
-                wanted[r.driver] = min(wanted.get(r.driver, r.health_interval_s),
-                                       r.health_interval_s)
-        for name in list(self._health_timers):
-            if name not in wanted:
-                self._health_timers.pop(name).cancel()
-
-        def check(driver: str, interval: float) -> None:
-            if self._stopped:
-                return
-            self.request_rescan([driver])
-            self._health_timers[driver] = loop.call_later(interval, check, driver, interval)
-
-        for driver, interval in wanted.items():
-            timer = self._health_timers.pop(driver, None)
-            if timer is not None:
-                timer.cancel()
-            self._health_timers[driver] = loop.call_later(interval, check, driver, interval)
-
-    def _watch_drains(self) -> None:
-        path = self.config.host.drain_file
-        self._apply_drains()
-        directory = os.path.dirname(path)
-        try:  # watching the directory itself, not a busy ancestor such as /var/lib or /tmp
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-        except OSError as error:
-            log.debug("cannot create %s (%s); watching for it", directory, error)
-        name = os.path.basename(path)
-
-        def changed(names: Optional[List[str]]) -> None:
-            if names is None or name in names:
-                self._apply_drains()
-
-        try:
-            self._drain_watch = DirectoryWatch(directory, changed)
-            self._drain_watch.start()
-        except OSError as error:
-            log.warning("cannot watch the drain file %s: %s", path, error)
-            self._drain_watch = None
-
-    def _apply_drains(self) -> None:
-        try:
-            drains = read_drains(self.config.host.drain_file)
-        except DrainError as error:  # unreadable now: the marks already applied stay
-            log.error("%s; keeping the %d marks applied before", error, len(self.inventory.drains))
-            return
-        for (resource, device), reason in drains.items():
-            if (resource, device) not in self.inventory.drains:
-                log.warning("resource %s: device %s drained by an operator: %s", resource,
-                            device, reason)
-        for name in self.inventory.set_drains(drains):
-            resource = self.inventory.resources.get(name)
-            if resource is not None:
-                self._sync(resource)
-
-    def _start_events(self) -> None:
-        spec = self._events_spec
-        if spec is None:
-            return
-        if spec == "udev":
-            subsystems = {s for name in self.inventory.by_driver
-                          for s in getattr(self.drivers.get(name), "subsystems", ())}
-            if not subsystems:
-                return
-            source: EventSource = device_events(subsystems)  # + rtnetlink for "net"
-        elif isinstance(spec, str):
-            raise ValueError(f"unknown event source {spec!r}")
-        else:
-            source = spec
-        try:
-            source.start(self.scheduler.event)
-        except Exception as error:
-            log.debug("event source failed to start", exc_info=True)
-            log.warning("device events unavailable (%s); relying on the safety rescan every "
-                        "%g s", error, self.config.host.rescan_interval_s)
-            return
-        self.events = source
-
     def _drivers_for_subsystem(self, subsystem: str) -> Set[str]:
         return self.inventory.drivers_for_subsystem(subsystem)
 
     def _driver_unhung(self, driver: str) -> None:
         log.info("driver %r returned from a call that had timed out; rescanning it", driver)
         self.request_rescan([driver])
-
-    def _arm_safety_rescan(self) -> None:
-        interval = self.config.host.rescan_interval_s
-        if interval <= 0 or self._stopped:
-            return
-        loop = asyncio.get_running_loop()
-
-        def fire() -> None:
-            self.request_rescan()
-            self._arm_safety_rescan()
-
-        self._safety = loop.call_later(interval, fire)
-
-    def _arm_expiry(self) -> None:
-        delay = self.inventory.next_expiry()
-        if self._expiry is not None:
-            self._expiry.cancel()
-            self._expiry = None
-        if delay is not None and not self._stopped:
-            self._expiry = asyncio.get_running_loop().call_later(
-                delay + 0.01, self.request_rescan, []
-            )
 
     def _register_again(self, service: DevicePluginService, why: str) -> None:
         """New options reach the kubelet only through a new registration (it reads them in
@@ -542,81 +346,18 @@ class HostApp:
     # -- readiness -----------------------------------------------------------------------
     # -- DRA and plugin-watcher registration ----------------------------------------------------
     async def _start_dra(self) -> None:
-        from host.dra.frontend import DraFrontEnd
-        from host.dra.kube import KubeClient, KubeConfigError
-        from host.dra.metrics import DraMetrics
-        from host.dra.startup import DraStartError, check_cluster, check_settings
-
-        check_settings(self.config)
-        try:
-            self.kube = KubeClient.from_settings(self.config.host.kubeconfig)
-        except KubeConfigError as error:
-            raise DraStartError(f"no API access for DRA: {error}") from None
-        try:
-            await check_cluster(self.kube, self.config)
-        except BaseException:
-            await self.kube.close()
-            self.kube = None
-            raise
-        from host.dra.publisher import SlicePublisher
-
-        # Unhealthy devices are left out of the slices: device taints (KEP-5055) are off by
-        # default before 1.37, and a taint the server drops would advertise a broken device.
-        self.publisher = SlicePublisher(self.kube, self.config.host.node_name,
-                                        metrics=self.metrics, taint_unhealthy=False)
-        host = self.config.host
-        self.dra = DraFrontEnd(
-            node_name=host.node_name, claims=self.kube, calls=self.calls,
-            registry_dir=host.plugins_registry_dir, plugins_dir=host.dra_plugins_dir,
-            state_dir=host.dra_state_dir, cdi_dir=host.cdi_dir,
-            allocate_timeout_s=host.allocate_timeout_s, publisher=self.publisher,
-            metrics=DraMetrics(self.metrics.registry))
-        self.dra.on_registered = self._dra_registered
-        if self.publisher is not None:
-            await self.publisher.start()
+        """Raises DraStartError (before serving anything) when DRA cannot work here."""
+        await dra_wiring.start_dra(self)
 
     async def _stop_dra(self) -> None:
-        if self.dra is not None:
-            await self.dra.close()
-        if self.publisher is not None:
-            await self.publisher.stop(delete=False)  # the kubelet wipes them if we stay away
-        if self.kube is not None:
-            await self.kube.close()
+        await dra_wiring.stop_dra(self)
 
     def _sync_dra(self, resource: ResourceConfig, devices: List[Device]) -> None:
-        if self.dra is None:
-            if resource.name not in self._dra_deferred:
-                self._dra_deferred.add(resource.name)
-                log.error("resource %s: api = \"dra\" came with a reload; it takes effect "
-                          "at the next restart (the API client is set up at start)",
-                          resource.name)
-            return
-        driver = self.drivers.get(resource.driver) or UnavailableDriver(
-            resource.driver, "not installed")
-        self.dra.sync(resource, driver, devices)
-        self.metrics.set_devices(resource.name, devices)
-        if not self.dra.all_registered():
-            self.ready.clear()
+        dra_wiring.sync_dra(self, resource, devices)
 
     def _watch_register(self, service: DevicePluginService) -> None:
         """A device plugin registered through the plugin watcher instead of kubelet.sock."""
-        from host.dra.registrar import (
-            PluginWatcherEndpoint,
-            device_plugin_info,
-            registration_socket_name,
-        )
-        from host.protocol import VERSION
-
-        name = service.resource.name
-        host = self.config.host
-        folder = registration_socket_name(name)[: -len("-reg.sock")]
-        socket = os.path.join(host.dra_plugins_dir, folder, "device-plugin.sock")
-        endpoint = PluginWatcherEndpoint(
-            device_plugin_info(name, socket, VERSION), host.plugins_registry_dir,
-            lambda generation: (service.handler(generation),),
-            label=f"resource {name}", on_registered=self._watched_registered)
-        self.watched[name] = endpoint
-        endpoint.start()
+        dra_wiring.watch_register(self, service)
 
     async def _unserve(self, name: str) -> None:
         await self.registrar.remove(name)
@@ -653,3 +394,7 @@ class HostApp:
             for callback in self.on_ready:
                 callback()
 
+
+def _rescan_failed(error: BaseException) -> None:
+    log.error("rescan failed: %s: %s; the next event or safety rescan tries again",
+              type(error).__name__, error, exc_info=error)

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import threading
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 from host.model import Device
@@ -108,6 +109,10 @@ class CdiWriter:
     or someone deleted the file) is remembered in ``problems`` and written again by
     ``retry``, which the host calls on every rescan. Which device names the file on disk
     really holds is tracked too, so the host can tell which devices a runtime could resolve.
+
+    The host writes specs from a worker thread (JSON and fsync stay off the event loop) and
+    reads the state on the loop: one lock keeps them consistent, and once ``remove_all`` has
+    run (stop) nothing is written again, whichever thread asks.
     """
 
     def __init__(self, directory: str) -> None:
@@ -117,6 +122,11 @@ class CdiWriter:
         self._on_disk: Dict[str, FrozenSet[str]] = {}  # resource -> device names in the file
         self._wanted_names: Dict[str, FrozenSet[str]] = {}
         self.problems: Dict[str, str] = {}  # resource -> why its spec is not (fully) on disk
+        self._lock = threading.RLock()
+        self.closed = False
+        # The device list each spec was last built from: the host hands the same list object
+        # until the devices change, so a second update for it costs no JSON at all.
+        self._built_from: Dict[str, Sequence[Device]] = {}
 
     def path_for(self, resource: str) -> str:
         vendor, klass = cdi_kind(resource)
@@ -126,6 +136,17 @@ class CdiWriter:
         """Write (or remove) the resource's spec; False when it could not be written (disk
         full, read-only mount): the previous file stays, the error is logged once and the
         write is retried by ``retry``."""
+        with self._lock:
+            if self.closed:
+                return True
+            if self._built_from.get(resource) is devices and resource not in self.problems \
+                    and resource in self._wanted and os.path.exists(self.path_for(resource)):
+                return True
+            written = self._update(resource, devices)
+            self._built_from[resource] = devices
+            return written
+
+    def _update(self, resource: str, devices: Sequence[Device]) -> bool:
         spec = build_spec(resource, devices)
         if spec is None:
             self.remove(resource)
@@ -141,6 +162,12 @@ class CdiWriter:
     def retry(self, resource: str) -> bool:
         """Make sure the spec that should be on disk is there; cheap when it is (one stat).
         True when the state of the resource's spec changed (written now, or found missing)."""
+        with self._lock:
+            if self.closed:
+                return False
+            return self._retry(resource)
+
+    def _retry(self, resource: str) -> bool:
         if resource not in self._wanted:
             return False
         path = self.path_for(resource)
@@ -207,6 +234,11 @@ class CdiWriter:
         return True
 
     def remove(self, resource: str) -> None:
+        with self._lock:
+            self._remove(resource)
+
+    def _remove(self, resource: str) -> None:
+        self._built_from.pop(resource, None)
         path = self._written.pop(resource, None) or self.path_for(resource)
         self._wanted.pop(resource, None)
         self._wanted_names.pop(resource, None)
@@ -220,5 +252,8 @@ class CdiWriter:
             log.error("resource %s: cannot remove CDI spec %s: %s", resource, path, error)
 
     def remove_all(self) -> None:
-        for resource in dict.fromkeys([*self._written, *self._wanted]):
-            self.remove(resource)
+        """Remove every spec of ours; nothing is written after this (the host stopped)."""
+        with self._lock:
+            self.closed = True
+            for resource in dict.fromkeys([*self._written, *self._wanted]):
+                self._remove(resource)

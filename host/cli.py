@@ -1,20 +1,26 @@
-"""Command line: run, discover, check-config, demo, capture."""
+"""Command line: argument parsing and the small commands (check-config, drain, pods, capture).
+
+``run`` lives in host/serve.py and ``discover`` in host/discovery.py; this module parses,
+loads the config the same way for every command, and turns every operator-caused error into
+one line and an exit code (host/exit.py), never a traceback. It is a little over 300 lines
+because argparse's definitions of every command and flag (their help texts are the
+operator's reference) sit in one ``_parser``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import os
-import signal
 import sys
 import traceback
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from host import __version__
 from host.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, overlap_error
+from host.discovery import config_source, discover, scan_once
 from host.drain import (
     DEFAULT_REASON,
     DrainError,
@@ -23,24 +29,19 @@ from host.drain import (
     read_drains,
     update_drains,
 )
-from host.driver import Driver
-from host.hostfs import HostFS
-from host.inventory import Inventory
-from host.isolation import DriverCalls
-from host.lock import HostLock, LockHeld, running_host
+from host.exit import EXIT_CONFIG, CommandError
+from host.lock import running_host
 from host.logs import setup_logging
-from host.model import Device, ResourceConfig
-from host.plugins import DriverRegistry, configured_drivers, load_drivers
+from host.plugins import DriverRegistry, configured_drivers, disabled_in_config, load_drivers
 from host.protocol import POD_RESOURCES_SOCKET
-from host.reload import ConfigReloader, is_empty
-from host.systemd import Notifier
+from host.reload import is_empty
+from host.serve import run
 
 if TYPE_CHECKING:
-    from host.app import HostApp
+    pass
 
 log = logging.getLogger("host")
 
-EXIT_CONFIG = 2
 _DEBUG_HELP = "show the Python traceback when a command fails (for bug reports)"
 _DRAIN_CONFIG_HELP = (f"TOML config whose drain_file holds the marks (default "
                       f"{DEFAULT_CONFIG_PATH} if present)")
@@ -183,14 +184,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
 
 
-class CommandError(Exception):
-    """An operator-caused failure of a command: ``str()`` is the line to print."""
-
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 def describe_error(error: BaseException) -> str:
     """One line for an unexpected error: an OS error's reason and path read like a shell's."""
     if isinstance(error, OSError) and error.strerror:
@@ -228,18 +221,23 @@ def _dispatch(args: argparse.Namespace) -> int:
         if not args.json and os.path.isdir(args.dra_state_dir):
             _claims(args, quiet=True)
         return code
+    # [host] disabled_drivers: those packages are never imported (host/plugins.py).
+    config_file = args.file if args.command == "check-config" else args.config
+    disabled = disabled_in_config(config_file, DEFAULT_CONFIG_PATH)
     if args.command == "run":  # the configured drivers first; the others once serving
         path = args.config or (DEFAULT_CONFIG_PATH if os.path.lexists(DEFAULT_CONFIG_PATH)
                                else None)
-        registry = load_drivers(first=configured_drivers(path))
+        registry = load_drivers(first=configured_drivers(path), disabled=disabled)
     else:
-        registry = load_drivers()
+        registry = load_drivers(disabled=disabled)
     try:
         if args.command == "check-config":
             config = load_config(args.file, registry.with_unavailable())
             config = config.with_overrides(host_root=args.host_root)
             _check_overlaps(config, registry)
             print(f"{args.file}: valid: {_what_it_serves(args.file, config)}")
+            for line in registry.disabled_lines():
+                print(line)
             _note_running_host(config)
             return 0
         config = _load(args, registry)
@@ -250,11 +248,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     if args.command == "discover":
         _note_running_host(config)
-        return _discover(config, registry, as_json=args.json)
+        for line in registry.disabled_lines():
+            print(line, file=sys.stderr)
+        return discover(config, registry, as_json=args.json)
     if args.command in ("drain", "undrain"):
         return _drain(args, config)
     setup_logging(config.host.log_level, config.host.log_format, native_stderr=True)
-    return _run(config, registry, args.config)
+    for line in registry.disabled_lines():  # loading ran before logging was set up
+        log.info("%s", line)
+    return run(config, registry, args.config)
 
 
 def _note_running_host(config: Config) -> None:
@@ -286,7 +288,7 @@ def _check_overlaps(config: Config, registry: DriverRegistry) -> None:
     """A device two configured resources claim is a config error; only a scan shows it."""
     if config.is_default:
         return
-    inventory, _ = asyncio.run(_scan_once(config, registry.with_unavailable(), warn=False))
+    inventory, _ = asyncio.run(scan_once(config, registry.with_unavailable(), warn=False))
     if inventory.overlaps:
         raise overlap_error(config, inventory.overlaps[0])
 
@@ -320,8 +322,8 @@ def _drain(args: argparse.Namespace, config: Config) -> int:
     path = config.host.drain_file
     try:
         if args.command == "drain" and (args.list or args.resource is None):
-            for (resource, device), reason in sorted(read_drains(path).items()):
-                print(f"{resource}\t{device}\t{reason}")
+            for (resource, device), why in sorted(read_drains(path).items()):
+                print(f"{resource}\t{device}\t{why}")
             return 0
         if args.device is None:
             raise CommandError("give RESOURCE and DEVICE (or --list)", EXIT_CONFIG)
@@ -339,7 +341,7 @@ def _drain(args: argparse.Namespace, config: Config) -> int:
         raise CommandError(str(error)) from None
     if args.resource not in {r.name for r in config.resources}:  # a typo, or another config
         print(f"device-plugin-host {args.command}: note: {args.resource} is not among "
-              f"{_config_source(config, short=True)}; the mark matters once it is served",
+              f"{config_source(config, short=True)}; the mark matters once it is served",
               file=sys.stderr)
     verb = "drained" if reason else "undrained"
     shown = f": {marks[(args.resource, args.device)]}" if reason else ""
@@ -348,320 +350,15 @@ def _drain(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-async def _announce_ready(app: HostApp, notifier: Notifier, config: Config) -> None:
-    """READY=1 once every resource is registered, but never held hostage by a kubelet that
-    is not there yet: boot ordering (cloud-init running kubeadm join after
-    multi-user.target) would otherwise deadlock. Without a kubelet, serving is ready."""
-    if app.ready.is_set():
-        return  # on_ready already sent it
-    kubelet = os.path.join(config.host.plugin_dir, "kubelet.sock")
-    if not os.path.exists(kubelet):
-        notifier.ready(f"serving {len(app.served())} resources; waiting for the kubelet at "
-                       f"{kubelet}")
-        return
-    try:
-        await asyncio.wait_for(app.ready.wait(), config.host.register_timeout_s)
-    except asyncio.TimeoutError:
-        pending = [name for name, ep in app.registrar.endpoints.items() if not ep.registered]
-        notifier.ready(f"serving; registration pending for {', '.join(pending)}")
-
-
-def _load_rest(registry: DriverRegistry, app: HostApp) -> None:
-    if registry.load_pending():
-        for name, driver in registry.with_unavailable().items():
-            app.drivers.setdefault(name, driver)
-            app.inventory.drivers.setdefault(name, driver)
-
-
-def _run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -> int:
-    from host.app import HostApp
-
-    drivers = registry.with_unavailable()
-    if config_path is None and os.path.lexists(DEFAULT_CONFIG_PATH):
-        config_path = DEFAULT_CONFIG_PATH
-
-    async def serve() -> None:
-        app = HostApp(config, drivers)
-        reloader = ConfigReloader(app, config_path, registry, {
-            "plugin_dir": config.host.plugin_dir, "host_root": config.host.host_root})
-        notifier = Notifier()
-        app.on_ready.append(lambda: notifier.ready(
-            f"serving {len(app.served())} resources, all registered"))
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        warned: List[OSError] = []
-
-        def take_lock() -> None:
-            """The plugin directory was missing or unwritable at start: lock it as soon as
-            we could bind a socket there; another host that got there first stops us."""
-            if lock.held or lost_lock:
-                return
-            try:
-                lock.acquire()
-            except LockHeld as error:
-                lost_lock.append(error)
-                stop.set()
-            except OSError as error:
-                if not warned:
-                    warned.append(error)
-                    log.warning("cannot lock %s (%s): a second host on this plugin directory "
-                                "would not be stopped", lock.path, error.strerror or error)
-
-        if not lock.held:
-            app.registrar.link.on_dir_usable = take_lock
-        log.info("device-plugin-host %s: plugin dir %s, host root %s, %d resources configured",
-                 __version__, config.host.plugin_dir, config.host.host_root,
-                 len(config.resources))
-        try:
-            notifier.start_watchdog()
-            await app.metrics.start(config.host.metrics_address)
-            await app.start()
-            reloader.start()
-            # The drivers no resource uses load once serving (a reload may name them; a broken
-            # package is still reported): a moment after all are registered, or in 5 s.
-            app.on_ready.append(lambda: loop.call_later(0.5, _load_rest, registry, app))
-            loop.call_later(5.0, _load_rest, registry, app)
-            announce = loop.create_task(_announce_ready(app, notifier, config))
-            await stop.wait()
-            announce.cancel()
-            log.info("stopping: removing our sockets")
-            notifier.stopping()
-        finally:
-            notifier.stop_watchdog()
-            await reloader.aclose()
-            await app.stop()
-            await app.metrics.stop()
-
-    lock = HostLock(config.host.plugin_dir)
-    lost_lock: List[LockHeld] = []
-    try:
-        lock.acquire()
-    except LockHeld as error:
-        print(f"device-plugin-host: {error}", file=sys.stderr)
-        return EXIT_CONFIG
-    except OSError as error:
-        # A missing or read-only plugin dir: serving says so in one line and waits for it,
-        # and the lock is taken the moment a socket of ours could be bound (take_lock).
-        log.debug("cannot lock %s yet: %s", lock.path, error.strerror or error)
-    try:
-        asyncio.run(serve())
-        if lost_lock:
-            print(f"device-plugin-host: {lost_lock[0]}", file=sys.stderr)
-            logging.shutdown()
-            return EXIT_CONFIG
-    except ConfigError as error:  # found only with a scan: devices two resources claim
-        print(f"device-plugin-host: invalid configuration: {error}", file=sys.stderr)
-        return EXIT_CONFIG
-    except Exception as error:
-        if type(error).__name__ != "DraStartError":  # host.dra loads only for DRA configs
-            raise
-        print(f"device-plugin-host: cannot serve DRA resources: {error}", file=sys.stderr)
-        logging.shutdown()
-        return EXIT_CONFIG
-    finally:
-        lock.release()
-    logging.shutdown()
-    if DriverCalls.stuck_threads():
-        # A driver call that never returned: Python would wait for its thread forever.
-        sys.stderr.flush()
-        os._exit(0)
-    return 0
-
-
 # -- discover --------------------------------------------------------------------------------
-def _discover(config: Config, registry: DriverRegistry, *, as_json: bool) -> int:
-    drivers = registry.with_unavailable()
-    inventory, empty = asyncio.run(_scan_once(config, drivers))
-    rows: List[Dict[str, Any]] = []
-    for resource in config.resources:
-        for device in inventory.devices.get(resource.name, []):
-            rows.append(device_record(resource.name, resource.driver, device))
-            if resource.api == "dra":
-                rows[-1]["dra"] = _dra_record(resource, device, config.host.node_name)
-    summary = _resource_summary(config, inventory, empty)
-    if as_json:
-        # stdout stays the documented array of devices; what has none is told on stderr.
-        json.dump(rows, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        for line in summary:
-            print(line, file=sys.stderr)
-    else:
-        _print_table(rows)
-        print()
-        for line in summary:
-            print(line)
-    if not rows:
-        kinds = ", ".join(sorted(registry.drivers)) or "none"
-        print(
-            f"nothing to serve: the drivers ({kinds}) found no devices under "
-            f"{config.host.host_root} for {_config_source(config, short=True)}",
-            file=sys.stderr,
-        )
-    return 0
-
-
-def _config_source(config: Config, *, short: bool = False) -> str:
-    """Where the resources come from, in words: a file, or the drivers' built-in defaults."""
-    if not config.is_default:
-        count = len(config.resources)
-        return f"the {count} resource{'s' * (count != 1)} configured in {config.path}"
-    if short:
-        return "the built-in defaults"
-    if config.path is None:
-        return f"the built-in defaults (no config file at {DEFAULT_CONFIG_PATH})"
-    return f"the built-in defaults ({config.path} has no [[resource]])"
-
-
-def _resource_summary(config: Config, inventory: Inventory, empty: Dict[str, str]) -> List[str]:
-    """One line per resource, devices or not: a resource that advertises nothing is exactly
-    the one an operator runs discover for."""
-    lines = [f"resources: {_config_source(config)}"]
-    for resource in config.resources:
-        devices = inventory.devices.get(resource.name, [])
-        if devices:
-            healthy = sum(1 for d in devices if d.healthy)
-            word = "device" if len(devices) == 1 else "devices"
-            lines.append(f"  {resource.name}: {len(devices)} {word} ({healthy} Healthy)")
-            continue
-        line = f"  {resource.name}: 0 devices: {empty.get(resource.name, 'reason unknown')}"
-        if not resource.register_when_empty:
-            line += " (a built-in default: registers once it has a device)"
-        lines.append(line)
-    return lines
-
-
-async def _scan_once(config: Config, drivers: Dict[str, Driver],
-                     warn: bool = True) -> Tuple[Inventory, Dict[str, str]]:
-    """One scan, and for each resource that found nothing, why (while the pools exist)."""
-    calls = DriverCalls()
-    inventory = Inventory(
-        HostFS(config.host.host_root), drivers, config.resources, calls,
-        discover_timeout_s=config.host.discover_timeout_s, vanished_grace_s=0,
-    )
-    inventory.warn_overlaps = warn
-    try:
-        await inventory.scan()
-        empty = {}
-        for resource in config.resources:
-            if not inventory.devices.get(resource.name):
-                empty[resource.name] = await _why_empty(inventory, resource, config, calls)
-    finally:
-        calls.shutdown()
-    return inventory, empty
-
-
-async def _why_empty(inventory: Inventory, resource: ResourceConfig, config: Config,
-                     calls: DriverCalls) -> str:
-    """A driver failure, selectors that match nothing the driver sees, or a host without any
-    such device. Selectors are told apart by asking the driver again without them."""
-    status = inventory.status.get(resource.driver)
-    if status is not None and status.last_error:
-        return f"the driver failed: {status.last_error}"
-    for overlap in inventory.overlaps:
-        if overlap.second == resource.name:  # it matched them; file order gave them away
-            return (f"its {overlap.describe()} are advertised by {overlap.first}, which comes"
-                    f" first in the config (set shared_with to share them)")
-    root = config.host.host_root
-    if not resource.selectors:
-        return f"the {resource.driver} driver found no devices under {root}"
-    shown = ", ".join(f"{key}={json.dumps(value)}" for key, value in resource.selectors.items())
-    driver = inventory.drivers[resource.driver]
-    probe = dataclasses.replace(resource, selectors={})
-    logging.disable(logging.WARNING)  # the scan above already said what the driver warns
-    try:
-        result = await calls.call(resource.driver, "discover", config.host.discover_timeout_s,
-                                  driver.discover, inventory.host, [probe])
-        seen: Optional[int] = len(list(result.get(resource.name, ())))
-    except Exception:  # the answer is only a hint; the real scan already succeeded
-        seen = None
-    finally:
-        logging.disable(logging.NOTSET)
-    if seen:
-        return (f"no match for its selectors ({shown}); the {resource.driver} driver sees "
-                f"{seen} device{'s' * (seen != 1)} without them")
-    if seen == 0:
-        return f"the {resource.driver} driver found no devices under {root} (selectors: {shown})"
-    return f"no match for its selectors ({shown})"
-
-
-def device_record(resource: str, driver: str, device: Device) -> Dict[str, Any]:
-    """The JSON shape of one advertised device; scripts rely on these keys."""
-    return {
-        "resource": resource,
-        "id": device.id,
-        "health": device.health.value,
-        "health_reason": device.health_reason,
-        "numa_nodes": list(device.numa_nodes),
-        "device_nodes": [
-            {"host_path": n.host_path, "container_path": n.container_path,
-             "permissions": n.permissions}
-            for n in device.device_nodes
-        ],
-        "mounts": [
-            {"host_path": m.host_path, "container_path": m.container_path,
-             "read_only": m.read_only}
-            for m in device.mounts
-        ],
-        "env": dict(device.env),
-        "annotations": dict(device.annotations),
-        "cdi_devices": list(device.cdi_devices),
-        "driver": driver,
-        "attributes": dict(device.attributes),
-    }
-
-
-def _dra_record(resource: ResourceConfig, device: Device, node_name: str) -> Dict[str, Any]:
-    """How a DRA resource's device appears in its ResourceSlice (names, attributes)."""
-    from host.dra import naming, slices
-
-    try:
-        pool: Optional[str] = naming.pool_name(resource.name, node_name) if node_name else None
-    except ValueError:
-        pool = None
-    return {
-        "driver": naming.driver_name(resource.name, resource.dra_driver_name),
-        "pool": pool,
-        "device_name": naming.dra_device_name(device.id),
-        "attributes": slices.device_attributes(device),
-        "capacity": slices.device_capacity(device),
-    }
-
-
-def _print_table(rows: List[Dict[str, Any]]) -> None:
-    headers = ("RESOURCE", "ID", "HEALTH", "NUMA", "DEVICE NODES", "DETAILS")
-    table = []
-    for row in rows:
-        attrs = row["attributes"]
-        details = " ".join(
-            f"{k}={attrs[k]}" for k in ("vendor", "device", "kernel_driver", "model") if k in attrs
-        )
-        if "dra" in row:
-            details = f"dra={row['dra']['device_name']} {details}".strip()
-        if row["health"] != "Healthy" and row["health_reason"]:
-            details = f"({row['health_reason']}) {details}".strip()
-        table.append((
-            row["resource"], row["id"], row["health"],
-            ",".join(str(n) for n in row["numa_nodes"]) or "-",
-            ",".join(n["host_path"] for n in row["device_nodes"]) or "-",
-            details,
-        ))
-    widths = [max([len(h)] + [len(r[i]) for r in table]) for i, h in enumerate(headers[:-1])]
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)) + "  " + headers[-1])
-    for r in table:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
 
 
 # -- capture ---------------------------------------------------------------------------------
 def _capture(args: argparse.Namespace) -> int:
-    from host.testing.tree import capture_tree
+    from host.capture import capture_tree, driver_dev_globs
 
-    globs = ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/kfd", "/dev/dri/*",
-             "/dev/dri/by-path/*", "/dev/infiniband/*", "/dev/vfio/*",
-             "/dev/vfio/devices/*", "/dev/iommu",
-             "/dev/bus/usb/*/*", "/dev/dfl-*", "/dev/xclmgmt*", "/dev/ttyUSB*", "/dev/ttyACM*",
-             "/dev/hidraw*", "/dev/video*", "/dev/accel/*", "/dev/neuron*", "/dev/hailo*")
+    # The /dev nodes each installed driver says it owns (its device_globs).
+    globs = driver_dev_globs(load_drivers().drivers.values())
     problem = host_root_problem(args.host_root)
     if problem is not None:
         raise CommandError(f"--host-root {args.host_root} {problem}", EXIT_CONFIG)

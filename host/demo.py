@@ -63,7 +63,7 @@ async def _demo(workdir: str) -> int:
         api.close()
 
 
-async def _serve(config, registry, api, root: str,  # type: ignore[no-untyped-def]
+async def _serve(config, registry, api, root: str,
                  plugin_dir: str) -> int:
     print(f"sample host tree: {root}")
     print(f"drivers loaded:   {', '.join(sorted(registry.drivers))}")
@@ -131,7 +131,7 @@ DRA_RESOURCE = "amd.com/gpu"
 DRA_NODE = "demo-node"
 
 
-async def _dra_demo(app, api, config) -> None:  # type: ignore[no-untyped-def]
+async def _dra_demo(app, api, config) -> None:
     """One DRA resource end to end: registration, slice, claim, prepare, CDI, unprepare."""
     import json
 

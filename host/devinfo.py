@@ -46,6 +46,7 @@ from typing import (
 )
 
 from host.model import Device, ResourceConfig
+from host.tasks import Background
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,10 @@ class DeviceInfoReconciler:
         *,
         interval_s: float = DEFAULT_INTERVAL_S,
         grace_s: float = DEFAULT_GRACE_S,
+        background: Optional[Background] = None,
     ) -> None:
+        # The reconciler's task belongs to the host's owner of background work.
+        self._background = background if background is not None else Background("device-info")
         self._resources = resources
         self._devices = devices
         self._held = held
@@ -198,11 +202,7 @@ class DeviceInfoReconciler:
 
     def start(self) -> None:
         if self._task is None and self._wanted():
-            self._task = asyncio.get_running_loop().create_task(self._run())
-
-    def restart_if_needed(self) -> None:
-        """After a reload: start when a resource now writes files."""
-        self.start()
+            self._task = self._background.spawn(self._run(), "device-info reconcile")
 
     async def _run(self) -> None:
         delay = min(self.first_pass_s, self.interval_s)

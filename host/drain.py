@@ -22,15 +22,15 @@ from typing import Dict, List, Optional, Tuple
 
 from host.resource_name import resource_name_error
 
+# The same bounds the inventory puts on ids that drivers report.
+from host.sanitize import BAD_ID, MAX_ID_LENGTH
+
 log = logging.getLogger(__name__)
 
 DrainKey = Tuple[str, str]  # (resource, device id)
 
 DEFAULT_REASON = "drained by an operator"
-#: The same bounds the inventory puts on ids that drivers report.
-MAX_ID_LENGTH = 256
 MAX_REASON_LENGTH = 1024
-_BAD_ID = re.compile(r"[\s\x00-\x1f\x7f]")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -52,7 +52,7 @@ def key_error(resource: str, device: str) -> Optional[str]:
         return "the device id is empty"
     if len(device) > MAX_ID_LENGTH:
         return f"the device id is {len(device)} characters; ids are at most {MAX_ID_LENGTH}"
-    if _BAD_ID.search(device):
+    if BAD_ID.search(device):
         return (f"the device id {json.dumps(device)} contains whitespace or control characters;"
                 " no device id does")
     try:

@@ -7,14 +7,21 @@ default a merge of what is carried on each Device (device nodes, mounts, env, an
 CDI names); a driver overrides ``allocate`` only when a response depends on the *set* of
 devices, ``preferred`` when it has a better policy than NUMA-compact, and ``pre_start`` when
 a device must be prepared before each container start.
+
+Selectors are configuration the host matches: the default ``select`` keeps the scanned
+devices whose ``attributes`` satisfy every selector (host/selectors.py has the rules), so a
+driver that reports its facts as attributes implements only ``scan``. It overrides
+``selector_test`` for a key whose meaning is more than a fact (an SR-IOV PF with a VF range,
+MIG placement), and ``select`` when a resource's settings shape its devices.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from host.hostfs import HostFS
 from host.model import ContainerAllocation, Device, PreferredRequest, ResourceConfig
+from host.selectors import AttributeTest, all_of, attribute_test
 
 
 class SelectorError(ValueError):
@@ -27,7 +34,9 @@ class SelectorError(ValueError):
 
 
 class Driver:
-    """Base class for drivers. Subclasses set ``name`` and implement ``scan`` and ``select``.
+    """Base class for drivers. Subclasses set ``name`` and ``subsystems`` and implement
+    ``scan`` (returning Devices; the host matches selectors against their attributes), or
+    ``discover`` itself.
 
     Methods marked optional are detected by the host: a driver that does not override
     ``preferred`` gets the host's NUMA-compact policy; one that does not override
@@ -38,10 +47,16 @@ class Driver:
     name: ClassVar[str] = ""
     #: udev subsystems whose events may change this driver's devices (pci, usb, net, ...).
     subsystems: ClassVar[Tuple[str, ...]] = ()
+    #: Glob patterns of the /dev nodes this driver hands out (``/dev/accel/*``): what
+    #: ``device-plugin-host capture`` records, so a captured tree has this driver's nodes.
+    device_globs: ClassVar[Tuple[str, ...]] = ()
     #: Selector keys this driver accepts, with the Python types allowed for each value.
     selector_types: ClassVar[Mapping[str, Tuple[type, ...]]] = {}
     #: Setting keys (``[resource.settings]``) this driver accepts, with their value types.
     setting_types: ClassVar[Mapping[str, Tuple[type, ...]]] = {}
+    #: Selector keys matched against an attribute of another name (``{"index":
+    #: "neuron_index"}``); every other key is matched against the attribute of its own name.
+    selector_attributes: ClassVar[Mapping[str, str]] = {}
 
     # -- discovery (required) ---------------------------------------------------------
     def discover(
@@ -54,12 +69,29 @@ class Driver:
         return {resource.name: list(self.select(inventory, resource)) for resource in resources}
 
     def scan(self, host: HostFS) -> Any:
-        """Read the host tree once; return whatever ``select`` needs."""
+        """Read the host tree once; return the Devices (or whatever an own ``select`` needs)."""
         raise NotImplementedError
 
+    # -- selection (optional: the host matches selectors against Device.attributes) ------
     def select(self, inventory: Any, resource: ResourceConfig) -> Sequence[Device]:
-        """The devices of one resource, from the scanned inventory and its selectors."""
-        raise NotImplementedError
+        """The devices of one resource: by default the scanned Devices whose attributes
+        satisfy every selector. Override when settings change the devices themselves."""
+        matches = self.matcher(resource.selectors)
+        return [device for device in inventory if matches(device.attributes)]
+
+    def matcher(self, selectors: Mapping[str, object]) -> AttributeTest:
+        """A test of a device's attributes against all ``selectors``, built once per
+        resource and scan (values parsed once, not per device)."""
+        tests: List[AttributeTest] = []
+        for key in selectors:
+            values = selector_values(selectors, key) or []
+            tests.append(self.selector_test(key, values))
+        return all_of(tests)
+
+    def selector_test(self, key: str, values: Sequence[object]) -> AttributeTest:
+        """The test for one selector key and its values (any of them). Override for the keys
+        whose meaning is more than an attribute, calling super() for the others."""
+        return attribute_test(key, values, self.selector_attributes.get(key, key))
 
     # -- configuration (optional) --------------------------------------------------------
     def check_selectors(self, selectors: Mapping[str, object]) -> None:

@@ -1,10 +1,11 @@
-"""Health checks shared by the drivers, and the host's stateful ones.
+"""Health state the host keeps across scans: problem transitions logged once, AER counters.
 
 Each check names its cause, so a device's ``health_reason`` tells the operator what to fix,
 and every check is re-evaluated on each scan: an Unhealthy device comes back Healthy as soon as
 its cause clears (peers that never let a device recover are a common complaint). Checks that
 need state across scans (AER error counters *rising*) live in ``AerTracker`` on the host side;
-drivers stay stateless.
+drivers stay stateless. Checks that only one driver understands live in that driver (a PF's
+link state in drivers/sriov, RDMA port states in drivers/rdma).
 """
 
 from __future__ import annotations
@@ -12,20 +13,9 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Dict, Hashable, Iterable, Mapping, Optional, Tuple
+from typing import Dict, Hashable, Iterable, Optional, Set, Tuple
 
 from host.hostfs import HostFS
-
-#: Link states that mean "no traffic can pass" (operstate values from the kernel's IF_OPER_*).
-LINK_DOWN = frozenset({"down", "lowerlayerdown", "notpresent"})
-
-
-def link_problem(interface: str, operstate: Optional[str]) -> str:
-    """A netdev whose link is down; "unknown"/"dormant"/missing are not judged (many drivers
-    never report operstate, and a VF's link only comes up inside its pod)."""
-    if operstate and operstate.lower() in LINK_DOWN:
-        return f"link of {interface} is {operstate}"
-    return ""
 
 
 class TransitionLog:
@@ -70,15 +60,6 @@ class TransitionLog:
     def active(self) -> Dict[Hashable, str]:
         with self._lock:
             return dict(self._active)
-
-
-def rdma_ports_problem(device: str, states: Iterable[Tuple[int, Optional[str]]]) -> str:
-    """An RDMA device none of whose ports is ACTIVE (ports without a state are not judged)."""
-    known = [(number, state) for number, state in states if state]
-    if not known or any(state.upper() == "ACTIVE" for _, state in known):
-        return ""
-    listing = ", ".join(f"port {number} {state}" for number, state in known)
-    return f"no port of {device} is ACTIVE ({listing})"
 
 
 @dataclass(frozen=True)
@@ -133,6 +114,14 @@ class AerTracker:
             rises.append(f"non-fatal {before.nonfatal}->{counts.nonfatal}")
         return f"PCIe AER errors rising on {pci_address} ({', '.join(rises)})" if rises else ""
 
-    def forget(self, resource: str, keep: Mapping[str, object]) -> None:
+    def retain(self, resource: str, addresses: Iterable[str]) -> None:
+        """Drop the counters of the resource's functions not in ``addresses`` (gone from the
+        host, no longer selected, or the resource stopped checking): without this, every
+        function ever seen kept its entry for the life of the process."""
+        keep = set(addresses)
         for key in [k for k in self._last if k[0] == resource and k[1] not in keep]:
             del self._last[key]
+
+    def tracked(self) -> Set[Tuple[str, str]]:
+        """(resource, pci address) pairs with counters kept, for tests and debugging."""
+        return set(self._last)

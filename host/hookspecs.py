@@ -3,7 +3,7 @@
 A driver package is a module (or object) registered under the ``device_plugin_host.drivers``
 entry-point group. It implements one hook, :func:`device_plugin_host_drivers`, which returns
 driver objects. Everything else a driver does lives on those objects (see
-:class:`host.driver.Driver`): a name, the udev subsystems it watches, a side-effect-free
+:class:`device_plugin_host.Driver`): a name, the udev subsystems it watches, a side-effect-free
 ``discover`` and optional ``allocate`` / ``preferred`` / ``pre_start`` / ``check_selectors`` /
 ``default_resources``. The host calls each implementation on its own, so a failing package is
 attributed and isolated; it never broadcasts a hook call across packages.
@@ -11,8 +11,7 @@ attributed and isolated; it never broadcasts a hook call across packages.
 Example (a complete package)::
 
     # my_driver/__init__.py
-    from host.hookspecs import hookimpl
-    from host.driver import Driver
+    from device_plugin_host import Driver, hookimpl
 
     class Widget(Driver):
         name = "widget"

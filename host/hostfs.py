@@ -39,17 +39,6 @@ class HostFS:
             raise ValueError(f"host path must be absolute: {host_path!r}")
         return self._prefix + host_path
 
-    def to_host(self, real_path: str) -> str:
-        """Strip the root prefix from a path on this machine's file system."""
-        if not self._prefix:
-            return real_path
-        for prefix in (self._prefix, self._real_root):
-            if real_path == prefix:
-                return "/"
-            if real_path.startswith(prefix + "/"):
-                return real_path[len(prefix) :]
-        raise ValueError(f"{real_path!r} is outside the host root {self.root!r}")
-
     # -- reads ---------------------------------------------------------------------------
     def read(self, host_path: str) -> Optional[str]:
         """An attribute's text, stripped; None when missing or unreadable (sysfs EIO, EACCES)."""

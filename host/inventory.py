@@ -5,32 +5,37 @@ never reaches the kubelet), devices that vanished are kept as Unhealthy for a gr
 pod holding one sees it fail instead of silently disappearing; a replug within the grace keeps
 the same id), and a driver that raises or hangs degrades only its own resources: their last
 known devices turn Unhealthy with the driver's error as the reason.
+
+What is pure lives beside it: checking a report (host/sanitize.py), the scan as it runs in the
+driver's thread with its AER reads (host/probe.py), and what the host adds (host/host_view.py:
+drains, AER health, replicas). This module keeps the state across scans (vanished grace,
+claims and overlaps, the device cap, drains) and is a little over 300 lines for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from host.drain import DrainKey
 from host.driver import Driver
-from host.health import AerCounts, AerTracker, read_aer
+from host.health import AerCounts, AerTracker
+from host.host_view import host_view
 from host.hostfs import HostFS
 from host.isolation import DriverCallError, DriverCalls
 from host.model import Device, Health, ResourceConfig
 from host.overlap import Overlap, claim_keys, find_overlaps
+from host.probe import discover_and_probe
+from host.sanitize import sanitize
 
 log = logging.getLogger(__name__)
 
-MAX_ID_LENGTH = 256
 #: Advertised devices on one host, replicas included (README). Far past any real node; what
 #: keeps a runaway driver or ``replicas`` on a big card pool from taking the host's memory.
 MAX_DEVICES = 100_000
-_BAD_ID = re.compile(r"[\s\x00-\x1f\x7f]")
 
 
 @dataclass
@@ -98,6 +103,8 @@ class Inventory:
                 self._vanished.pop(name, None)
                 self._reported.pop(name, None)
                 self._claims.pop(name, None)
+                self._aer.retain(name, ())
+                self._aer_problems.pop(name, None)
         # A resource whose config changed (selectors, replicas) is rescanned by the caller;
         # its replicas are re-derived right away from what the driver last reported.
         for name, resource in self.resources.items():
@@ -183,10 +190,15 @@ class Inventory:
         for resource in resources:
             devices = self._reported[resource.name]
             if resource.health_interval_s > 0:
+                read = aer.get(resource.name, {})
                 self._aer_problems[resource.name] = {
                     address: self._aer.problem(resource.name, address, counts)
-                    for address, counts in aer.get(resource.name, {}).items()
+                    for address, counts in read.items()
                 }
+                self._aer.retain(resource.name, read)
+            else:
+                self._aer.retain(resource.name, ())
+                self._aer_problems.pop(resource.name, None)
             if self._publish(resource.name, self._host_view(resource, devices)):
                 changed.add(resource.name)
         for extra in set(result) - {r.name for r in resources}:
@@ -197,25 +209,7 @@ class Inventory:
     def _discover_and_probe(
         self, driver: Driver, resources: List[ResourceConfig]
     ) -> Tuple[Mapping[str, Sequence[Device]], Dict[str, Dict[str, Optional[AerCounts]]]]:
-        """Runs in the driver's worker thread: the driver's snapshot, then the host's own
-        periodic reads (AER counters) for resources that asked for health checks."""
-        result = driver.discover(self.host, resources)
-        if not isinstance(result, Mapping):
-            raise TypeError(f"discover returned {type(result).__name__}, not a mapping")
-        aer: Dict[str, Dict[str, Optional[AerCounts]]] = {}
-        for resource in resources:
-            if resource.health_interval_s <= 0:
-                continue
-            addresses = set()
-            try:
-                for device in result.get(resource.name, ()):
-                    address = getattr(device, "attributes", {}).get("pci_address")
-                    if isinstance(address, str):
-                        addresses.add(address)
-            except TypeError:
-                continue  # garbage: _sanitize reports it
-            aer[resource.name] = {a: read_aer(self.host, a) for a in sorted(addresses)}
-        return result, aer
+        return discover_and_probe(self.host, driver, resources)
 
     def _refresh_overlaps(self) -> Set[str]:
         """Recompute which devices each resource leaves to an earlier one; republish the
@@ -245,38 +239,9 @@ class Inventory:
         return changed
 
     def _host_view(self, resource: ResourceConfig, devices: List[Device]) -> List[Device]:
-        """Devices left to an earlier resource dropped, host-level health (AER errors
-        rising, operator drains), then replicas."""
-        aer = self._aer_problems.get(resource.name, {})
-        out: List[Device] = []
-        excluded = self._excluded.get(resource.name)
-        if excluded:
-            devices = [d for d in devices if d.id not in excluded]
-        for device in devices:
-            reasons = [device.health_reason] if not device.healthy and device.health_reason \
-                else []
-            address = device.attributes.get("pci_address")
-            if address and aer.get(address):
-                reasons.append(aer[address])
-            drained = self.drains.get((resource.name, device.id))
-            if drained:
-                reasons.append(f"drained by an operator: {drained}")
-            if reasons and (device.healthy or len(reasons) > 1):
-                device = device.with_health(Health.UNHEALTHY, "; ".join(reasons))
-            out.append(device)
-        if resource.replicas <= 1:
-            return self._cap(resource.name, out)
-        expanded = []
-        for device in out:
-            for k in range(resource.replicas):
-                replica = replace(device, id=f"{device.id}::{k}",
-                                  attributes={**device.attributes, "replica_of": device.id})
-                drained = self.drains.get((resource.name, replica.id))
-                if drained and replica.healthy:
-                    replica = replica.with_health(Health.UNHEALTHY,
-                                                  f"drained by an operator: {drained}")
-                expanded.append(replica)
-        return self._cap(resource.name, expanded)
+        return self._cap(resource.name, host_view(
+            resource, devices, excluded=self._excluded.get(resource.name),
+            aer=self._aer_problems.get(resource.name, {}), drains=self.drains))
 
     def _cap(self, resource: str, devices: List[Device]) -> List[Device]:
         """Keep the host within MAX_DEVICES: a resource gets what the others leave, and
@@ -319,48 +284,7 @@ class Inventory:
         return changed
 
     def _sanitize(self, driver: str, resource: str, devices: object) -> List[Device]:
-        out: List[Device] = []
-        seen: Set[str] = set()
-        problems: List[str] = []
-        try:
-            items = list(devices)  # type: ignore[call-overload]
-        except TypeError:
-            log.error("driver %r returned %s for resource %s, not a list of devices", driver,
-                      type(devices).__name__, resource)
-            return []
-        for device in items:
-            if not isinstance(device, Device):
-                problems.append(f"a {type(device).__name__} instead of a Device")
-                continue
-            device_id = device.id
-            if not isinstance(device_id, str) or not device_id or len(device_id) > MAX_ID_LENGTH \
-                    or _BAD_ID.search(device_id):
-                problems.append(f"invalid device id {device_id!r:.80}")
-                continue
-            if device_id in seen:
-                problems.append(f"duplicate device id {device_id!r}")
-                continue
-            seen.add(device_id)
-            if not isinstance(device.health, Health):
-                device = device.with_health(
-                    Health.HEALTHY if device.health == "Healthy" else Health.UNHEALTHY,
-                    device.health_reason,
-                )
-            numa = device.numa_nodes
-            if numa and not all(
-                isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                and (self._machine_numa is None or n in self._machine_numa)
-                for n in numa
-            ):
-                problems.append(f"device {device_id}: NUMA nodes {numa!r} are not on this machine")
-                device = replace(device, numa_nodes=())
-            out.append(device)
-        for problem in problems[:5]:
-            log.error("driver %r, resource %s: dropped or fixed %s", driver, resource, problem)
-        if len(problems) > 5:
-            log.error("driver %r, resource %s: %d more problems", driver, resource,
-                      len(problems) - 5)
-        return out
+        return sanitize(driver, resource, devices, self._machine_numa)
 
     def _publish(self, resource: str, devices: List[Device]) -> bool:
         """Merge in vanished devices (Unhealthy, until their grace ends); True on change."""

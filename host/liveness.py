@@ -23,7 +23,7 @@ import stat
 import time
 from typing import Callable, Dict, List, Mapping
 
-KUBELET_SOCKET = "kubelet.sock"
+from host.socket_names import KUBELET_SOCKET
 
 
 def kubelet_is_up(plugin_dir: str) -> bool:

@@ -24,17 +24,17 @@ that does not exist (a node without NFD gets no stray /etc/kubernetes tree).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import re
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
 from host.model import Device
+from host.tasks import Background
 
 log = logging.getLogger(__name__)
+_TIMER = "nfd feature file"
 
-DEFAULT_PATH = "/etc/kubernetes/node-feature-discovery/features.d/device-plugin-host"
 MAX_BYTES = 64 * 1024  # NFD ignores a bigger feature file altogether
 _NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?\Z")
 _BAD_VALUE_CHARS = re.compile(r"[^-A-Za-z0-9_.]+")
@@ -118,14 +118,16 @@ def render(resources: Mapping[str, Sequence[Device]],
 class FeatureFile:
     """The host's one feature file: ``update`` per resource, ``flush`` once per change."""
 
-    def __init__(self, path: str, delay_s: float = 1.0) -> None:
+    def __init__(self, path: str, delay_s: float = 1.0,
+                 background: Optional[Background] = None) -> None:
         self.path = path
+        # The deferred write's timer belongs to the host's owner of background work.
+        self._background = background if background is not None else Background("nfd")
         self.delay_s = delay_s
         self._devices: Dict[str, Sequence[Device]] = {}
         self._blocks: Dict[str, str] = {}  # rendered resources; dropped when they change
         self._written: Optional[str] = None
         self._complained = False
-        self._timer: Optional[asyncio.TimerHandle] = None
 
     def update(self, resource: str, devices: Iterable[Device]) -> None:
         """Cheap on purpose (it runs where the host pushes snapshots): labels are computed
@@ -140,12 +142,8 @@ class FeatureFile:
     def schedule(self) -> None:
         """Flush ``delay_s`` from now, coalescing the changes of a burst of rescans: labels
         have no hurry (nfd-worker rereads the file once a minute), ListAndWatch pushes do."""
-        if self._timer is None and self.path:
-            self._timer = asyncio.get_running_loop().call_later(self.delay_s, self._fire)
-
-    def _fire(self) -> None:
-        self._timer = None
-        self.flush()
+        if not self._background.armed(_TIMER) and self.path:
+            self._background.later(_TIMER, self.delay_s, self.flush)
 
     def flush(self) -> bool:
         """Write the file if its text changed; True when it was written."""
@@ -186,9 +184,7 @@ class FeatureFile:
 
     def remove(self) -> None:
         """On stop: the labels go with the host (NFD drops them at its next pass)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._background.cancel(_TIMER)
         if self._written is None:
             return
         try:

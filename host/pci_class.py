@@ -7,23 +7,10 @@ compared against that many leading digits of the function's class.
 
 from __future__ import annotations
 
-import re
-from typing import Mapping, Optional, Sequence, Tuple
+from typing import Mapping, Optional, Sequence
 
 from host.driver import SelectorError, selector_values
-
-_HEX = re.compile(r"[0-9a-f]+\Z")
-
-ClassPattern = Tuple[int, int]
-
-
-def class_pattern(text: str) -> Optional[ClassPattern]:
-    """("0x03" -> (0x03, 16)): the value and how far to shift the 24-bit class to compare."""
-    text = text.strip().lower()
-    digits = text[2:] if text.startswith("0x") else text
-    if len(digits) not in (2, 4, 6) or not _HEX.match(digits):
-        return None
-    return int(digits, 16), 24 - 4 * len(digits)
+from host.selectors import ClassPattern, class_pattern
 
 
 def check_class_selector(selectors: Mapping[str, object], key: str = "class") -> None:

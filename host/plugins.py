@@ -15,7 +15,7 @@ import re
 import stat
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple, cast
 
 import pluggy
 
@@ -156,25 +156,41 @@ class LoadFailure:
     driver: Optional[str] = None  # the driver (or entry point) name config files would use
 
 
+#: The reason a disabled package's resources report, and what discover/check-config print.
+DISABLED_REASON = "disabled by [host] disabled_drivers"
+
+
 @dataclass
 class DriverRegistry:
     drivers: Dict[str, Driver] = field(default_factory=dict)
     sources: Dict[str, str] = field(default_factory=dict)
     failures: List[LoadFailure] = field(default_factory=list)
+    #: Entry points skipped, never imported, because ``[host] disabled_drivers`` names them:
+    #: entry-point name -> source.
+    disabled: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.manager = pluggy.PluginManager(hookspecs.PROJECT)
         self.manager.add_hookspecs(hookspecs)
         self._pending: List[Tuple[EntryPoint, Optional[str]]] = []
+        self._blocked: FrozenSet[str] = frozenset()  # [host] disabled_drivers
 
     # -- loading ---------------------------------------------------------------------------
     def load_entry_points(self, group: str = hookspecs.ENTRY_POINT_GROUP,
-                          first: Optional[Iterable[str]] = None) -> None:
+                          first: Optional[Iterable[str]] = None,
+                          disabled: Iterable[str] = ()) -> None:
         """Load the group's entry points. With ``first`` (the driver names a config file
         uses), only the entry points of those names load now, when they provide every one of
         them; the others wait for ``load_pending`` (a driver package's import is the biggest
         part of a start beyond grpc's own). A name no entry point of that name provides
-        means a package whose drivers are named otherwise: everything loads."""
+        means a package whose drivers are named otherwise: everything loads.
+
+        Entry points ``disabled`` names (``[host] disabled_drivers``: entry-point names, the
+        driver names of the built-ins and of most packages) are never imported, now or
+        pending, so a package that breaks or slows the host on import can be switched off
+        without uninstalling it. The config loader refuses a resource of a disabled driver
+        and serves none of its defaults."""
+        self._blocked = frozenset(disabled)
         seen = set()
         found = []
         for entry_point, dist in sorted(_entry_points(group), key=lambda pair: pair[0].name):
@@ -182,6 +198,11 @@ class DriverRegistry:
             if key in seen:  # the same distribution visible twice on sys.path
                 continue
             seen.add(key)
+            if entry_point.name in self._blocked:
+                source = f"entry point {entry_point.name} ({dist or entry_point.value})"
+                self.disabled[entry_point.name] = source
+                log.info("%s: %s; not imported", source, DISABLED_REASON)
+                continue
             found.append((entry_point, dist))
         if first is None:
             self._pending = []
@@ -233,7 +254,9 @@ class DriverRegistry:
             return
         for impl in impls:
             try:
-                drivers = list(impl.function() or ())
+                # pluggy types a hook's result as object; list() of a non-iterable raises
+                # TypeError, reported below like any other failure of the hook.
+                drivers = list(cast(Iterable[object], impl.function() or ()))
             except Exception as error:
                 self._fail(source, f"device_plugin_host_drivers raised "
                                    f"{type(error).__name__}: {error}", name)
@@ -271,11 +294,58 @@ class DriverRegistry:
         drivers.update(self.drivers)
         return drivers
 
+    def disabled_lines(self) -> List[str]:
+        """One line per disabled package, for discover and check-config."""
+        return [f"driver {name}: {source} is {DISABLED_REASON} (not loaded)"
+                for name, source in sorted(self.disabled.items())]
 
-def load_drivers(first: Optional[Iterable[str]] = None) -> DriverRegistry:
+
+def load_drivers(first: Optional[Iterable[str]] = None,
+                 disabled: Iterable[str] = ()) -> DriverRegistry:
     registry = DriverRegistry()
-    registry.load_entry_points(first=first)
+    registry.load_entry_points(first=first, disabled=disabled)
     return registry
+
+
+#: Larger files are refused by the config loader anyway (host/config.py MAX_CONFIG_BYTES).
+_MAX_PRE_READ = 4 * 2**20 + 1
+
+
+def disabled_in_config(path: Optional[str], default_path: str) -> Tuple[str, ...]:
+    """``[host] disabled_drivers`` of a config file, read before any driver is imported
+    (the config loader needs the drivers to check selectors, so it runs after loading).
+
+    Only a well-formed list of strings counts; anything else (no file, a FIFO, bad TOML, a
+    wrong type) gives () here, and the config loader then rejects the file with the key and
+    the reason. Opened like the loader opens it: non-blocking, a regular file only.
+    """
+    if path is None:
+        if not os.path.lexists(default_path):
+            return ()
+        path = default_path
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return ()
+    try:
+        with open(fd, "rb") as stream:
+            if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
+                return ()
+            data = stream.read(_MAX_PRE_READ)
+        if len(data) >= _MAX_PRE_READ:
+            return ()
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:
+            import tomli as tomllib
+        document = tomllib.loads(data.decode("utf-8"))
+    except (OSError, ValueError, RecursionError):  # TOMLDecodeError and UnicodeError too
+        return ()
+    host = document.get("host")
+    names = host.get("disabled_drivers") if isinstance(host, dict) else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return ()
+    return tuple(names)
 
 
 def configured_drivers(path: Optional[str]) -> Optional[List[str]]:
@@ -304,4 +374,4 @@ def configured_drivers(path: Optional[str]) -> Optional[List[str]]:
     names = [r.get("driver") for r in resources if isinstance(r, dict)]
     if len(names) != len(resources) or not all(isinstance(n, str) and n for n in names):
         return None
-    return sorted(set(names))
+    return sorted({n for n in names if isinstance(n, str)})  # all are, as checked above

@@ -13,208 +13,41 @@ doubling backoff, and nothing but a new kubelet identity cuts that backoff short
 caused by our own socket changes never wake a registration. After a connect failure the next
 attempts first check with a plain connect() that the socket accepts at all, so a dead
 kubelet's left-over socket costs no Register calls while it is down.
+
+The kubelet's socket identity and channels are in host/kubelet_link.py, the plain-socket
+checks in host/socket_probe.py. The Endpoint's reconcile loop stays whole (a little under 400
+lines with the Registrar): its states and their transitions are one story, split apart they
+could no longer be read against the kubelet's behaviour (facts §3, §8).
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import random
-import socket
 import stat
 import time
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional
 
 import grpc
 
-from host.health import TransitionLog
 from host.inotify import DirectoryWatch
-from host.protocol import KUBELET_SOCKET, VERSION, api, api_grpc
+from host.kubelet_link import RETIRE_AFTER_S, KubeletId, KubeletLink
+from host.protocol import KUBELET_SOCKET, VERSION, api
 from host.service import DevicePluginService
 from host.socket_names import GRPC_MAX_SOCKET_PATH, socket_file_name
+from host.socket_probe import PluginDirError, bind_problem, dir_problem
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Endpoint", "KubeletLink", "Registrar", "socket_file_name"]
+__all__ = ["RETIRE_AFTER_S", "Endpoint", "KubeletLink", "Registrar", "socket_file_name"]
 
-KubeletId = Tuple[int, int]  # (inode, ctime_ns) of kubelet.sock: a new kubelet, a new id
 MAX_SOCKET_PATH = GRPC_MAX_SOCKET_PATH
 BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 5.0
 SERVER_STOP_GRACE_S = 0.05  # streams run forever: grace only lets a unary call finish
-RETIRE_AFTER_S = 1.0
 STREAM_END_GRACE_S = 0.05
-PROBE_TIMEOUT_S = 1.0
-
-# Issue 10.1: after a Register failed to connect (the kubelet stopping, its dead socket left
-# behind), that subchannel sits in reconnect backoff and keeps retrying on its own; by default a
-# new channel to the same target shares it through gRPC's *global* subchannel pool, so the new
-# kubelet's first Register fails fast ("connect failed") until that backoff runs out. Measured
-# with benchmarks/reconnect_probe.py (grpcio 1.85, 2 vCPU, 2 runs each, time from the new
-# kubelet.sock listening to the first successful Register, outage 0.5 / 2 / 10 s, medians):
-#   global pool, fresh channel (before)    587 / 653 / 5,837 ms
-#   grpc.use_local_subchannel_pool = 1       1.7 / 2.1 / 2.1 ms
-#   fresh channel + unique arg per identity  1.4 / 1.6 / 1.3 ms
-#   bounded backoff 50/100 ms                2.0 / 1.5 / 1.7 ms  (fast only because its other
-#                                            args key a separate subchannel; on a shared one it
-#                                            still waits up to 100 ms, and reconnects 10x/s)
-#   dial waiting for accept (wait_for_ready) 392 / 605 / 5,018 ms (waits out the same backoff)
-# Chosen: a fresh channel per kubelet identity with a local subchannel pool. It removes the
-# cause (no connection state shared with a dead kubelet's channel, whatever the other args),
-# costs no reconnect traffic while the kubelet is down, and needs no grpc-internal arg hack.
-CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0), ("grpc.use_local_subchannel_pool", 1)]
-
-
-class PluginDirError(OSError):
-    """Our socket cannot be created in the plugin directory (read-only, full, not a directory,
-    no permission): an operator's problem, told in one line with the OS reason, and retried."""
-
-
-def _bind_problem(path: str) -> Optional[str]:
-    """Bind a plain unix socket at ``path`` first (then remove it): the kernel's own reason
-    (EROFS, ENOSPC, EACCES, ENOTDIR) comes back as a clean error, where grpc's bind would only
-    say "Failed to bind" and print the reason on stderr (issue 11.8)."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.bind(path)
-    except OSError as error:
-        return os.strerror(error.errno) if error.errno else str(error)
-    finally:
-        probe.close()
-    try:
-        os.unlink(path)
-    except OSError as error:
-        return os.strerror(error.errno) if error.errno else str(error)
-    return None
-
-
-def _accepts(path: str) -> Optional[str]:
-    """None if something accepts connections on ``path``; else the OS reason. Non-blocking:
-    a unix socket connect either succeeds, is refused, or (backlog full) says EAGAIN."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
-    try:
-        sock.connect(path)
-    except BlockingIOError:
-        return None  # alive, only busy
-    except OSError as error:
-        return os.strerror(error.errno) if error.errno else str(error)
-    finally:
-        sock.close()
-    return None
-
-
-def _dir_problem(path: str) -> str:
-    """Why ``path`` cannot hold our sockets as a directory ("" when it is one)."""
-    try:
-        st = os.stat(path)
-    except OSError as error:
-        return f"{os.strerror(error.errno) if error.errno else error}"
-    if not stat.S_ISDIR(st.st_mode):
-        kind = "regular file" if stat.S_ISREG(st.st_mode) else "non-directory"
-        return f"{os.strerror(errno.ENOTDIR)} (it is a {kind})"
-    return ""
-
-
-class KubeletLink:
-    """What the host knows about the kubelet: its socket's identity and one channel per
-    kubelet identity (see CHANNEL_OPTIONS for why)."""
-
-    def __init__(self, plugin_dir: str, register_timeout_s: float) -> None:
-        self.plugin_dir = plugin_dir
-        self.socket_path = os.path.join(plugin_dir, KUBELET_SOCKET)
-        self.register_timeout_s = register_timeout_s
-        self._channel: Optional[grpc.aio.Channel] = None
-        self._channel_for: Optional[KubeletId] = None
-        self.restarts_seen = 0
-        self._last_id: Optional[KubeletId] = None
-        self._retired: List[grpc.aio.Channel] = []
-        self._closing_tasks: Set[asyncio.Future] = set()
-        # Shared by every endpoint: a plugin_dir problem is one line, not one per resource.
-        self.dir_log = TransitionLog(log)
-        # Called whenever one of our sockets was just bound in the plugin directory (so it
-        # exists and is writable): the host's single-instance lock waits for that moment when
-        # the directory was missing or read-only at start.
-        self.on_dir_usable: Optional[Callable[[], None]] = None
-
-    def dir_state(self, problem: str, detail: str = "") -> None:
-        """Log the plugin directory's state once per change (problem "" = usable)."""
-        self.dir_log.update(
-            "plugin_dir", problem,
-            f"plugin directory {self.plugin_dir}: {problem}{detail}",
-            f"plugin directory {self.plugin_dir} is usable again",
-        )
-
-    def kubelet_state(self, problem: str) -> None:
-        self.dir_log.update(
-            "kubelet", problem,
-            f"{self.socket_path} does not accept connections ({problem}): the kubelet is"
-            " down; waiting for it",
-            f"{self.socket_path} accepts connections again: a kubelet is back",
-        )
-
-    def identity(self) -> Optional[KubeletId]:
-        try:
-            st = os.stat(self.socket_path)
-        except OSError:
-            return None
-        if not stat.S_ISSOCK(st.st_mode):
-            return None
-        kid = (st.st_ino, st.st_ctime_ns)
-        if self._last_id is not None and kid != self._last_id:
-            self.restarts_seen += 1
-        self._last_id = kid
-        return kid
-
-    def accepts(self) -> Optional[str]:
-        """Why kubelet.sock does not accept connections now (None: it does)."""
-        return _accepts(self.socket_path)
-
-    def _channel_of(self, kid: KubeletId) -> grpc.aio.Channel:
-        if self._channel_for != kid or self._channel is None:
-            self._retire()
-            self._channel = grpc.aio.insecure_channel(
-                f"unix://{self.socket_path}", options=CHANNEL_OPTIONS
-            )
-            self._channel_for = kid
-        return self._channel
-
-    def _retire(self) -> None:
-        old, self._channel, self._channel_for = self._channel, None, None
-        if old is not None:
-            # Calls still on the old channel belong to a kubelet that is gone; give them
-            # a moment to fail on their own instead of cancelling them under their caller.
-            self._retired.append(old)
-            asyncio.get_running_loop().call_later(RETIRE_AFTER_S, self._close_retired, old)
-
-    async def register(self, kid: KubeletId, request: api.RegisterRequest) -> None:
-        channel = self._channel_of(kid)
-        stub = api_grpc.RegistrationStub(channel)
-        try:
-            await stub.Register(request, timeout=self.register_timeout_s)
-        except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.UNAVAILABLE and channel is self._channel:
-                # The connection itself failed: drop the channel so its subchannel stops
-                # reconnecting in the background; the next attempt dials anew.
-                self._retire()
-            raise
-
-    def _close_retired(self, channel: grpc.aio.Channel) -> None:
-        if channel in self._retired:
-            self._retired.remove(channel)
-            self._closing_tasks.add(asyncio.ensure_future(channel.close()))
-            self._closing_tasks = {t for t in self._closing_tasks if not t.done()}
-
-    async def close(self) -> None:
-        channel, self._channel, self._channel_for = self._channel, None, None
-        retired, self._retired = self._retired, []
-        for old in [*retired, channel]:
-            if old is not None:
-                await old.close()
-        if self._closing_tasks:
-            await asyncio.gather(*self._closing_tasks, return_exceptions=True)
-
 
 class Endpoint:
     """One resource's server generations and its registration state."""
@@ -327,7 +160,7 @@ class Endpoint:
     async def _reconcile(self) -> None:
         if self._closing:
             return
-        missing = _dir_problem(self.link.plugin_dir)
+        missing = dir_problem(self.link.plugin_dir)
         if missing:
             # Waiting for it: the directory watch wakes us when it appears; the backoff
             # retry is the safety net.
@@ -380,7 +213,7 @@ class Endpoint:
             raise OSError(f"socket path {path!r} is longer than {MAX_SOCKET_PATH} bytes")
         if os.path.lexists(path):  # never bind over something planted at our path
             os.unlink(path)
-        why = _bind_problem(path)
+        why = bind_problem(path)
         if why is not None:
             raise PluginDirError(why, name)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])

@@ -14,8 +14,11 @@ serve the built-in defaults" and unregister everything the operator configured. 
 * a rejection is logged once per file content, as ``file: key: reason``, and the previous
   configuration keeps serving.
 
-The reloader owns its one task: nothing it starts is left unawaited, and no exception
-escapes into "Task exception was never retrieved".
+The reloader's one task and its quiet-period timer belong to the host's owner of background
+work (``HostApp.background``, host/tasks.py): ``HostApp.stop()`` cancels and awaits a reload in
+progress before it removes any file, even where the caller never closes the reloader. Nothing
+it starts is left unawaited, and no exception escapes into "Task exception was never
+retrieved".
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ log = logging.getLogger("host")
 
 #: How long the file must be left alone before it is read (an editor's or kubelet's burst).
 QUIET_S = 0.25
+_TIMER = "config reload quiet period"
 
 
 def is_empty(data: bytes) -> bool:
@@ -64,7 +68,7 @@ class ConfigReloader:
         self._empty_at_start = data is not None and is_empty(data)
         self._rejected: Optional[Tuple[Optional[bytes], str]] = None
         self._watch: Optional[DirectoryWatch] = None
-        self._timer: Optional[asyncio.TimerHandle] = None
+        self._timer = False  # the quiet period is running (its timer is app.background's)
         self._task: Optional[asyncio.Task] = None
         self._again = False
         self._force = False
@@ -104,16 +108,19 @@ class ConfigReloader:
         """(Re)start the quiet period; the reload runs once events stop for ``quiet_s``."""
         self._force = self._force or force
         self._idle.clear()
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_later(self.quiet_s, self._fire)
+        if self.app.background.closed:
+            return
+        self._timer = True
+        self.app.background.later(_TIMER, self.quiet_s, self._fire)
 
     def _fire(self) -> None:
-        self._timer = None
+        self._timer = False
         if self._task is not None and not self._task.done():
             self._again = True  # one more pass once the running one has finished
             return
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="config reload")
+        self._task = self.app.background.spawn(self._run(), "config reload")
+        if self._task is None:
+            self._idle.set()  # the host has stopped: nothing more will be applied
 
     async def _run(self) -> None:
         while True:
@@ -128,7 +135,7 @@ class ConfigReloader:
                 log.error("reload failed, still serving the previous configuration: %s: %s",
                           type(error).__name__, error)
             if not self._again:
-                if self._timer is None:
+                if not self._timer:
                     self._idle.set()
                 return
 
@@ -205,8 +212,8 @@ class ConfigReloader:
     def close(self) -> None:
         if self._watch is not None:
             self._watch.close()
-        if self._timer is not None:
-            self._timer.cancel()
+        self.app.background.cancel(_TIMER)
+        self._timer = False
         if self._task is not None:
             self._task.cancel()
 

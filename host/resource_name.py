@@ -44,6 +44,3 @@ def resource_name_error(name: str) -> Optional[str]:
         )
     return None
 
-
-def is_extended_resource_name(name: str) -> bool:
-    return resource_name_error(name) is None

@@ -1,5 +1,9 @@
 """The DevicePlugin service of one resource: the six RPCs, answered from its Snapshot.
 
+The rules that need no service state (refusals, CDI names in an answer, when
+GetPreferredAllocation is worth advertising) are in host/service_rules.py; a little over
+300 lines remain because each RPC's checks are read best next to its handler.
+
 Handlers are registered through a generic handler so ListAndWatch can yield pre-serialized
 snapshots (bytes pass through an identity serializer). Every refusal carries a gRPC status and a
 reason; nothing a request contains can raise out of a handler.
@@ -9,18 +13,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Set
 
 import grpc
 
 from host import allocation
-from host.cdi import qualified_names
 from host.driver import Driver, implements
 from host.isolation import DriverCallError, DriverCalls
 from host.model import ContainerAllocation, Device, PreferredRequest, ResourceConfig
 from host.protocol import api
 from host.protocol.convert import allocate_response
+from host.service_rules import RequestError, preferred_allocation_useful, refuse, with_cdi
 from host.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
@@ -28,65 +31,6 @@ log = logging.getLogger(__name__)
 PRE_START_TIMEOUT_S = 28.0  # inside the kubelet's 30 s PreStartContainer deadline
 MAX_IDS_PER_REQUEST = 100_000
 SERVICE_NAME = "v1beta1.DevicePlugin"
-
-
-def with_cdi(
-    resource: ResourceConfig, devices: Sequence[Device], merged: ContainerAllocation,
-    resolvable: Optional[Callable[[str, Sequence[str]], bool]] = None,
-) -> ContainerAllocation:
-    """Add the devices' CDI names (and drop what the spec already carries, unless the
-    resource keeps device specs as a fallback for runtimes without CDI).
-
-    ``resolvable`` says whether the spec on disk holds the names: a name a runtime cannot
-    resolve fails the container, so without it the fallback's device nodes go alone, and
-    without a fallback the request is refused."""
-    ours = qualified_names(resource.name, devices)
-    if resolvable is not None and not resolvable(
-            resource.name, [name.partition("=")[2] for name in ours]):
-        if resource.cdi_fallback:
-            return merged
-        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"the CDI spec of {resource.name} is not on disk; its devices "
-                           "cannot be resolved by the container runtime now")
-    names = tuple(dict.fromkeys([*merged.cdi_devices, *ours]))
-    if resource.cdi_fallback:
-        return replace(merged, cdi_devices=names)
-    return replace(merged, cdi_devices=names, device_nodes=(), mounts=())
-
-
-def preferred_allocation_useful(
-    resource: ResourceConfig, driver: Driver, devices: Sequence[Device]
-) -> bool:
-    """Whether GetPreferredAllocation can change what the kubelet would pick on its own.
-
-    The kubelet calls it before every Allocate when it is advertised (one more round trip in
-    each pod's admission), so it is advertised only where our answer can differ in a way that
-    matters: replicas (pack/spread over the shared devices), a driver's own policy where it has
-    something to go by (``Driver.preferred_useful``: link information such as NVLink, XGMI or
-    a Neuron ring, partitions of one card), or devices on more than one NUMA node
-    (NUMA-compact). Devices on one node or none are interchangeable to the host.
-    """
-    if resource.replicas > 1:
-        return True
-    if implements(driver, "preferred"):
-        useful = getattr(driver, "preferred_useful", None)
-        if not callable(useful) or useful(resource, devices):
-            return True
-    first: Optional[int] = None
-    for device in devices:
-        for node in device.numa_nodes:
-            if first is None:
-                first = node
-            elif node != first:
-                return True
-    return False
-
-
-class RequestError(Exception):
-    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
 
 
 def _show(device_id: str) -> str:
@@ -105,7 +49,7 @@ class DevicePluginService:
         *,
         allocate_timeout_s: float,
         on_stream_end: Optional[Callable[[object, object], None]] = None,
-        observer: Optional[object] = None,
+        observer: Optional[Callable[[str, str, object, float], None]] = None,
     ) -> None:
         self.resource = resource
         self.driver = driver
@@ -252,9 +196,7 @@ class DevicePluginService:
             return response
         except RequestError as error:
             self._observe("refused", error, started)
-            log.warning("resource %s: Allocate refused: %s", self.resource.name, error.reason)
-            await context.abort(error.code, error.reason)
-            raise AssertionError("unreachable") from None
+            await refuse(context, self.resource.name, "Allocate refused", error)
 
     async def _driver_allocate(
         self, devices: Sequence[Device], merged: ContainerAllocation
@@ -265,9 +207,7 @@ class DevicePluginService:
                 self.driver.allocate, self.resource, devices, merged,
             )
         except DriverCallError as error:
-            code = (grpc.StatusCode.DEADLINE_EXCEEDED if error.timed_out
-                    else grpc.StatusCode.INTERNAL)
-            raise RequestError(code, str(error)) from None
+            raise RequestError.from_driver(error, grpc.StatusCode.INTERNAL) from None
         if not isinstance(result, ContainerAllocation):
             raise RequestError(grpc.StatusCode.INTERNAL,
                                f"driver {self.driver.name!r} allocate returned "
@@ -282,8 +222,8 @@ class DevicePluginService:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"{where}: {len(ids)} ids is more than any resource has")
         if len(set(ids)) != len(ids):
-            seen = set()
-            duplicate = next(i for i in ids if i in seen or seen.add(i))
+            seen: Set[str] = set()
+            duplicate = next(i for i in ids if i in seen or _add(seen, i))
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"{where}: device id {_show(duplicate)} is listed twice")
         devices = []
@@ -320,10 +260,7 @@ class DevicePluginService:
                 response.container_responses.add().deviceIDs.extend(ids)
             return response
         except RequestError as error:
-            log.warning("resource %s: GetPreferredAllocation refused: %s", self.resource.name,
-                        error.reason)
-            await context.abort(error.code, error.reason)
-            raise AssertionError("unreachable") from None
+            await refuse(context, self.resource.name, "GetPreferredAllocation refused", error)
 
     async def _preferred_one(
         self, container: api.ContainerPreferredAllocationRequest, where: str
@@ -409,15 +346,11 @@ class DevicePluginService:
                         self.driver.pre_start, self.resource, devices,
                     )
                 except DriverCallError as error:
-                    code = (grpc.StatusCode.DEADLINE_EXCEEDED if error.timed_out
-                            else grpc.StatusCode.FAILED_PRECONDITION)
-                    raise RequestError(code, str(error)) from None
+                    raise RequestError.from_driver(
+                        error, grpc.StatusCode.FAILED_PRECONDITION) from None
             return api.PreStartContainerResponse()
         except RequestError as error:
-            log.warning("resource %s: PreStartContainer failed: %s", self.resource.name,
-                        error.reason)
-            await context.abort(error.code, error.reason)
-            raise AssertionError("unreachable") from None
+            await refuse(context, self.resource.name, "PreStartContainer failed", error)
 
     def _observe(self, event: str, detail: object, started: float) -> None:
         if self.observer is not None:
@@ -426,3 +359,9 @@ class DevicePluginService:
                               time.perf_counter() - started)
             except Exception:  # metrics must never break an RPC
                 log.exception("observer failed")
+
+
+def _add(seen: Set[str], item: str) -> bool:
+    """``seen.add`` inside a generator's condition: False, so the search goes on."""
+    seen.add(item)
+    return False

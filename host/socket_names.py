@@ -11,6 +11,10 @@ from __future__ import annotations
 import hashlib
 import re
 
+#: The kubelet's registration socket, in its device plugin directory.
+KUBELET_SOCKET = "kubelet.sock"
+#: sun_path is 108 bytes including the terminating NUL that gRPC and the kubelet rely on.
+MAX_SOCKET_PATH = 107
 #: The longest unix socket path grpcio binds (bytes).
 GRPC_MAX_SOCKET_PATH = 105
 READABLE_MAX = 20

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import os
 import socket
-from typing import Optional
+from typing import Mapping, Optional
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class Notifier:
         self._ready_sent = False
 
     @staticmethod
-    def _watchdog_interval(env: dict) -> Optional[float]:
+    def _watchdog_interval(env: Mapping[str, str]) -> Optional[float]:
         usec = env.get("WATCHDOG_USEC")
         pid = env.get("WATCHDOG_PID")
         if not usec or (pid and pid != str(os.getpid())):
@@ -68,13 +68,14 @@ class Notifier:
     def start_watchdog(self) -> None:
         """Ping at half the interval systemd expects; the pings ride the event loop, so a
         wedged loop (the thing worth restarting for) stops them."""
-        if self.watchdog_s is None or not self.address:
+        interval = self.watchdog_s
+        if interval is None or not self.address:
             return
         loop = asyncio.get_running_loop()
 
         def ping() -> None:
             self.send("WATCHDOG=1")
-            self._timer = loop.call_later(self.watchdog_s / 2, ping)
+            self._timer = loop.call_later(interval / 2, ping)
 
         ping()
 

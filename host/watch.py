@@ -13,7 +13,10 @@ import logging
 import os
 from typing import Callable, Iterable, List, Optional, Protocol, Sequence, Set
 
+from host.tasks import Background
+
 log = logging.getLogger(__name__)
+_TIMER = "event coalescing"
 
 COALESCE_S = 0.004  # a hot-plug is a burst of events (device, interfaces, nodes): one rescan
 
@@ -142,13 +145,15 @@ class RescanScheduler:
         drivers_for: Callable[[str], Set[str]],
         rescan: Callable[[Optional[Set[str]]], None],
         coalesce_s: float = COALESCE_S,
+        background: Optional[Background] = None,
     ) -> None:
+        # The coalescing timer belongs to the host's owner of background work.
+        self._background = background if background is not None else Background("events")
         self._drivers_for = drivers_for
         self._rescan = rescan
         self._coalesce_s = coalesce_s
         self._pending: Set[str] = set()
         self._everything = False
-        self._timer: Optional[asyncio.TimerHandle] = None
         self.events = 0
 
     def event(self, subsystem: str) -> None:
@@ -160,17 +165,14 @@ class RescanScheduler:
             if not drivers:
                 return
             self._pending |= drivers
-        if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self._coalesce_s, self._fire)
+        if not self._background.armed(_TIMER):
+            self._background.later(_TIMER, self._coalesce_s, self._fire)
 
     def _fire(self) -> None:
-        self._timer = None
         drivers: Optional[Set[str]] = None if self._everything else self._pending
         self._pending = set()
         self._everything = False
         self._rescan(drivers)
 
     def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._background.cancel(_TIMER)

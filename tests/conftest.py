@@ -1,5 +1,9 @@
-"""Shared fixtures come from the test kit, the same ones third-party driver authors use."""
+"""Shared fixtures come from the test kit's pytest plugin (host/testing/pytest_plugin.py,
+registered by the ``pytest11`` entry point in pyproject.toml), the same one third-party driver
+authors get by installing the host: ``short_dir``, ``run``, ``fake_tree``, ``aio``, ``kubelet``."""
 
-from host.testing.fixtures import run, short_dir
+from host.process import configure_process
 
-__all__ = ["run", "short_dir"]
+# The suite runs the host in-process, so it applies the program's grpc settings the way the
+# entry points do (importing ``host`` no longer does).
+configure_process()

@@ -157,6 +157,7 @@ def _system_python() -> str:
                           capture_output=True, text=True, check=True).stdout.strip()
 
 
+@pytest.mark.slow  # builds two .deb files (~30 s): CI runs it, the fast suite does not
 def test_package_names_its_version_dependencies_and_conffile(debs: Debs, tmp_path: Path):
     version = _project_version()
     assert _field(debs.v1, "Package") == PACKAGE
@@ -191,6 +192,7 @@ def test_package_names_its_version_dependencies_and_conffile(debs: Debs, tmp_pat
     assert "etc/device-plugin-host" not in md5sums  # conffiles are checked by their own hash
 
 
+@pytest.mark.slow  # builds two .deb files (~30 s): CI runs it, the fast suite does not
 def test_package_contents(debs: Debs, tmp_path: Path):
     entries = _contents(debs.v1)
     assert {owner for _, owner, _ in entries.values()} == {"root/root"}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
+import shutil
 import stat
 import tempfile
 import threading
@@ -25,13 +27,17 @@ from host.testing.harness import make_config as _make_config
 from host.testing.kubelet import KubeletSimulator
 from host.testing.tree import FakeTree
 
+_ROOT = []  # the fake machine, built once per process
+
 
 def make_config(plugin_dir, resources, **host):
-    """A config whose host root is a fake two-socket machine (NUMA nodes 0 and 1)."""
-    root = os.path.join(tempfile.gettempdir(), "dph-test-roots", "two-socket")
-    if not os.path.isdir(os.path.join(root, "sys")):
-        FakeTree(root).numa_nodes(2)
-    return _make_config(plugin_dir, resources, host_root=root, **host)
+    """A config whose host root is a fake two-socket machine (NUMA nodes 0 and 1), built once
+    per test process in a temp dir removed at exit (a fixed path outlived every run)."""
+    if not _ROOT:
+        _ROOT.append(tempfile.mkdtemp(prefix="dph-two-socket-"))
+        atexit.register(shutil.rmtree, _ROOT[0], ignore_errors=True)
+        FakeTree(_ROOT[0]).numa_nodes(2)
+    return _make_config(plugin_dir, resources, host_root=_ROOT[0], **host)
 
 
 def _resources(*specs):

@@ -51,7 +51,8 @@ def test_aer_errors_rising_flip_health_and_it_recovers(tmp_path, short_dir, run)
         async with kubelet_and_host(config, {"acc": driver}) as (sim, _app):
             await sim.wait_for(lambda s: "example.com/acc" in s.resources
                                and s.resources["example.com/acc"].allocatable == 2)
-            await asyncio.sleep(0.3)  # a few checks: old errors alone are not a problem
+            # Three more health checks (scans) handled: old errors alone are not a problem.
+            await driver.scanned(driver.scans + 4)
             assert sim.resources["example.com/acc"].allocatable == 2
             tree.attr("/sys/bus/pci/devices/0000:19:00.0/aer_dev_nonfatal",
                       AER_NONFATAL.format(n=3))
@@ -220,3 +221,38 @@ def test_sighup_with_a_bad_file_keeps_serving_then_a_good_file_applies(tmp_path,
             await sim.stop()
 
     asyncio.run(scenario())
+
+
+def test_aer_counters_of_functions_gone_are_pruned(tmp_path, short_dir, run):
+    """AerTracker kept the counters of every function ever seen (its ``forget`` was never
+    called): a function gone from the resource, or a resource no longer checked, drops them."""
+    from host.hostfs import HostFS
+    from host.inventory import Inventory
+    from host.isolation import DriverCalls
+
+    tree = FakeTree(tmp_path / "root")
+    devices = _pci_devices(tree, 2)
+    driver = MemoryDriver("m", {"example.com/acc": devices})
+    resource = ResourceConfig("example.com/acc", "m", health_interval_s=1)
+
+    async def scenario():
+        calls = DriverCalls()
+        inventory = Inventory(HostFS(str(tree.root)), {"m": driver}, [resource], calls,
+                              discover_timeout_s=5, vanished_grace_s=0)
+        try:
+            await inventory.scan()
+            assert inventory._aer.tracked() == {("example.com/acc", d.id) for d in devices}
+            driver.devices["example.com/acc"] = devices[:1]  # one function gone
+            await inventory.scan()
+            assert inventory._aer.tracked() == {("example.com/acc", devices[0].id)}
+            inventory.set_resources([replace(resource, health_interval_s=0)])
+            await inventory.scan()  # no longer checked: nothing kept
+            assert inventory._aer.tracked() == set()
+            inventory.set_resources([resource])
+            await inventory.scan()
+            inventory.set_resources([ResourceConfig("example.com/other", "m")])
+            assert inventory._aer.tracked() == set()  # the resource is gone
+        finally:
+            calls.shutdown()
+
+    run(scenario())

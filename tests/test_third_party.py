@@ -92,7 +92,8 @@ def _source_copy(source: Path, target: Path, names: Sequence[str]) -> Path:
 def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh venv holding the host and the widget driver, each installed from its wheel."""
     work = tmp_path_factory.mktemp("third-party")
-    main = _source_copy(REPO, work / "src" / "device-plugin-host", ("host", "drivers"))
+    main = _source_copy(REPO, work / "src" / "device-plugin-host",
+                        ("host", "drivers", "device_plugin_host"))
     widget = _source_copy(EXAMPLE, work / "src" / "widget-driver", ("src",))
     wheels = work / "wheels"
     # Without isolation the build reuses this interpreter's setuptools: no download.

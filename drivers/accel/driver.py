@@ -34,8 +34,8 @@ from drivers.accel.sysfs import AccelMinor, scan_minors
 from host.driver import Driver, SelectorError, selector_values
 from host.hostfs import HostFS
 from host.model import Device, DeviceNode, Health, ResourceConfig
-from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors, matches_pci
-from host.pci_class import check_class_selector, class_matches, class_patterns
+from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors
+from host.pci_class import check_class_selector
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class AccelInventory:
 class AccelDriver(Driver):
     name = "accel"
     subsystems = ("accel", "pci")
+    device_globs = ("/dev/accel/*",)
     selector_types = {**PCI_SELECTOR_TYPES, "class": (str,), "device_type": (str,)}
     setting_types = {"index_env": (str,)}
 
@@ -116,10 +117,14 @@ class AccelDriver(Driver):
         return AccelInventory(tuple(entries))
 
     def select(self, inventory: AccelInventory, resource: ResourceConfig) -> List[Device]:
+        # Selectors are matched by the host against the attributes (PCI facts, class,
+        # device_type); a platform NPU has no PCI attributes, so a PCI selector never
+        # matches one. Only index_env (a setting) shapes the device here.
+        matches = self.matcher(resource.selectors)
         index_env = resource.settings.get("index_env")
         out: List[Device] = []
         for entry in inventory.entries:
-            if not _matches(entry.minor, resource.selectors):
+            if not matches(entry.device.attributes):
                 continue
             device = entry.device
             if index_env is not None:
@@ -127,20 +132,6 @@ class AccelDriver(Driver):
                 device = replace(device, env=env)
             out.append(device)
         return out
-
-
-def _matches(minor: AccelMinor, selectors: Mapping[str, object]) -> bool:
-    types = selector_values(selectors, "device_type")
-    if types is not None and minor.facts.get("device_type") not in [str(t) for t in types]:
-        return False
-    if minor.pci is not None:
-        return matches_pci(minor.pci, selectors) and class_matches(
-            minor.pci.pci_class, class_patterns(selectors)
-        )
-    if any(key in selectors for key in ("vendor", "device", "pci_address", "class")):
-        return False  # a PCI selector never matches a platform NPU
-    drivers = selector_values(selectors, "kernel_driver")
-    return drivers is None or minor.kernel_driver in drivers
 
 
 def _device(host: HostFS, minor: AccelMinor, device_id: str) -> Device:

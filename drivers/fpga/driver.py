@@ -59,6 +59,7 @@ class FpgaDriver(Driver):
     # events); an XRT card's render node comes with "drm" and its xclmgmt node with the
     # "xrt_mgmt" class: without them a card would wait for the timed rescan after a reload.
     subsystems = ("dfl", "pci", "fpga_region", "platform", "drm", "xrt_mgmt")
+    device_globs = ("/dev/dfl-*", "/dev/xclmgmt*", "/dev/dri/*")
     selector_types = {
         **PCI_SELECTOR_TYPES,
         "kind": (str,),

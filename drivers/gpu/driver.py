@@ -132,6 +132,9 @@ class GpuDriver(Driver):
     # A compute repartition rebuilds the KFD topology under the PCI function: its change
     # events arrive as "pci" or "drm"; the safety rescan covers kernels that send none.
     subsystems = ("pci", "drm")
+    device_globs = (
+        "/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/kfd", "/dev/dri/*", "/dev/dri/by-path/*",
+    )
     selector_types = {
         **PCI_SELECTOR_TYPES, "class": (str,), "partition_mode": (str,),
         "mig_profile": (str,), "mig_parent": (str,), "mig_gi": (int,), "mig_ci": (int,),

@@ -67,7 +67,7 @@ class PynvmlSource:
 
     def read(self) -> NvmlView:
         try:
-            import pynvml  # type: ignore[import-not-found]
+            import pynvml
         except ImportError:
             return NvmlView(False, f"nvidia-ml-py is not installed ({INSTALL_HINT})")
         try:

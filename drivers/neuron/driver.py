@@ -60,7 +60,9 @@ class NeuronInventory:
 class NeuronDriver(Driver):
     name = "neuron"
     subsystems = ("neuron_device", "pci")
+    device_globs = ("/dev/neuron*",)
     selector_types = {"index": (int,), "device_name": (str,), "instance_type": (str,)}
+    selector_attributes = {"index": "neuron_index"}
     setting_types = {"unit": (str,)}
 
     def check_selectors(self, selectors: Mapping[str, object]) -> None:
@@ -96,10 +98,13 @@ class NeuronDriver(Driver):
         return NeuronInventory(tuple(entries))
 
     def select(self, inventory: NeuronInventory, resource: ResourceConfig) -> List[Device]:
+        # index, device_name and instance_type are matched by the host against the
+        # attributes (index as neuron_index); unit = "core" shapes the devices here.
+        matches = self.matcher(resource.selectors)
         cores = resource.settings.get("unit") == "core"
         out: List[Device] = []
         for entry in inventory.entries:
-            if _matches(entry.neuron, resource.selectors):
+            if matches(entry.device.attributes):
                 out.extend(_cores(entry.neuron, entry.device) if cores else (entry.device,))
         return out
 
@@ -126,17 +131,6 @@ class NeuronDriver(Driver):
             return True
         return any(d.attributes.get("connected_devices") for d in devices)
 
-
-
-def _matches(neuron: NeuronDevice, selectors: Mapping[str, object]) -> bool:
-    indexes = selector_values(selectors, "index")
-    if indexes is not None and neuron.index not in indexes:
-        return False
-    names = selector_values(selectors, "device_name")
-    if names is not None and neuron.device_name not in names:
-        return False
-    types = selector_values(selectors, "instance_type")
-    return types is None or neuron.instance_type in types
 
 
 def _shared_numa(found: NeuronScan) -> Tuple[Tuple[int, ...], str]:

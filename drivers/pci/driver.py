@@ -34,9 +34,8 @@ from host.pci import (
     PciFunction,
     check_pci_selectors,
     list_functions,
-    matches_pci,
 )
-from host.pci_class import check_class_selector, class_matches, class_patterns
+from host.pci_class import check_class_selector
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +85,7 @@ class PciInventory:
 class PciDriver(Driver):
     name = "pci"
     subsystems = ("pci",)
+    device_globs = ("/dev/hailo*", "/dev/xdma*")
     selector_types = {**PCI_SELECTOR_TYPES, "class": (str,)}
     setting_types = {"char_classes": (list,)}
 
@@ -118,16 +118,19 @@ class PciDriver(Driver):
         if not any(key in selectors for key in IDENTIFYING):
             return []  # rejected by check_selectors; never "every PCI function"
         named_drivers = selector_values(selectors, "kernel_driver") or []
-        patterns = class_patterns(selectors)
+        # vendor, device, kernel_driver, pci_address and class are matched by the host
+        # against each function's standard attributes.
+        matches = self.matcher(selectors)
         classes = resource.settings.get("char_classes")
         wanted = frozenset(str(c) for c in classes) if isinstance(classes, list) else None
         out = []
         for fn in inventory.functions:
             if _is_passthrough(fn) and fn.kernel_driver not in named_drivers:
                 continue
-            if not matches_pci(fn, selectors) or not class_matches(fn.pci_class, patterns):
+            attributes = fn.attributes()
+            if not matches(attributes):
                 continue
-            out.append(_device(inventory, fn, wanted))
+            out.append(_device(inventory, fn, wanted, attributes))
         return out
 
 
@@ -137,10 +140,12 @@ def _is_passthrough(fn: PciFunction) -> bool:
 
 
 def _device(
-    inventory: PciInventory, fn: PciFunction, wanted: Optional[FrozenSet[str]]
+    inventory: PciInventory, fn: PciFunction, wanted: Optional[FrozenSet[str]],
+    attributes: Dict[str, str],
 ) -> Device:
+    """``attributes``: the function's standard ones, already made for matching (this adds
+    to them)."""
     problems: List[str] = []
-    attributes = fn.attributes()
     if _is_passthrough(fn):
         paths = [VFIO_CONTAINER]
         if fn.iommu_group is None:

@@ -23,29 +23,29 @@ from __future__ import annotations
 import logging
 import posixpath
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from drivers.rdma.sysfs import (
-    LINK_LAYERS,
-    CharDevice,
-    IbDevice,
-    count_by_parent,
-    list_ib_devices,
-    scan_char_devices,
-)
+from drivers.rdma.sysfs import LINK_LAYERS, IbDevice, count_by_parent, list_ib_devices
 from host.driver import Driver, SelectorError, selector_values
-from host.health import rdma_ports_problem
 from host.hostfs import HostFS
 from host.model import Device, DeviceNode, Health, ResourceConfig
 from host.pci import (
     PCI_SELECTOR_TYPES,
     PciFunction,
     check_pci_selectors,
-    matches_pci,
     read_function,
 )
+from host.rdma_chardev import CharDevice, scan_char_devices
 
 log = logging.getLogger(__name__)
+
+def rdma_ports_problem(device: str, states: Iterable[Tuple[int, Optional[str]]]) -> str:
+    """An RDMA device none of whose ports is ACTIVE (ports without a state are not judged)."""
+    known = [(number, state) for number, state in states if state]
+    if not known or any(state.upper() == "ACTIVE" for _, state in known):
+        return ""
+    listing = ", ".join(f"port {number} {state}" for number, state in known)
+    return f"no port of {device} is ACTIVE ({listing})"
 
 EXCLUSIVE = "exclusive"
 SHARED = "shared"
@@ -110,6 +110,7 @@ class RdmaInventory:
 class RdmaDriver(Driver):
     name = "rdma"
     subsystems = ("infiniband", "pci", "net")
+    device_globs = ("/dev/infiniband/*",)
     selector_types = {
         **PCI_SELECTOR_TYPES,
         "ib_device": (str,),
@@ -209,7 +210,13 @@ class RdmaDriver(Driver):
         return RdmaInventory(hcas=tuple(hcas), rdma_cm=chars.rdma_cm)
 
     def select(self, inventory: RdmaInventory, resource: ResourceConfig) -> Sequence[Device]:
-        hcas = [hca for hca in inventory.hcas if _matches(hca, resource.selectors)]
+        # The PCI selectors and ib_device are matched by the host against each HCA's
+        # attributes; link_layer and netdev are lists on the HCA (an interface name may hold
+        # a comma, so the joined attribute is not the list), matched here.
+        selectors = resource.selectors
+        matches = self.matcher({k: v for k, v in selectors.items() if k not in _LIST_KEYS})
+        hcas = [hca for hca in inventory.hcas
+                if matches(hca.attributes()) and _lists_match(hca, selectors)]
         if resource.settings.get("mode", EXCLUSIVE) == SHARED:
             count = resource.settings.get("shared_count", 1)
             assert isinstance(count, int)
@@ -217,12 +224,11 @@ class RdmaDriver(Driver):
         return [_exclusive(hca, inventory.rdma_cm) for hca in hcas]
 
 
-def _matches(hca: Hca, selectors: Mapping[str, object]) -> bool:
-    if not matches_pci(hca.function, selectors):
-        return False
-    names = selector_values(selectors, "ib_device")
-    if names is not None and hca.ib.name not in names:
-        return False
+#: Selector keys the driver matches itself: facts that are lists on the HCA.
+_LIST_KEYS = ("link_layer", "netdev")
+
+
+def _lists_match(hca: Hca, selectors: Mapping[str, object]) -> bool:
     layers = selector_values(selectors, "link_layer")
     if layers is not None:
         wanted = {str(value).lower() for value in layers}

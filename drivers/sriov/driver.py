@@ -31,20 +31,31 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
-from drivers.rdma.sysfs import CharIndex, scan_char_devices
 from drivers.sriov.qat import QatPf, parse_services, read_qat
 from drivers.sriov.selectors import index_ranges, parse_pf
 from drivers.sriov.sysfs import LINK_TYPES, VirtualFunction, list_virtual_functions
 from host import devinfo
 from host.driver import Driver, SelectorError, normalise_hex_ids, selector_values
-from host.health import TransitionLog, link_problem
+from host.health import TransitionLog
 from host.hostfs import HostFS
 from host.model import ContainerAllocation, Device, DeviceNode, Health, ResourceConfig
 from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors
+from host.rdma_chardev import CharIndex, scan_char_devices
 
 log = logging.getLogger(__name__)
+
+#: Link states that mean "no traffic can pass" (operstate values from the kernel's IF_OPER_*).
+LINK_DOWN = frozenset({"down", "lowerlayerdown", "notpresent"})
+
+
+def link_problem(interface: str, operstate: Optional[str]) -> str:
+    """A netdev whose link is down; "unknown"/"dormant"/missing are not judged (many drivers
+    never report operstate, and a VF's link only comes up inside its pod)."""
+    if operstate and operstate.lower() in LINK_DOWN:
+        return f"link of {interface} is {operstate}"
+    return ""
 
 VFIO_CONTAINER = "/dev/vfio/vfio"
 IOMMUFD = "/dev/iommu"  # the iommufd misc device (drivers/iommu/iommufd/main.c)
@@ -217,6 +228,7 @@ def build_record(host: HostFS, vf: VirtualFunction, chars: Optional[CharIndex]) 
 class SriovDriver(Driver):
     name = "sriov"
     subsystems = ("pci", "net")
+    device_globs = ("/dev/vfio/*", "/dev/vfio/devices/*", "/dev/iommu")
     selector_types = {
         **PCI_SELECTOR_TYPES,
         "pf_name": (str,),
@@ -319,10 +331,10 @@ class SriovDriver(Driver):
             )
         present = {record.vf.function.address for record in inventory.vfs}
         present_pfs = {record.vf.pf.function.address for record in inventory.vfs}
-        self._health_log.retain([("pf", name) for name in pfs] + [
-            key for key in self._health_log.active
-            if (key[0] == "vf" and key[2] in present)
-            or (key[0] == "qat" and key[2] in present_pfs)])
+        keep: List[Hashable] = [("pf", name) for name in pfs]
+        keep += [key for key in self._health_log.active if isinstance(key, tuple) and (
+            (key[0] == "vf" and key[2] in present) or (key[0] == "qat" and key[2] in present_pfs))]
+        self._health_log.retain(keep)
 
     def select(self, inventory: SriovInventory, resource: ResourceConfig) -> Sequence[Device]:
         key = env_name(resource.name)

@@ -10,32 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from host.selectors import IndexRanges, parse_ranges
 
-@dataclass(frozen=True)
-class IndexRanges:
-    spans: Tuple[Tuple[int, int], ...]
-
-    def __contains__(self, index: object) -> bool:
-        return isinstance(index, int) and any(lo <= index <= hi for lo, hi in self.spans)
-
-
-def parse_ranges(text: str) -> IndexRanges:
-    """``"0-3,6"`` -> spans (0, 3), (6, 6). Raises ValueError naming the bad part."""
-    spans = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            raise ValueError(f"empty entry in VF range {text!r}")
-        lo_text, dash, hi_text = part.partition("-")
-        lo_text, hi_text = lo_text.strip(), hi_text.strip()
-        if not lo_text.isdigit() or (dash and not hi_text.isdigit()):
-            raise ValueError(f"{part!r} is not a VF index or range like 0-3")
-        lo = int(lo_text)
-        hi = int(hi_text) if dash else lo
-        if hi < lo:
-            raise ValueError(f"range {part!r} ends before it starts")
-        spans.append((lo, hi))
-    return IndexRanges(tuple(spans))
+__all__ = ["IndexRanges", "PfSelector", "index_ranges", "parse_pf", "parse_ranges"]
 
 
 def index_ranges(value: object) -> IndexRanges:

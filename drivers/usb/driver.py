@@ -41,6 +41,9 @@ class UsbDriver(Driver):
     # USB ones: watching only "usb" would leave a new dongle Unhealthy until the next timed
     # rescan.
     subsystems = ("usb", "tty", "hidraw", "video4linux")
+    device_globs = (
+        "/dev/bus/usb/*/*", "/dev/ttyUSB*", "/dev/ttyACM*", "/dev/hidraw*", "/dev/video*",
+    )
     selector_types = {
         "vendor": (str, int),
         "product": (str, int),

@@ -179,7 +179,7 @@ def _named(items: Any, name: str, kind: str, path: str) -> Dict[str, Any]:
 
 def kubeconfig_access(path: str) -> ClusterAccess:
     """The current context of a kubeconfig file (no merging of several files)."""
-    import yaml  # type: ignore[import-untyped]  # only here: the DaemonSet runs in-cluster
+    import yaml  # only here: the DaemonSet runs in-cluster
 
     try:
         with open(path, encoding="utf-8") as handle:

@@ -32,10 +32,10 @@ import grpc
 from host.dra.protocol import registration as reg_api
 from host.dra.protocol import registration_grpc
 from host.inotify import DirectoryWatch
+from host.socket_names import MAX_SOCKET_PATH
 
 log = logging.getLogger(__name__)
 
-MAX_SOCKET_PATH = 107
 BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 5.0
 SERVER_STOP_GRACE_S = 0.05

@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterable
 
 from host.config import Config
 from host.model import ResourceConfig
+from host.socket_names import MAX_SOCKET_PATH
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,10 @@ def check_settings(config: Config) -> None:
         except ValueError as error:
             raise DraStartError(f"resource {resource.name}: {error}") from None
         socket = f"{config.host.dra_plugins_dir}/{driver}/dra.sock"
-        if len(socket.encode()) > 107:
+        if len(socket.encode()) > MAX_SOCKET_PATH:
             raise DraStartError(f"resource {resource.name}: the DRA socket {socket} is longer "
-                                f"than a unix socket path can be (107 bytes); shorten "
+                                f"than a unix socket path can be ({MAX_SOCKET_PATH} bytes); "
+                                f"shorten "
                                 f"[host] dra_plugins_dir or dra_driver_name")
         owners.setdefault(driver, resource.name)
 

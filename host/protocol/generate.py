@@ -3,7 +3,10 @@
 The generated modules are committed so that a plain ``pip install`` needs no grpcio-tools;
 ``tests/test_protocol.py`` fails when they drift from the .proto files. Run:
 ``python -m host.protocol.generate``. Imports are rewritten to package-relative form so the
-modules load as ``host.protocol.*`` without touching sys.path.
+modules load as ``host.protocol.*`` without touching sys.path. protoc's ``--pyi_out`` writes a
+``.pyi`` stub beside each ``_pb2`` module: the ``_pb2`` code builds its classes at run time,
+so without the stubs mypy sees every message as ``Any`` and checks nothing we build or read
+(the ``_pb2_grpc`` modules are plain Python that mypy reads as they are).
 """
 
 from __future__ import annotations
@@ -25,13 +28,13 @@ def generate() -> Dict[str, str]:
     with tempfile.TemporaryDirectory() as out:
         for proto in PROTOS:
             code = protoc.main(
-                ["protoc", f"-I{HERE}", f"--python_out={out}", f"--grpc_python_out={out}",
-                 str(HERE / proto)]
+                ["protoc", f"-I{HERE}", f"--python_out={out}", f"--pyi_out={out}",
+                 f"--grpc_python_out={out}", str(HERE / proto)]
             )
             if code != 0:
                 raise RuntimeError(f"protoc failed on {proto} ({code})")
         files = {}
-        for path in sorted(Path(out).glob("*.py")):
+        for path in sorted(Path(out).glob("*.py*")):
             text = path.read_text(encoding="utf-8")
             text = re.sub(r"^import (\w+_pb2) as", r"from . import \1 as", text, flags=re.M)
             files[path.name] = _without_version_gates(text)

@@ -6,6 +6,7 @@ and garbage. Hardware drivers are tested on fake sysfs trees instead.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Dict, List, Mapping, Optional, Sequence
@@ -43,17 +44,34 @@ class MemoryDriver(Driver):
         self.hang = threading.Event()  # set() = calls block until release is set
         self.release = threading.Event()
         self.scans = 0
+        self._scanned = threading.Condition()
         self.pre_starts: List[List[str]] = []
 
     def discover(
         self, host: HostFS, resources: Sequence[ResourceConfig]
     ) -> Mapping[str, Sequence[Device]]:
-        self.scans += 1
+        with self._scanned:
+            self.scans += 1
+            self._scanned.notify_all()
         if self.hang.is_set():
             self.release.wait(30)
         if self.fail is not None:
             raise self.fail
         return {r.name: list(self.devices.get(r.name, ())) for r in resources}
+
+    async def scanned(self, count: int, timeout: float = 10.0) -> None:
+        """Wait until ``discover`` has been called ``count`` times in all. The host scans a
+        driver one call at a time, so once call ``count`` began, the ones before it were
+        handled: a test shows "those checks changed nothing" by this count, not by a sleep
+        that may or may not have covered them."""
+
+        def wait() -> bool:
+            with self._scanned:
+                return self._scanned.wait_for(lambda: self.scans >= count, timeout)
+
+        if not await asyncio.get_running_loop().run_in_executor(None, wait):
+            raise AssertionError(f"{self.name}: {self.scans} scans within {timeout} s, "
+                                 f"not {count}")
 
     def needs_pre_start(self, resource: ResourceConfig) -> bool:
         return bool(resource.settings.get("pre_start"))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import os
+import shutil
 import tempfile
-from typing import Any, AsyncIterator, Dict, Sequence, Tuple, Union
+from typing import Any, AsyncIterator, Dict, Optional, Sequence, Tuple, Union
 
 from host.app import HostApp
 from host.config import Config, HostSettings
@@ -15,13 +17,27 @@ from host.model import ResourceConfig
 from host.testing.kubelet import KubeletSimulator
 from host.watch import EventSource
 
+_drain_root: Optional[str] = None
+
+
+def _drains() -> str:
+    """One temp directory per process for every test config's drain marks, removed when the
+    process exits: a directory per plugin dir in the system temp dir outlived each test (a
+    suite run left ~140 empty ``dph-drain-*`` behind), and the host creates its drain file's
+    directory on start, so no single test could own it."""
+    global _drain_root
+    if _drain_root is None:
+        _drain_root = tempfile.mkdtemp(prefix="dph-drains-")
+        atexit.register(shutil.rmtree, _drain_root, ignore_errors=True)
+    return _drain_root
+
 
 def make_config(plugin_dir: str, resources: Sequence[ResourceConfig], **host: object) -> Config:
     """A config for tests: the drain file defaults to a per-plugin-dir temp path (never the
-    real /var/lib, never inside the plugin dir)."""
+    real /var/lib, never inside the plugin dir; the same plugin dir gets the same path, so a
+    restarted host finds its marks)."""
     digest = hashlib.sha1(plugin_dir.encode()).hexdigest()[:12]
-    host.setdefault("drain_file", os.path.join(tempfile.gettempdir(), f"dph-drain-{digest}",
-                                               "drained"))
+    host.setdefault("drain_file", os.path.join(_drains(), digest, "drained"))
     host.setdefault("nfd_features_file", "")  # never the node's real NFD directory
     settings = HostSettings(plugin_dir=plugin_dir, **host)  # type: ignore[arg-type]
     return Config(path=None, host=settings, resources=tuple(resources), is_default=False)

@@ -9,7 +9,7 @@ Also the text format for whole-machine trees (``*.tree``), one entry a line::
     c /dev/nvidia0 195:0
 
 ``f`` values are JSON strings; ``c`` is a character device (a plain file in a fake tree, its
-numbers kept in the text). ``capture_tree`` writes this format from a real machine.
+numbers kept in the text). ``host.capture.capture_tree`` writes this format from a real machine.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import json
 import os
 import posixpath
 from pathlib import Path
-from typing import Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Iterable, List, Optional, Union
+
+from host.capture import capture_tree  # noqa: F401  (the program's; re-exported for the kit)
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -149,15 +151,6 @@ class FakeTree:
         self.link(f"{device_path}/driver", drivers)
         self.link(f"{drivers}/{name}", device_path)
 
-    def unbind_driver(self, device_path: str, bus: str = "pci") -> None:
-        real = self.real(f"{device_path}/driver")
-        if os.path.islink(real):
-            driver = posixpath.basename(os.readlink(real))
-            os.unlink(real)
-            stale = self.real(f"/sys/bus/{bus}/drivers/{driver}/{posixpath.basename(device_path)}")
-            if os.path.islink(stale):
-                os.unlink(stale)
-
     def pci_bridge(self, address: str, *, numa_node: Optional[int] = -1) -> str:
         """A PCIe root port / switch port that functions can sit behind."""
         return self.pci_function(
@@ -209,125 +202,6 @@ def load_machine(name_or_path: PathLike, root: PathLike) -> FakeTree:
 def machine_names() -> List[str]:
     folder = Path(__file__).with_name("machines")
     return sorted(p.stem for p in folder.glob("*.tree"))
-
-
-# -- capture from a real machine ------------------------------------------------------------
-_CAPTURE_ROOTS = (
-    "/sys/bus/pci/devices",
-    "/sys/bus/usb/devices",
-    "/sys/bus/dfl/devices",
-    "/sys/class/infiniband",
-    "/sys/class/infiniband_verbs",
-    "/sys/class/infiniband_mad",
-    "/sys/class/misc/rdma_cm",
-    "/sys/class/net",
-    "/sys/class/drm",
-    "/sys/class/fpga_region",
-    "/sys/class/tty",
-    "/sys/class/hidraw",
-    "/sys/class/video4linux",
-    "/sys/kernel/iommu_groups",
-    "/sys/class/accel",
-    "/sys/class/neuron_device",
-    "/sys/dev/char",
-    "/sys/class/kfd",  # AMD KFD topology: compute partitions and XGMI links
-    "/proc/driver/nvidia/capabilities",  # MIG instances
-    "/proc/driver/nvidia-caps",  # mig-minors
-)
-_CAPTURE_ATTRS = frozenset(
-    "vendor device class numa_node local_cpulist enable subsystem_vendor subsystem_device "
-    "sriov_numvfs sriov_totalvfs idVendor idProduct serial busnum devnum bInterfaceClass "
-    "bInterfaceSubClass bInterfaceProtocol bDeviceClass manufacturer product dev uevent "
-    "operstate carrier state phys_state link_layer node_guid ibdev cpulist possible address "
-    "current_link_speed current_link_width aer_dev_fatal aer_dev_nonfatal aer_dev_correctable "
-    "feature_id type id afu_id interface_id name speed product_name unique_id boot_vga "
-    "compat_id bitstream_id ports_num mgmt_pf user_pf instance VBNV timestamp serial_num "
-    "authorized devpath status device_type module_id serial_number "
-    "reset core_count connected_devices arch_type instance_type device_name".split()
-    # amdgpu partition modes and memory; KFD topology nodes and links
-    + "current_compute_partition current_memory_partition available_compute_partition "
-    "available_memory_partition mem_info_vram_total properties gpu_id generation_id".split()
-    # QAT PF services (qat/cfg_services; qat/state and heartbeat/status are named above) and
-    # the switchdev port names the sriov driver tells representors by
-    + "cfg_services phys_port_name".split()
-)
-# QAT firmware heartbeats live in debugfs (adf_heartbeat_dbgfs.c), one folder per PF: only
-# those folders are walked, never the rest of debugfs.
-_CAPTURE_GLOBS = ("/sys/kernel/debug/qat_*",)
-
-
-def capture_tree(root: str = "/", dev_globs: Sequence[str] = ()) -> Iterator[str]:
-    """Yield ``.tree`` lines for the parts of a real machine the built-in drivers read.
-
-    Walks the sysfs roots above, follows their links into /sys/devices, records directories,
-    the attribute files drivers use, and links; then device nodes under /dev they name.
-    """
-    prefix = "" if root in ("", "/") else root.rstrip("/")
-    seen: set = set()
-    yield "# captured by device-plugin-host capture"
-    pending = [r for r in _CAPTURE_ROOTS if os.path.lexists(prefix + r)]
-    import glob
-
-    for pattern in _CAPTURE_GLOBS:
-        pending.extend(sorted(real[len(prefix):] for real in glob.glob(prefix + pattern)))
-    pending.append("/sys/devices/system/node")
-    pending.append("/proc/driver/nvidia/gpus")
-    while pending:
-        host_path = pending.pop()
-        if host_path in seen:
-            continue
-        seen.add(host_path)
-        real = prefix + host_path
-        if os.path.islink(real):
-            target = os.readlink(real)
-            yield f"l {host_path} -> {target}"
-            resolved = posixpath.normpath(posixpath.join(posixpath.dirname(host_path), target))
-            depth = host_path.count("/")
-            if resolved.startswith("/sys/devices") and depth <= 6:
-                pending.append(resolved)
-            continue
-        if os.path.isdir(real):
-            yield f"d {host_path}"
-            try:
-                names = sorted(os.listdir(real))
-            except OSError:
-                continue
-            for name in names:
-                child = f"{host_path}/{name}"
-                child_real = prefix + child
-                if os.path.islink(child_real):
-                    if name == "subsystem":
-                        # Recorded, never followed: a class device's class (hailo_chardev,
-                        # accel) is the last component of this link.
-                        yield f"l {child} -> {os.readlink(child_real)}"
-                        continue
-                    if name in ("firmware_node", "consumer", "supplier"):
-                        continue
-                    pending.append(child)
-                elif os.path.isdir(child_real):
-                    if name in ("power", "msi_irqs", "link", "statistics", "queues", "hwmon"):
-                        continue
-                    if host_path.count("/") < 14:
-                        pending.append(child)
-                elif name in _CAPTURE_ATTRS or host_path.startswith("/proc/"):
-                    try:
-                        with open(child_real, encoding="utf-8", errors="replace") as handle:
-                            yield f"f {child} {json.dumps(handle.read(65536).rstrip())}"
-                    except OSError:
-                        continue
-    for pattern in dev_globs:
-        for real in sorted(glob.glob(prefix + pattern)):
-            host = real[len(prefix) :] if prefix else real
-            if os.path.islink(real):  # /dev/dri/by-path/* and friends stay links
-                yield f"l {host} -> {os.readlink(real)}"
-                continue
-            try:
-                stat = os.stat(real)
-            except OSError:
-                continue
-            if os.path.isdir(real):
-                continue
-            yield f"c {host} {os.major(stat.st_rdev)}:{os.minor(stat.st_rdev)}"
 
 
 def write_tree(lines: Iterable[str], path: PathLike) -> None:

@@ -278,22 +278,15 @@ def test_unwritable_device_info_dir_fails_the_allocation(tree: FakeTree, tmp_pat
 
 
 # -- the captured QAT node -------------------------------------------------------------------------
-def test_qat_node_discover_json_matches_the_golden_output(tmp_path) -> None:
+def test_qat_node_golden_serves_64_of_each_qat_resource() -> None:
     """The golden is ``discover --json`` of host/testing/machines/qat-node.tree (built by
-    tests/resources/gen_qat_node.py) with config/examples/qat-node.toml. After an intended
-    change of what discover prints, regenerate it: load the tree with
-    ``host.testing.tree.load_machine("qat-node", ROOT)``, then ``device-plugin-host discover
-    --host-root ROOT --config config/examples/qat-node.toml --json >
-    tests/golden/qat-node.discover.json``, and review the diff."""
-    load_machine("qat-node", tmp_path / "root")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run(
-        [sys.executable, "-m", "host", "discover", "--host-root", str(tmp_path / "root"),
-         "--config", str(REPO / "config" / "examples" / "qat-node.toml"), "--json"],
-        capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
-    assert result.returncode == 0, result.stderr
-    golden = json.loads((REPO / "tests" / "golden" / "qat-node.discover.json").read_text())
-    assert json.loads(result.stdout) == golden
+    tests/resources/gen_qat_node.py) with config/examples/qat-node.toml, kept beside the tree
+    as qat-node.discover.json; tests/test_machine_goldens.py requires discover to print exactly
+    it (regenerate with tests/resources/regen_goldens.py qat-node, and review the diff)."""
+    document = json.loads((REPO / "host" / "testing" / "machines" / "qat-node.discover.json")
+                          .read_text())
+    assert document["config"] == "config/examples/qat-node.toml"
+    golden = document["devices"]
     counts: Dict[str, int] = {}
     for row in golden:
         counts[row["resource"]] = counts.get(row["resource"], 0) + 1

@@ -1,20 +1,20 @@
-"""Regenerate the accelerator machines in host/testing/machines and their golden outputs.
+"""Regenerate the accelerator machines in host/testing/machines (then their goldens).
 
-    python tests/resources/gen_accel_machines.py
+    python tests/resources/gen_accel_machines.py && python tests/resources/regen_goldens.py
 
 Each machine is built with the fixture helpers (host/testing/fake_accel.py, fake_neuron.py,
 fake_pci.py, fake_gpu.py), whose docstrings say which kernel or driver source each detail
-comes from, then written out in the ``.tree`` format; ``<machine>.json`` beside it is what
-``device-plugin-host discover --json`` prints for it with its example config
-(config/examples/<example>.toml). tests/test_accel_machines.py checks both: the trees are
-what these builders make, the goldens are what discover prints.
+comes from, then written out in the ``.tree`` format; ``<machine>.discover.json`` beside it
+(tests/resources/regen_goldens.py) is what ``device-plugin-host discover --json`` prints for it
+with its example config (config/examples/<example>.toml). tests/test_accel_machines.py checks
+that the trees are what these builders make, tests/test_machine_goldens.py that the goldens
+are what discover prints.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -104,27 +104,11 @@ def tree_text(name: str) -> str:
         return "\n".join(dump(root, header)) + "\n"
 
 
-def discover_json(tree_file: Path, example: str) -> str:
-    """``discover --json`` on a materialised copy of the tree, as the golden stores it."""
-    from host.testing.tree import load_machine
-
-    with tempfile.TemporaryDirectory() as root:
-        load_machine(tree_file, root)
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        result = subprocess.run(
-            [sys.executable, "-m", "host", "discover", "--host-root", root, "--config",
-             str(REPO / "config" / "examples" / f"{example}.toml"), "--json"],
-            capture_output=True, text=True, env=env, cwd=REPO, timeout=120, check=True,
-        )
-    return json.dumps(json.loads(result.stdout), indent=1, sort_keys=True) + "\n"
-
-
 def main() -> None:
-    for name, (_, example) in BUILDERS.items():
+    for name in BUILDERS:
         path = MACHINES / f"{name}.tree"
         path.write_text(tree_text(name), encoding="utf-8")
-        (MACHINES / f"{name}.json").write_text(discover_json(path, example), encoding="utf-8")
-        print(f"wrote {path.name} and {name}.json")
+        print(f"wrote {path.name}: now run tests/resources/regen_goldens.py {name}")
 
 
 if __name__ == "__main__":

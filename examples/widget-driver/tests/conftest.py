@@ -1,5 +1,2 @@
-"""The widget driver's tests use the host's test kit fixtures: short socket dirs, a runner."""
-
-from host.testing.fixtures import run, short_dir
-
-__all__ = ["run", "short_dir"]
+"""The widget driver's tests need no fixtures of their own: installing device-plugin-host
+gives pytest its test kit plugin (``short_dir``, ``run``, ``fake_tree``, ``aio``, ``kubelet``)."""

@@ -5,12 +5,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from host.config import default_config
-from host.driver import SelectorError
-from host.hostfs import HostFS
-from host.model import Health, ResourceConfig
-from host.plugins import load_drivers
-from host.testing.tree import FakeTree
+from device_plugin_host import Health, HostFS, ResourceConfig, SelectorError
+from device_plugin_host.testing import FakeTree, default_config, load_drivers
 
 from dph_widget.driver import SUGGESTED, WidgetDriver
 from dph_widget.testing import add_accel, add_gaudi, add_intel_npu, gaudi_server

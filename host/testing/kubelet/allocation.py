@@ -111,6 +111,8 @@ async def _choose(
     affinity: Optional[Mask],
     count: int,
 ) -> Tuple[List[str], Optional[List[str]]]:
+    aligned: List[str]
+    unaligned: List[str]
     if affinity is None:
         aligned, unaligned, without = [], [], list(available)
     else:

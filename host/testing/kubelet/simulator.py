@@ -126,7 +126,7 @@ class KubeletSimulator:
         self.allocation_results: Dict[Key, AllocationResult] = {}
         self._server: Optional[grpc.aio.Server] = None
         self._generation = 0
-        self._tasks: Set[asyncio.Task[None]] = set()
+        self._tasks: Set[asyncio.Task[Optional[str]]] = set()
         self._dialing: Set[grpc.aio.Channel] = set()
         self._cond_obj: Optional[asyncio.Condition] = None
         self._alloc_lock_obj: Optional[asyncio.Lock] = None

@@ -132,7 +132,6 @@ class DraKubeletSimulator:
         self._channels: Dict[str, grpc.aio.Channel] = {}  # endpoint -> channel
         self._closing: Set[asyncio.Task] = set()
         self.device_plugins: Dict[str, _DevicePluginConnection] = {}
-        self.prepare_calls = 0
         # DRAResourceHealth (ResourceHealthStatus on, the 1.36 default): per driver, per
         # "pool/device"; the stream errors the kubelet would log every 5 s.
         self.watch_health = True
@@ -431,7 +430,6 @@ class DraKubeletSimulator:
         return await call(request, timeout=self.call_timeout_s)
 
     async def _prepare_with(self, plugin: RegisteredPlugin, infos: List[ClaimInfo]) -> None:
-        self.prepare_calls += 1
         try:
             response = await self.node_prepare(
                 plugin.name, [(i.namespace, i.name, i.uid) for i in infos])

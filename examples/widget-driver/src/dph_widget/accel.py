@@ -28,8 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from host.hostfs import HostFS, is_pci_address
-from host.pci import PciFunction, read_function
+from device_plugin_host import HostFS, PciFunction, is_pci_address, read_function
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,18 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Sequence, Tuple
 
-from host.driver import Driver, SelectorError, selector_values
-from host.hostfs import HostFS
-from host.model import Device, DeviceNode, Health, ResourceConfig
-from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors, matches_pci
+from device_plugin_host import (
+    PCI_SELECTOR_TYPES,
+    Device,
+    DeviceNode,
+    Driver,
+    Health,
+    HostFS,
+    ResourceConfig,
+    SelectorError,
+    check_pci_selectors,
+    selector_values,
+)
 
 from dph_widget.accel import AccelDevice, scan_accel
 
@@ -61,6 +69,7 @@ class AccelInventory:
 class WidgetDriver(Driver):
     name = "widget"
     subsystems = ("accel", "pci")
+    device_globs = ("/dev/accel/*",)
     selector_types = {**PCI_SELECTOR_TYPES, "device_type": (str,)}
     setting_types = {"index_env": (str,)}
 
@@ -105,11 +114,15 @@ class WidgetDriver(Driver):
         return AccelInventory(tuple(entries))
 
     def select(self, inventory: AccelInventory, resource: ResourceConfig) -> List[Device]:
-        selectors = resource.selectors
+        # The host matches the selectors against each Device's attributes (vendor, device,
+        # kernel_driver, pci_address, device_type are all there); only index_env, a setting
+        # that changes the device itself, needs this method. A PCI selector never matches a
+        # platform NPU: it has no vendor or pci_address attribute.
+        matches = self.matcher(resource.selectors)
         index_env = resource.settings.get("index_env")
         out: List[Device] = []
         for entry in inventory.entries:
-            if not _matches(entry.accel, selectors):
+            if not matches(entry.device.attributes):
                 continue
             device = entry.device
             if index_env is not None:
@@ -117,18 +130,6 @@ class WidgetDriver(Driver):
                 device = replace(device, env=env)
             out.append(device)
         return out
-
-
-def _matches(accel: AccelDevice, selectors: Mapping[str, object]) -> bool:
-    types = selector_values(selectors, "device_type")
-    if types is not None and accel.facts.get("device_type") not in [str(t) for t in types]:
-        return False
-    if accel.pci is not None:
-        return matches_pci(accel.pci, selectors)
-    if any(key in selectors for key in ("vendor", "device", "pci_address")):
-        return False  # a PCI selector never matches a platform NPU
-    drivers = selector_values(selectors, "kernel_driver")
-    return drivers is None or accel.kernel_driver in drivers
 
 
 def _device(host: HostFS, accel: AccelDevice, device_id: str) -> Device:

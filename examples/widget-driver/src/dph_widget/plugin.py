@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import List
 
-from host.driver import Driver
-from host.hookspecs import hookimpl
+from device_plugin_host import Driver, hookimpl
 
 from dph_widget.driver import WidgetDriver
 

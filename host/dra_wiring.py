@@ -1,0 +1,103 @@
+"""The host's DRA side: resources with api = "dra", and device plugins registered through the
+kubelet's plugin watcher instead of kubelet.sock.
+
+Built at start only when a resource needs it, so the device-plugin-only path never imports
+host.dra (nor the API client). The objects it makes (``app.dra``, ``app.kube``,
+``app.publisher``, ``app.watched``) belong to the HostApp, which closes them in stop().
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, List
+
+from host.driver import UnavailableDriver
+from host.model import Device, ResourceConfig
+from host.service import DevicePluginService
+
+if TYPE_CHECKING:
+    from host.app import HostApp
+
+log = logging.getLogger("host.app")
+
+
+async def start_dra(app: HostApp) -> None:
+    from host.dra.frontend import DraFrontEnd
+    from host.dra.kube import KubeClient, KubeConfigError
+    from host.dra.metrics import DraMetrics
+    from host.dra.startup import DraStartError, check_cluster, check_settings
+
+    check_settings(app.config)
+    try:
+        app.kube = KubeClient.from_settings(app.config.host.kubeconfig)
+    except KubeConfigError as error:
+        raise DraStartError(f"no API access for DRA: {error}") from None
+    try:
+        await check_cluster(app.kube, app.config)
+    except BaseException:
+        await app.kube.close()
+        app.kube = None
+        raise
+    from host.dra.publisher import SlicePublisher
+
+    # Unhealthy devices are left out of the slices: device taints (KEP-5055) are off by
+    # default before 1.37, and a taint the server drops would advertise a broken device.
+    app.publisher = SlicePublisher(app.kube, app.config.host.node_name,
+                                    metrics=app.metrics, taint_unhealthy=False)
+    host = app.config.host
+    app.dra = DraFrontEnd(
+        node_name=host.node_name, claims=app.kube, calls=app.calls,
+        registry_dir=host.plugins_registry_dir, plugins_dir=host.dra_plugins_dir,
+        state_dir=host.dra_state_dir, cdi_dir=host.cdi_dir,
+        allocate_timeout_s=host.allocate_timeout_s, publisher=app.publisher,
+        metrics=DraMetrics(app.metrics.registry))
+    app.dra.on_registered = app._dra_registered
+    if app.publisher is not None:
+        await app.publisher.start()
+
+
+async def stop_dra(app: HostApp) -> None:
+    if app.dra is not None:
+        await app.dra.close()
+    if app.publisher is not None:
+        await app.publisher.stop(delete=False)  # the kubelet wipes them if we stay away
+    if app.kube is not None:
+        await app.kube.close()
+
+
+def sync_dra(app: HostApp, resource: ResourceConfig, devices: List[Device]) -> None:
+    if app.dra is None:
+        if resource.name not in app._dra_deferred:
+            app._dra_deferred.add(resource.name)
+            log.error("resource %s: api = \"dra\" came with a reload; it takes effect "
+                      "at the next restart (the API client is set up at start)",
+                      resource.name)
+        return
+    driver = app.drivers.get(resource.driver) or UnavailableDriver(
+        resource.driver, "not installed")
+    app.dra.sync(resource, driver, devices)
+    app.metrics.set_devices(resource.name, devices)
+    if not app.dra.all_registered():
+        app.ready.clear()
+
+
+def watch_register(app: HostApp, service: DevicePluginService) -> None:
+    """A device plugin registered through the plugin watcher instead of kubelet.sock."""
+    from host.dra.registrar import (
+        PluginWatcherEndpoint,
+        device_plugin_info,
+        registration_socket_name,
+    )
+    from host.protocol import VERSION
+
+    name = service.resource.name
+    host = app.config.host
+    folder = registration_socket_name(name)[: -len("-reg.sock")]
+    socket = os.path.join(host.dra_plugins_dir, folder, "device-plugin.sock")
+    endpoint = PluginWatcherEndpoint(
+        device_plugin_info(name, socket, VERSION), host.plugins_registry_dir,
+        lambda generation: (service.handler(generation),),
+        label=f"resource {name}", on_registered=app._watched_registered)
+    app.watched[name] = endpoint
+    endpoint.start()

@@ -1,0 +1,133 @@
+"""Pure parts of serving, without sockets: ``Snapshot.update`` (what counts as a change the
+kubelet must see, host/snapshot.py), overlap detection between resources (host/overlap.py) and
+the reloader's "empty file" decision (host/reload.py). The socket-level behaviour is in
+tests/test_host.py, tests/test_overlap.py and tests/test_reload.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+from host.model import Device, Health, ResourceConfig
+from host.overlap import Overlap, claim_keys, find_overlaps
+from host.reload import is_empty
+from host.snapshot import Snapshot
+
+
+def dev(i: int, **extra) -> Device:
+    return Device(id=f"d{i}", numa_nodes=(0,), **extra)
+
+
+# -- Snapshot.update -------------------------------------------------------------------------
+def test_first_update_is_a_change_and_bumps_the_version():
+    snap = Snapshot()
+    assert snap.update([dev(0), dev(1)]) is True
+    assert snap.version == 1 and len(snap) == 2 and snap.device("d1") == dev(1)
+
+
+def test_same_devices_again_are_no_change_and_keep_the_payload():
+    snap = Snapshot()
+    snap.update([dev(0), dev(1)])
+    payload = snap.payload
+    assert snap.update([dev(0), dev(1)]) is False  # equal, rebuilt objects
+    assert snap.version == 1 and snap.payload is payload
+
+
+def test_what_the_kubelet_does_not_see_is_no_change_but_is_kept():
+    snap = Snapshot()
+    snap.update([dev(0)])
+    changed = Device(id="d0", numa_nodes=(0,), attributes={"serial": "x"})
+    assert snap.update([changed]) is False
+    assert snap.device("d0").attributes == {"serial": "x"}  # Allocate reads the new one
+
+
+def test_health_numa_order_additions_and_removals_are_changes():
+    snap = Snapshot()
+    snap.update([dev(0), dev(1)])
+    steps = [
+        [dev(0).with_health(Health.UNHEALTHY, "x"), dev(1)],
+        [Device(id="d0", numa_nodes=(1,)), dev(1)],
+        [dev(1), Device(id="d0", numa_nodes=(1,))],
+        [dev(1)],
+        [dev(1), dev(2)],
+    ]
+    for version, devices in enumerate(steps, start=2):
+        assert snap.update(devices) is True, devices
+        assert snap.version == version
+        assert [d.id for d in snap.devices] == [d.id for d in devices]
+
+
+def test_next_payload_wakes_on_a_change_only():
+    snap = Snapshot()
+    snap.update([dev(0)])
+
+    async def scenario():
+        version, _ = await snap.next_payload(0)  # newer already: no wait
+        assert version == 1
+        waiter = asyncio.ensure_future(snap.next_payload(1))
+        await asyncio.sleep(0)
+        snap.update([dev(0)])  # no change: the waiter keeps waiting
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        snap.update([dev(0), dev(1)])
+        assert (await asyncio.wait_for(waiter, 5))[0] == 2
+
+    asyncio.run(scenario())
+
+
+# -- overlap detection ---------------------------------------------------------------------
+def res(name: str, driver: str = "gpu", **extra) -> ResourceConfig:
+    return ResourceConfig(name, driver, **extra)
+
+
+def _find(resources, reported):
+    keys = {r.name: frozenset(k for d in reported.get(r.name, ()) for k in
+                              claim_keys(r.driver, d)) for r in resources}
+    return find_overlaps(resources, reported, keys)
+
+
+def test_no_overlap_when_resources_claim_different_devices():
+    a, b = res("x.com/a"), res("x.com/b")
+    excluded, overlaps = _find([a, b], {"x.com/a": [dev(0)], "x.com/b": [dev(1)]})
+    assert excluded == {} and overlaps == []
+
+
+def test_the_later_resource_leaves_a_shared_device_to_the_earlier_one():
+    a, b = res("x.com/a"), res("x.com/b")
+    excluded, overlaps = _find([a, b], {"x.com/a": [dev(0), dev(1)],
+                                        "x.com/b": [dev(1), dev(2)]})
+    assert excluded == {"x.com/b": frozenset({"d1"})}
+    assert overlaps == [Overlap("x.com/a", "x.com/b", ("d1",))]
+
+
+def test_shared_with_on_either_side_allows_the_overlap():
+    for a, b in [(res("x.com/a", shared_with=("x.com/b",)), res("x.com/b")),
+                 (res("x.com/a"), res("x.com/b", shared_with=("x.com/a",)))]:
+        assert _find([a, b], {"x.com/a": [dev(0)], "x.com/b": [dev(0)]}) == ({}, [])
+
+
+def test_one_pci_function_is_one_device_across_drivers_not_within_one():
+    card = {"pci_address": "0000:18:00.0"}
+    gpu, vfio = res("x.com/gpu", "gpu"), res("x.com/vfio", "pci")
+    excluded, overlaps = _find([gpu, vfio], {
+        "x.com/gpu": [Device(id="GPU-1", attributes=card)],
+        "x.com/vfio": [Device(id="0000:18:00.0", attributes=card)]})
+    assert excluded == {"x.com/vfio": frozenset({"0000:18:00.0"})}
+    assert overlaps[0].first == "x.com/gpu"
+    # MIG slices of one card carry its address: two profiles of one driver do not overlap.
+    mig1, mig2 = res("x.com/mig-1g"), res("x.com/mig-2g")
+    assert _find([mig1, mig2], {"x.com/mig-1g": [Device(id="MIG-a", attributes=card)],
+                                "x.com/mig-2g": [Device(id="MIG-b", attributes=card)]}) == \
+        ({}, [])
+
+
+def test_overlap_description_counts_what_it_does_not_show():
+    assert Overlap("a", "b", ("d0",)).describe() == "1 device (d0)"
+    many = Overlap("a", "b", tuple(f"d{i}" for i in range(7)))
+    assert many.describe() == "7 devices (d0, d1, d2, d3, d4 and 2 more)"
+
+
+# -- the reloader's decision on an empty file ----------------------------------------------
+def test_only_whitespace_and_comments_count_as_an_empty_config():
+    assert is_empty(b"") and is_empty(b"\n  \n# nothing\n   # still nothing\n")
+    assert is_empty("\ufeff# bom\n".encode())
+    assert not is_empty(b"[host]\n") and not is_empty(b"# c\nversion = 1\n")
