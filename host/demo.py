@@ -18,13 +18,24 @@ import time
 
 from host.config import default_config
 from host.plugins import load_drivers
+from host.socket_names import GRPC_MAX_SOCKET_PATH, longest_socket_path
 from host.testing.harness import running_host
 from host.testing.kubelet import KubeletSimulator
 from host.testing.samples import build_demo_tree, demo_resources
 
 
+def _work_parent() -> str:
+    """Where the demo's directory goes: the temp dir, unless its path would make the plugin
+    directory too long for the host's socket names (a long TMPDIR); then /tmp."""
+    parent = tempfile.gettempdir()
+    plugin_dir = os.path.join(parent, "dph-demo-xxxxxxxx", "device-plugins")
+    if longest_socket_path(plugin_dir) > GRPC_MAX_SOCKET_PATH and os.path.isdir("/tmp"):
+        return "/tmp"
+    return parent
+
+
 def run_demo(keep: bool = False) -> int:
-    workdir = tempfile.mkdtemp(prefix="dph-demo-")
+    workdir = tempfile.mkdtemp(prefix="dph-demo-", dir=_work_parent())
     try:
         return asyncio.run(_demo(workdir))
     finally:

@@ -107,6 +107,17 @@ def test_demo_runs_end_to_end():
     assert "/dev/nvidia" in result.stdout
 
 
+def test_demo_runs_with_a_temp_dir_too_long_for_socket_paths(tmp_path):
+    """A long TMPDIR (pytest's own, a CI runner's) made the demo's plugin directory fail the
+    socket-path limit with a config error: the README's first command must still work."""
+    long_tmp = tmp_path / ("t" * 40)
+    long_tmp.mkdir()
+    result = _cli("demo", env_extra={"TMPDIR": str(long_tmp)})
+    assert result.returncode == 0, result.stderr
+    assert "registered" in result.stdout
+    assert list(long_tmp.iterdir()) == []
+
+
 def test_broken_third_party_package_is_logged_and_the_rest_load(tmp_path):
     site = tmp_path / "site"
     dist = site / "brokendrv-1.2.3.dist-info"
