@@ -261,6 +261,11 @@ class Endpoint:
         )
         started = time.monotonic()
         self._server_kid = kid
+        # A Register on a server the kubelet already streams from (new options, a retry)
+        # makes the kubelet replace that stream, and its end may come before or after the new
+        # one opens: from now on the old stream's end is expected, not a reason to register
+        # again (it made one extra registration per option change, depending on timing).
+        self._kubelet_stream = None
         self._claim_open = True  # the next stream on this server is the kubelet's
         self.registrations += 1
         try:
