@@ -15,7 +15,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Sequence
 
 HERE = Path(__file__).resolve().parent
 PROTOS = ("deviceplugin_v1beta1.proto", "podresources_v1.proto")
@@ -23,13 +23,19 @@ PROTOS = ("deviceplugin_v1beta1.proto", "podresources_v1.proto")
 
 def generate() -> Dict[str, str]:
     """Compile the protos into a temp dir; return {file name: text} of the generated modules."""
+    return compile_protos(HERE, PROTOS)
+
+
+def compile_protos(here: Path, protos: Sequence[str]) -> Dict[str, str]:
+    """protoc over ``protos`` in ``here`` (also used by host.dra.protocol.generate): the
+    generated modules and stubs with package-relative imports and no version gates."""
     from grpc_tools import protoc  # test-only dependency
 
     with tempfile.TemporaryDirectory() as out:
-        for proto in PROTOS:
+        for proto in protos:
             code = protoc.main(
-                ["protoc", f"-I{HERE}", f"--python_out={out}", f"--pyi_out={out}",
-                 f"--grpc_python_out={out}", str(HERE / proto)]
+                ["protoc", f"-I{here}", f"--python_out={out}", f"--pyi_out={out}",
+                 f"--grpc_python_out={out}", str(here / proto)]
             )
             if code != 0:
                 raise RuntimeError(f"protoc failed on {proto} ({code})")
@@ -39,6 +45,12 @@ def generate() -> Dict[str, str]:
             text = re.sub(r"^import (\w+_pb2) as", r"from . import \1 as", text, flags=re.M)
             files[path.name] = _without_version_gates(text)
         return files
+
+
+def write(here: Path, files: Dict[str, str]) -> None:
+    for name, text in files.items():
+        (here / name).write_text(text, encoding="utf-8")
+        print(f"wrote {here / name}")
 
 
 def _without_version_gates(text: str) -> str:
@@ -62,9 +74,7 @@ def _without_version_gates(text: str) -> str:
 
 
 def main() -> int:
-    for name, text in generate().items():
-        (HERE / name).write_text(text, encoding="utf-8")
-        print(f"wrote host/protocol/{name}")
+    write(HERE, generate())
     return 0
 
 

@@ -9,13 +9,11 @@ the committed files drift.
 
 from __future__ import annotations
 
-import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Dict
 
-from host.protocol.generate import _without_version_gates
+from host.protocol.generate import compile_protos, write
 
 HERE = Path(__file__).resolve().parent
 PROTOS = ("dra_v1.proto", "dra_v1beta1.proto", "dra_health_v1alpha1.proto",
@@ -24,28 +22,11 @@ PROTOS = ("dra_v1.proto", "dra_v1beta1.proto", "dra_health_v1alpha1.proto",
 
 def generate() -> Dict[str, str]:
     """Compile the protos into a temp dir; return {file name: text} of the generated files."""
-    from grpc_tools import protoc  # test-only dependency
-
-    with tempfile.TemporaryDirectory() as out:
-        for proto in PROTOS:
-            code = protoc.main(
-                ["protoc", f"-I{HERE}", f"--python_out={out}", f"--pyi_out={out}",
-                 f"--grpc_python_out={out}", str(HERE / proto)]
-            )
-            if code != 0:
-                raise RuntimeError(f"protoc failed on {proto} ({code})")
-        files = {}
-        for path in sorted(Path(out).glob("*.py*")):
-            text = path.read_text(encoding="utf-8")
-            text = re.sub(r"^import (\w+_pb2) as", r"from . import \1 as", text, flags=re.M)
-            files[path.name] = _without_version_gates(text)
-        return files
+    return compile_protos(HERE, PROTOS)
 
 
 def main() -> int:
-    for name, text in generate().items():
-        (HERE / name).write_text(text, encoding="utf-8")
-        print(f"wrote host/dra/protocol/{name}")
+    write(HERE, generate())
     return 0
 
 
