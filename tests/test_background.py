@@ -32,7 +32,17 @@ class GatedDriver(MemoryDriver):
 
     def __init__(self, devices: Dict[str, List[Device]]) -> None:
         super().__init__("m", devices)
-        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    @property
+    def loop(self) -> Optional[asyncio.AbstractEventLoop]:
+        return self._loop
+
+    @loop.setter
+    def loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        # The events are made here, in the test's running loop: Python 3.9 binds an
+        # asyncio.Event to the loop current at construction, and there is none before.
+        self._loop = loop
         self.entered = asyncio.Event()
         self.returned = asyncio.Event()
 

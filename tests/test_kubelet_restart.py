@@ -163,7 +163,7 @@ def test_another_client_closing_a_listandwatch_stream_never_reregisters(short_di
             assert endpoint.generation == generation and sim.register_calls[name] == calls
             assert sim.resources[name].connected and sim.resources[name].allocatable == 2
             # The kubelet's own stream ending still does: it comes back on its own.
-            await sim.resources[name].current.channel.close(None)
+            await sim.resources[name].current.close()
             await sim.wait_for(lambda k: k.register_calls[name] == calls + 1
                                and k.resources[name].connected and k.resources[name].live,
                                what="re-registered after the kubelet's stream ended")

@@ -16,7 +16,11 @@ from host.testing.tree import FakeTree
 
 
 def test_the_plugin_is_registered_by_the_pytest11_entry_point(pytestconfig):
-    (point,) = [e for e in entry_points(group="pytest11") if e.name == "device_plugin_host"]
+    found = entry_points()
+    # Python 3.9's entry_points() is a dict of groups; select(group=) came in 3.10.
+    group = found.select(group="pytest11") if hasattr(found, "select") else found["pytest11"]
+    # An editable install lists its distribution twice there (egg-info and dist-info).
+    (point,) = {(e.name, e.value): e for e in group if e.name == "device_plugin_host"}.values()
     assert point.value == "host.testing.pytest_plugin"
     assert pytestconfig.pluginmanager.has_plugin("device_plugin_host")
 

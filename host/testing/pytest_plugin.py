@@ -24,9 +24,17 @@ from typing import Any, Awaitable, Coroutine, Iterator, TypeVar
 
 import pytest
 
-from host.testing.fixtures import run, short_dir
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import FakeTree
+from host.process import configure_process
+
+# The kit runs the host inside the test process, so, like the program's own entry points, it
+# applies the program's grpc settings before grpc is first imported (the imports below load
+# it). pytest loads this plugin before any conftest.py, which was too late: the suite forked
+# `ip` with grpc's fork handlers armed, and a grpcio 1.80 child died in them (SIGABRT).
+configure_process()
+
+from host.testing.fixtures import run, short_dir  # noqa: E402
+from host.testing.kubelet import KubeletSimulator  # noqa: E402
+from host.testing.tree import FakeTree  # noqa: E402
 
 __all__ = ["Aio", "aio", "fake_tree", "kubelet", "run", "short_dir"]
 

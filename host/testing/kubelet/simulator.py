@@ -219,7 +219,7 @@ class KubeletSimulator:
                 state.disconnect("kubelet stopped")
             if state.current is not None:
                 # A stream task cancelled before its first step never ran its own cleanup.
-                await state.current.channel.close(None)
+                await state.current.close()
                 state.current = None
         await self._notify()
 
@@ -378,7 +378,7 @@ class KubeletSimulator:
         except _Rejected as rejected:
             return str(rejected)
         if generation != self._generation:
-            await endpoint.channel.close(None)
+            await endpoint.close()
             return self._stop_message()
         await self._accept(request, endpoint)
         await self._notify()
@@ -458,14 +458,14 @@ class KubeletSimulator:
             if old.task is not None:
                 old.task.cancel()  # no longer current, so its end disconnects nothing
                 await asyncio.gather(old.task, return_exceptions=True)
-            await old.channel.close(None)
+            await old.close()
 
     async def _list_and_watch(self, state: ResourceState, endpoint: Endpoint) -> None:
         """One stream per registration, without deadline or retry, as the kubelet runs it."""
         call: Optional[grpc.aio.UnaryStreamCall] = None
         reason = "ListAndWatch stream ended by the plugin"
         try:
-            call = endpoint.stub.ListAndWatch(api.Empty())
+            call = endpoint.call = endpoint.stub.ListAndWatch(api.Empty())
             async for message in call:
                 if state.current is not endpoint:
                     break
@@ -484,7 +484,7 @@ class KubeletSimulator:
             if state.current is endpoint:
                 state.disconnect(reason)
                 log.info("kubelet simulator: %s disconnected: %s", state.name, reason)
-            await endpoint.channel.close(None)
+            await endpoint.close()
             await self._notify()
 
     # -- allocation --

@@ -69,6 +69,17 @@ class Endpoint:
     stub: api_grpc.DevicePluginStub
     options: api.DevicePluginOptions
     task: Optional[asyncio.Task[None]] = None
+    call: Optional[grpc.aio.UnaryStreamCall] = None  # its ListAndWatch, once opened
+
+    async def close(self) -> None:
+        """Hang up as the kubelet's ``conn.Close()`` does: the plugin sees its stream end.
+
+        The stream is cancelled before the channel closes: grpcio's ``channel.close()``
+        (1.80 at least) can fail the call locally and leave the plugin's server stream
+        open, where Go's ClientConn.Close tears the connection down under every stream."""
+        if self.call is not None:
+            self.call.cancel()
+        await self.channel.close(None)
 
 
 def numa_of(device: api.Device) -> Tuple[int, ...]:
