@@ -516,9 +516,13 @@ def test_the_gpu_overlay_s_affinity_matches_the_classes_the_cards_report(tmp_pat
                                                            {"vendor": "0x1002"}))
     assert amd == {"feature.node.kubernetes.io/pci-0380_1002.present",
                    "feature.node.kubernetes.io/pci-1200_1002.present"}
-    note = (KUBE / "overlays" / "gpu-nodes" / "node-affinity.yaml").read_text()
-    assert "pci-1200_1002" in note and "MI300X" in note
-    assert "Instinct cards are class 0380" not in note  # the old, wrong rule for all of them
+    notes = [p for p in sorted(KUBE.glob("overlays/*/node-affinity.yaml"))
+             if "Instinct" in p.read_text()]
+    assert {p.parent.name for p in notes} == {"gpu-nodes", "dra"}
+    for path in notes:  # every overlay that tells operators which labels AMD cards carry
+        note = path.read_text()
+        assert "pci-1200_1002" in note and "MI300X" in note, path
+        assert "Instinct cards are class 0380" not in note, path  # the old, wrong rule
 
 
 # -- the image -------------------------------------------------------------------------------

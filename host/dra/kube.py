@@ -16,6 +16,9 @@ source does, because the kubelet rotates projected tokens; the CA bundle of the 
 account), or a kubeconfig file (current-context; server, certificate-authority[-data],
 insecure-skip-tls-verify, token, tokenFile, client-certificate[-data]/client-key[-data]; paths
 relative to the file).
+
+Near 400 lines: the configuration rules (in-cluster, kubeconfig) and the six calls with their
+error mapping are one client; split, each half would repeat the other's types.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ with an informer). The kubelet deletes all slices of its node when it starts, bu
 background and with retries (DRAPluginManager.wipeResourceSlices: Node GET first, backoff
 from 1 s), so the wipe can land after our plugin registered and republished; and the DRA
 manager wipes a driver's slices 30 s after its plugin's connection dropped.
+
+Near 500 lines: the reconcile, its backoff and the watch share one view of the server's
+slices, and their races are only understandable read side by side.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ call as a whole never fails for one bad claim. Prepare is idempotent (the kubele
 calls again after its restart): a checkpointed claim gets the same answer without any work.
 Unprepare of a claim we do not know succeeds, since the kubelet unprepares claims whose
 prepare failed.
+
+It is a little over 400 lines because the per-claim steps (read, map, hooks, CDI, checkpoint)
+and their per-claim errors are read in order against the kubelet's DRA manager.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ nodes. AMD and Intel: the function bound to amdgpu / i915 / xe with ``drm/cardN`
 ``drm/renderDN`` folders under it (each with its ``dev`` numbers), the /sys/class/drm links and
 /dev/dri nodes (major 226); AMD adds /dev/kfd, Intel the /dev/dri/by-path links udev makes.
 Every piece can be left out to build the odd cases (driver not loaded, node not created).
+
+Near 500 lines: the three vendors' layouts and the AMD partition/KFD shapes in one place,
+like the gpu driver that reads them all.
 """
 
 from __future__ import annotations

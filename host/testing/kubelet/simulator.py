@@ -11,6 +11,9 @@ is closing"), the stopped kubelet's socket stays behind as a dead file that refu
 (the process is gone, nothing unlinked it) unless ``stop(unlink=True)``, nothing listens for
 the whole outage, and the next start wipes every socket in the directory, the dead
 ``kubelet.sock`` included, before the new one appears.
+
+Near 600 lines (its state lives in kubelet/state.py): registration, dial-back, streams and
+stop share one loop and one generation counter, and their failure orders are the point.
 """
 
 from __future__ import annotations

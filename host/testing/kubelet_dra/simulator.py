@@ -10,6 +10,9 @@ left out ("skipped N ResourceClaims") and per-claim errors. A restart drops ever
 connection, deletes the node's ResourceSlices (the DRA plugin manager's start-up wipe) and,
 as in the scenario of a node whose kubelet dirs are cleaned, the plugin sockets; the claim
 infos survive as the kubelet's checkpoint does, but as "not prepared".
+
+Near 500 lines: the plugin watcher, the manager's checks and its restarts share the same
+state, as in the kubelet.
 """
 
 from __future__ import annotations
