@@ -41,10 +41,12 @@ async def start_dra(app: HostApp) -> None:
         raise
     from host.dra.publisher import SlicePublisher
 
-    # Unhealthy devices are left out of the slices: device taints (KEP-5055) are off by
-    # default before 1.37, and a taint the server drops would advertise a broken device.
-    app.publisher = SlicePublisher(app.kube, app.config.host.node_name,
-                                    metrics=app.metrics, taint_unhealthy=False)
+    # Unhealthy devices are left out of the slices unless the operator asks for taints
+    # (dra_unhealthy = "taint"): device taints (KEP-5055) are off by default before 1.36, and a
+    # server without the gate drops them, so the publisher checks what was stored and falls
+    # back to leaving such devices out (one warning).
+    app.publisher = SlicePublisher(app.kube, app.config.host.node_name, metrics=app.metrics,
+                                   taint_unhealthy=app.config.host.dra_unhealthy == "taint")
     host = app.config.host
     app.dra = DraFrontEnd(
         node_name=host.node_name, claims=app.kube, calls=app.calls,

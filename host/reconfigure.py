@@ -57,6 +57,8 @@ async def apply_config(app: HostApp, config: Config) -> None:
         if getattr(config.host, field) != getattr(app.config.host, field):
             log.warning("reload: [host] %s changed; it takes effect at the next restart",
                         field)
+    if app.publisher is not None:  # applied live: every pool is rewritten the new way
+        app.publisher.set_taint_unhealthy(config.host.dra_unhealthy == "taint")
     app.config = config
     app.inventory.set_resources(config.resources)
     removed = [name for name in old if name not in new]

@@ -45,6 +45,10 @@ class HostSettings:
     plugins_registry_dir: str = "/var/lib/kubelet/plugins_registry"
     dra_plugins_dir: str = "/var/lib/kubelet/plugins"
     dra_state_dir: str = "/var/lib/device-plugin-host/dra"  # the prepared-claims checkpoint
+    # Unhealthy DRA devices: "omit" (left out of the slice; safe on every version) or "taint"
+    # (published with a NoSchedule taint; needs the DRADeviceTaints gate, on by default from
+    # 1.36; where the server drops the taint the host falls back to leaving devices out).
+    dra_unhealthy: str = "omit"
     # Installed driver packages the host must not load (a broken third-party driver, a kind
     # of device this node must not advertise); resources naming one are a config error.
     disabled_drivers: Tuple[str, ...] = ()
@@ -97,6 +101,7 @@ _HOST_PATHS = ("plugin_dir", "host_root", "pod_resources_socket", "drain_file", 
 _HOST_ENUMS: Mapping[str, Tuple[str, ...]] = {
     "log_level": ("debug", "info", "warning", "error"),
     "log_format": ("plain", "json"),
+    "dra_unhealthy": ("omit", "taint"),
 }
 
 

@@ -176,6 +176,8 @@ INVALID = {
     ),
     "log-format": ('[host]\nlog_format = "yaml"\n', "host.log_format", ['"plain", "json"']),
     "log-format-type": ("[host]\nlog_format = 1\n", "host.log_format", ["an integer (1)"]),
+    "dra-unhealthy": ('[host]\ndra_unhealthy = "delete"\n', "host.dra_unhealthy",
+                      ['"omit", "taint"']),
     "path-relative": (
         '[host]\nplugin_dir = "var/lib/kubelet"\n',
         "host.plugin_dir",

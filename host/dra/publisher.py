@@ -121,6 +121,18 @@ class SlicePublisher:
     def remove_pool(self, driver: str, pool: str) -> None:
         self._mark((driver, pool), None)
 
+    def set_taint_unhealthy(self, taint: bool) -> None:
+        """A reload changed ``dra_unhealthy``: every pool is written again the new way (a
+        server found dropping taints is tried again, since it may have been upgraded)."""
+        with self._lock:
+            if taint == self.taint_unhealthy:
+                return
+            self.taint_unhealthy = taint
+            for state in self._pools.values():
+                state.taints_dropped = False
+                state.version += 1
+        self._poke()
+
     def republish(self) -> None:
         """Our slices may be gone (the kubelet deletes a node's slices when it starts)."""
         with self._lock:

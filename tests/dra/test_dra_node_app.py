@@ -443,3 +443,67 @@ def test_a_kubelet_start_wipe_that_lands_after_our_registration_is_repaired(shor
             await client.close()
 
     run(body())
+
+
+@pytest.mark.parametrize("keeps_taints", [True, False], ids=["gate-on", "gate-off"])
+def test_dra_unhealthy_taint_taints_a_drained_device_where_the_server_keeps_taints(
+        short_dir, run, keeps_taints):
+    """[host] dra_unhealthy = "taint" (here set by a live reload of a host started with the
+    default "omit"): a drained (Unhealthy) device stays in the slice with a NoSchedule taint
+    carrying the reason; a server without DRADeviceTaints drops the taint, and then the
+    device is left out, as by default, never published as usable."""
+    from host.drain import update_drains
+
+    with ApiServerStandIn(device_taints=keeps_taints) as api:
+        api.add_node(NODE)
+        config = _config(short_dir, api, DRA)
+        assert config.host.dra_unhealthy == "omit"
+        tainting = dataclasses.replace(
+            config, host=dataclasses.replace(config.host, dra_unhealthy="taint"))
+        dra_driver = naming.driver_name(DRA.name, None)
+
+        async def body():
+            app = HostApp(config, {"memory": _driver()}, events=None)
+            await app.start()
+            try:
+                update_drains(config.host.drain_file, (DRA.name, "gpu1"), "RMA ticket 42")
+                await app.rescan()
+                assert await app.publisher.wait_synced()
+                omitted = api.devices(dra_driver, NODE)
+                await app.reload(tainting)
+                assert await app.publisher.wait_synced()
+                return omitted, api.devices(dra_driver, NODE)
+            finally:
+                await app.stop()
+
+        omitted, devices = run(body())
+    assert sorted(omitted) == ["gpu0", "gpu2"]
+    if keeps_taints:
+        assert sorted(devices) == ["gpu0", "gpu1", "gpu2"]
+        [taint] = devices["gpu1"]["taints"]
+        assert taint["effect"] == "NoSchedule" and "RMA-ticket-42" in taint["value"]
+        assert not devices["gpu0"].get("taints")
+    else:
+        assert sorted(devices) == ["gpu0", "gpu2"]
+
+
+def test_dra_unhealthy_from_the_config_file_reaches_the_publisher(short_dir, run, tmp_path):
+    from host.config import load_config
+
+    with ApiServerStandIn(device_taints=True) as api:
+        api.add_node(NODE)
+        path = tmp_path / "config.toml"
+        path.write_text(f'[host]\nnode_name = "{NODE}"\nkubeconfig = "{api.kubeconfig_path}"\n'
+                        'dra_unhealthy = "taint"\n')
+        loaded = load_config(str(path), {"memory": _driver()})
+        config = _config(short_dir, api, DRA, dra_unhealthy=loaded.host.dra_unhealthy)
+
+        async def body():
+            app = HostApp(config, {"memory": _driver()}, events=None)
+            await app.start()
+            try:
+                return app.publisher.taint_unhealthy
+            finally:
+                await app.stop()
+
+        assert run(body()) is True
