@@ -685,15 +685,18 @@ _PCI = ("vendor", "device", "kernel_driver", "pci_address")
 DOCUMENTED: Dict[str, Driver] = {
     d.name: d
     for d in (
-        Documented("gpu", _PCI, {}),
+        Documented("gpu", (*_PCI, "class", "partition_mode", "mig_profile", "mig_parent",
+                           "mig_gi", "mig_ci"),
+                   {"mig_strategy": (str,), "nvidia_modeset": (bool,)}),
         Documented(
             "sriov",
-            (*_PCI, "pf_name", "vf_index", "link_type", "pf_kernel_driver", "qat_services"),
+            (*_PCI, "pf_name", "pf_pci_address", "vf_index", "link_type", "rdma",
+             "pf_kernel_driver", "qat_services"),
             {"iommufd": (bool,), "device_info": (bool,), "device_info_dir": (str,)},
         ),
         Documented(
             "usb",
-            ("vendor", "product", "serial", "interface_class"),
+            ("vendor", "product", "serial", "interface_class", "device_class", "port"),
             {"limit": (int,), "shared": (int,), "include_interfaces": (list,)},
         ),
         Documented(
@@ -807,3 +810,22 @@ def test_the_base_config_does_not_say_it_is_read_once() -> None:
     comments = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
     assert "once, at start" not in comments and "only at start" not in comments
     assert "reloads it live" in comments and "rejected" in comments
+
+
+def test_the_documented_keys_are_each_built_in_driver_s_keys_and_in_the_docs() -> None:
+    """The examples are checked against DOCUMENTED; this keeps DOCUMENTED equal to what each
+    built-in driver accepts, and every such key named in docs/drivers.md, so a new selector or
+    setting cannot land undocumented (issue 13: each new setting in docs/drivers.md)."""
+    from host.hookspecs import ENTRY_POINT_GROUP
+    from host.plugins import DriverRegistry
+
+    registry = DriverRegistry()
+    registry.load_entry_points(ENTRY_POINT_GROUP)
+    docs = (REPO / "docs" / "drivers.md").read_text()
+    for name, documented in DOCUMENTED.items():
+        real = registry.drivers[name]
+        assert set(real.selector_types) == set(documented.selector_types), name
+        assert set(real.setting_types) == set(documented.setting_types), name
+        missing = [key for key in (*real.selector_types, *real.setting_types)
+                   if f"`{key}" not in docs]
+        assert missing == [], name
