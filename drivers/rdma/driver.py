@@ -10,7 +10,8 @@ hardware, so they are stable by construction.
 Health. A selected HCA without a usable verbs node (no uverbs entry, or its /dev node gone)
 is Unhealthy with the node named. In shared mode such an HCA is left out of the shared set
 (logged) so the others stay usable; only when no selected HCA is usable are all slots
-Unhealthy. Port state is not health yet; it is carried in attributes.
+Unhealthy. An HCA none of whose ports is ACTIVE is Unhealthy too (ports that report no state
+are not judged); the port states are also carried in attributes.
 
 Defaults. None. A default shared pool would put every HCA's char devices in any pod that
 asks, which is a fabric-access decision for the operator; and ``rdma/hca_shared_devices_a``
