@@ -1,6 +1,6 @@
 """The host's small HTTP/1.1 endpoint: /metrics, /healthz and a pointer at /.
 
-An asyncio server on the host's loop rather than prometheus_client's thread: nothing extra to
+An asyncio server on the host's loop rather than a thread of its own: nothing extra to
 stop, a scrape can await the kubelet's PodResources answer, and /healthz is answered by the
 loop itself, so a stuck loop fails the probe by its timeout. It speaks just enough HTTP for
 Prometheus and the kubelet's probes: one request per connection, GET and HEAD, bounded

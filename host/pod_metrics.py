@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Collection, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Collection, Iterator, List, Optional, Tuple
+
+from host.prom import Family
 
 if TYPE_CHECKING:
-    from prometheus_client import Gauge
-    from prometheus_client.core import Metric
-
     from host.podresources import PodResourcesClient
 
 log = logging.getLogger("host.metrics")
@@ -33,7 +32,7 @@ class PodAllocations:
 
     def __init__(self, socket: Optional[str], *, timeout_s: float = POD_LIST_TIMEOUT_S,
                  min_interval_s: float = POD_LIST_MIN_INTERVAL_S,
-                 up: Optional[Gauge] = None) -> None:
+                 up: Optional[Any] = None) -> None:
         self.rows: List[PodRow] = []
         self.up = up
         self._socket = socket
@@ -107,15 +106,8 @@ class AllocatedDevices:
         self._pods = pods
         self._ours = ours
 
-    def describe(self) -> Iterator[Metric]:
-        from prometheus_client.core import GaugeMetricFamily
-
-        yield GaugeMetricFamily(self.name, self.documentation, labels=self.labels)
-
-    def collect(self) -> Iterator[Metric]:
-        from prometheus_client.core import GaugeMetricFamily
-
-        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labels)
+    def collect(self) -> Iterator[Family]:
+        family = Family(self.name, self.documentation, "gauge", self.labels)
         for row in self._pods.rows:
             if row[0] in self._ours:
                 family.add_metric(list(row), 1.0)

@@ -135,7 +135,7 @@ def check_host_value(file: str, key: str, field_name: str, value: object) -> obj
         if not isinstance(value, str):
             raise ConfigError(file, key, f"must be a string like \"127.0.0.1:9400\", got "
                                          f"{typed(value)}")
-        from host.http_endpoint import parse_address  # no prometheus_client
+        from host.http_endpoint import parse_address  # not the metrics themselves
 
         try:
             parse_address(value)

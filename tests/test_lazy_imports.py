@@ -13,10 +13,11 @@ from typing import List
 
 REPO = Path(__file__).resolve().parents[1]
 
-#: Needed only by some commands or settings: metrics (prometheus_client and the HTTP/email
-#: stack it pulls in), the kubelet's PodResources API (``pods``, device-info cleanup), the
-#: benchmarks' psutil, the test kit, DRA and HTTP clients; importlib.metadata and email are
-#: what a distributions() walk for entry points costs.
+#: Never on the daemon's path: prometheus_client and the HTTP/email stack it pulls in (the
+#: metrics are host/prom.py's). Needed only by some commands or settings: the kubelet's
+#: PodResources API (``pods``, device-info cleanup), the benchmarks' psutil, the test kit,
+#: DRA and HTTP clients; importlib.metadata and email are what a distributions() walk for
+#: entry points costs.
 NOT_ON_THE_DAEMON_PATH = (
     "prometheus_client", "http.server", "wsgiref", "email", "importlib.metadata",
     "host.podresources", "host.protocol.podresources_v1_pb2", "psutil", "pyudev",
@@ -64,8 +65,10 @@ def test_metrics_and_pod_resources_load_when_used():
         "HostMetrics(pod_resources_socket='/nonexistent/kubelet.sock')\n"
         "from host.protocol import podresources\n"
         "assert podresources.ListPodResourcesRequest\n")
+    # The metrics are the host's own (host/prom.py): prometheus_client is never loaded.
     assert _loaded(modules, ("prometheus_client", "host.protocol.podresources_v1_pb2")) == [
-        "prometheus_client", "host.protocol.podresources_v1_pb2"]
+        "host.protocol.podresources_v1_pb2"]
+    assert "host.prom" in modules
     assert "host.podresources" not in modules  # its client is made at the first scrape
 
 

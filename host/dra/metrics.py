@@ -12,9 +12,8 @@ from typing import Any
 
 class DraMetrics:
     def __init__(self, registry: Any) -> None:
-        from prometheus_client import Counter, Gauge, Histogram
-
         from host.metrics import LATENCY_BUCKETS, PREFIX
+        from host.prom import Counter, Gauge, Histogram
 
         self.claims = Counter(
             PREFIX + "dra_claims", "Claims handled by outcome (prepared, again: answered from "

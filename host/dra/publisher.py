@@ -71,9 +71,8 @@ class _Metrics:
         return made
 
     def __init__(self, metrics: Any) -> None:
-        from prometheus_client import Counter
-
         from host.metrics import PREFIX
+        from host.prom import Counter
 
         registry = getattr(metrics, "registry", None)
         self.requests = Counter(PREFIX + "dra_api_requests", "ResourceSlice API requests",
