@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 
 from host.config import Config
 from host.model import Device, ResourceConfig
+from host.scheduling import EVENTS_AFTER_READY_S
 from host.testing.drivers import MemoryDriver, make_devices
 from host.testing.harness import make_config, running_host
 from host.testing.tree import FakeTree
@@ -75,13 +76,24 @@ async def serve(resources: int, devices: int, plugin_dir: str, host_root: str,
         loop.add_signal_handler(signum, stop.set)
     async with running_host(config, {DRIVER: driver}, events=events) as app:
         gc.freeze()  # as `cli run` does once the host has started
-        if events and app.events is None:
-            print("event source failed to start", file=sys.stderr, flush=True)
-            return
-        app.on_ready.append(lambda: print("ready", flush=True))
+
+        def armed() -> None:
+            if events and app.events is None:
+                print("event source failed to start", file=sys.stderr, flush=True)
+                stop.set()
+                return
+            print("ready", flush=True)
+
+        def ready() -> None:
+            # The kernel's event monitor is armed a moment after every resource registered
+            # (host/scheduling.py arm_events); "ready" means registered and watching.
+            delay = EVENTS_AFTER_READY_S + 0.05 if events else 0.0
+            loop.call_later(delay, armed)
+
+        app.on_ready.append(ready)
         print("serving", flush=True)
         if app.ready.is_set():
-            print("ready", flush=True)
+            ready()
         await stop.wait()
 
 

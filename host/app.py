@@ -128,7 +128,9 @@ class HostApp:
         if any(r.api == "dra" for r in self.config.resources):
             await self._start_dra()
         self.registrar.start()
-        scheduling.start_events(self)  # before the first scan: nothing plugged in is missed
+        # Armed now for an injected source; the kernel's once registered, with a catch-up
+        # rescan (scheduling.arm_events): nothing plugged in meanwhile is missed.
+        scheduling.arm_events(self)
         scheduling.watch_drains(self)
         self.inventory.warn_overlaps = self.config.is_default
         await self.inventory.scan()

@@ -150,6 +150,36 @@ def apply_drains(app: HostApp) -> None:
             app._sync(resource)
 
 
+#: The kernel's uevent monitor (pyudev: ~4 ms to import and open, and an ``ldconfig -p`` run
+#: to find libudev) is armed a moment after every resource is registered, or this long after
+#: start if that takes longer: registration is what the kubelet waits for (issue 15). Not in
+#: the registration callback itself: the kubelet opens ListAndWatch right after Register
+#: returns, and a loop busy arming would hold back that first snapshot. A rescan right after
+#: arming catches whatever was plugged, unplugged or changed since the first scan.
+EVENTS_AT_THE_LATEST_S = 0.5
+EVENTS_AFTER_READY_S = 0.05
+
+
+def arm_events(app: HostApp) -> None:
+    """Start the event source: the real one after registration, an injected one at once."""
+    if app._events_spec != "udev":
+        start_events(app)
+        return
+    armed: List[bool] = []
+
+    def arm() -> None:
+        if armed or app._stopped:
+            return
+        armed.append(True)
+        start_events(app)
+        if app.events is not None:
+            app.request_rescan()  # what changed before the monitor listened
+
+    app.on_ready.append(
+        lambda: app.background.later("arm device events", EVENTS_AFTER_READY_S, arm))
+    app.background.later("arm device events", EVENTS_AT_THE_LATEST_S, arm)
+
+
 def start_events(app: HostApp) -> None:
     spec = app._events_spec
     if spec is None:
