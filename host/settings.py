@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from host.config_errors import ConfigError, show, toml_key, typed, unknown_key
 from host.config_values import Range, check_enum, check_node_name, check_path, check_seconds
 from host.model import ResourceConfig
+from host.socket_names import POD_RESOURCES_SOCKET
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class HostSettings:
 
     plugin_dir: str = "/var/lib/kubelet/device-plugins"
     host_root: str = "/"
-    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    pod_resources_socket: str = POD_RESOURCES_SOCKET
     log_level: str = "info"  # debug|info|warning|error
     log_format: str = "plain"  # plain|json
     allocate_timeout_s: float = 5.0  # driver allocate/preferred hooks

@@ -13,6 +13,9 @@ import re
 
 #: The kubelet's registration socket, in its device plugin directory.
 KUBELET_SOCKET = "kubelet.sock"
+#: The kubelet's PodResources socket (host.protocol re-exports it; config reads it from here,
+#: without loading the protocol modules).
+POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 #: sun_path is 108 bytes including the terminating NUL that gRPC and the kubelet rely on.
 MAX_SOCKET_PATH = 107
 #: The longest unix socket path grpcio binds (bytes).

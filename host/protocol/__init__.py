@@ -9,7 +9,7 @@ from typing import Any
 from host.model import Health
 from host.protocol import deviceplugin_v1beta1_pb2 as api
 from host.protocol import deviceplugin_v1beta1_pb2_grpc as api_grpc
-from host.socket_names import KUBELET_SOCKET
+from host.socket_names import KUBELET_SOCKET, POD_RESOURCES_SOCKET
 
 # The PodResources modules load on first use (``pods``, metrics' allocated_device, device-info
 # cleanup): serving devices never needs them.
@@ -27,7 +27,6 @@ def __getattr__(name: str) -> Any:
 
 VERSION = "v1beta1"
 DEVICE_PLUGIN_PATH = "/var/lib/kubelet/device-plugins"
-POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 # The kubelet's two health strings, from the one definition (host/model.py Health).
 HEALTHY = Health.HEALTHY.value
 UNHEALTHY = Health.UNHEALTHY.value
