@@ -2,9 +2,10 @@
 
 ``run`` lives in host/serve.py and ``discover`` in host/discovery.py; this module parses,
 loads the config the same way for every command, and turns every operator-caused error into
-one line and an exit code (host/exit.py), never a traceback. It is a little over 300 lines
-because argparse's definitions of every command and flag (their help texts are the
-operator's reference) sit in one ``_parser``.
+one line and an exit code (host/exit.py), never a traceback. It is about 400 lines because
+argparse's definitions of every command and flag (their help texts are the operator's
+reference) sit in one ``_parser``, with the formatter that keeps argparse from importing
+shutil on every start.
 """
 
 from __future__ import annotations
