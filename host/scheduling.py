@@ -165,12 +165,13 @@ def arm_events(app: HostApp) -> None:
     if app._events_spec != "udev":
         start_events(app)
         return
-    armed: List[bool] = []
+    armed = False
 
     def arm() -> None:
+        nonlocal armed
         if armed or app._stopped:
             return
-        armed.append(True)
+        armed = True
         start_events(app)
         if app.events is not None:
             app.request_rescan()  # what changed before the monitor listened

@@ -482,8 +482,6 @@ class KubeletSimulator:
         except Exception as err:  # a broken stream must never take the simulator down
             reason = f"ListAndWatch failed: {err!r}"
         finally:
-            if call is not None:
-                call.cancel()
             if state.current is endpoint:
                 state.disconnect(reason)
                 log.info("kubelet simulator: %s disconnected: %s", state.name, reason)
