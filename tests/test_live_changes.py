@@ -44,7 +44,10 @@ def test_aer_errors_rising_flip_health_and_it_recovers(tmp_path, short_dir, run)
     tree.numa_nodes(1)
     devices = _pci_devices(tree, 2)
     driver = MemoryDriver("acc", {"example.com/acc": devices})
-    resource = ResourceConfig("example.com/acc", "acc", health_interval_s=0.1)
+    # The Unhealthy state lasts one check interval (no new errors at the next check heals
+    # it), and ListAndWatch sends the latest snapshot: at 0.1 s a loop starved by a loaded CI
+    # machine sent the healed one first (the kubelet never saw the flip). 0.25 s leaves room.
+    resource = ResourceConfig("example.com/acc", "acc", health_interval_s=0.25)
     config = make_config(short_dir, [resource], host_root=str(tmp_path / "root"))
 
     async def scenario():
