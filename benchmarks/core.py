@@ -139,7 +139,10 @@ def bytecode_cache() -> Iterator[str]:
     """
     global _PYCACHE
     previous = _PYCACHE
-    path = tempfile.mkdtemp(prefix="dphb-pycache-")
+    # A cache the caller made for its own children (the test suite's, tests/conftest.py) is
+    # used as it is and left to its owner: filling a new one cost the suite ~1 s a family.
+    inherited = os.environ.get("PYTHONPYCACHEPREFIX")
+    path = inherited or tempfile.mkdtemp(prefix="dphb-pycache-")
     _PYCACHE = path
     try:
         subprocess.run(
@@ -149,7 +152,8 @@ def bytecode_cache() -> Iterator[str]:
         yield path
     finally:
         _PYCACHE = previous
-        shutil.rmtree(path, ignore_errors=True)
+        if not inherited:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def child_env() -> Dict[str, str]:

@@ -34,9 +34,9 @@ from host.exit import EXIT_CONFIG, CommandError
 from host.lock import running_host
 from host.logs import setup_logging
 from host.plugins import DriverRegistry, configured_drivers, disabled_in_config, load_drivers
-from host.protocol import POD_RESOURCES_SOCKET
 from host.reload import is_empty
 from host.serve import run
+from host.socket_names import POD_RESOURCES_SOCKET
 
 if TYPE_CHECKING:
     pass

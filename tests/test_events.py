@@ -27,6 +27,7 @@ def _gpu_tree(root):
     return tree
 
 
+@pytest.mark.alone
 def test_hot_plugged_gpu_reaches_the_kubelet_after_one_event(tmp_path, short_dir, run):
     tree = _gpu_tree(tmp_path / "root")
     drivers = load_drivers().drivers

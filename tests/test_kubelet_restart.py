@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.core import short_dir as short_dir_for_floor
 from host.model import ResourceConfig
 from host.testing.drivers import MemoryDriver, make_devices
@@ -92,10 +94,12 @@ def _restart_with_register_in_flight(short_dir, run, outage_s: float, unlink: bo
         count == 1 for name, count in made.items() if name != NAMES[0]), made
 
 
+@pytest.mark.alone
 def test_all_back_within_100ms_after_2s_outage_with_a_register_in_flight(short_dir, run):
     _restart_with_register_in_flight(short_dir, run, outage_s=2.0, unlink=False)
 
 
+@pytest.mark.alone
 def test_all_back_within_100ms_after_2s_outage_with_the_socket_gone(short_dir, run):
     _restart_with_register_in_flight(short_dir, run, outage_s=2.0, unlink=True)
 

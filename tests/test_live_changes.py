@@ -39,6 +39,7 @@ def _pci_devices(tree: FakeTree, count: int):
     return devices
 
 
+@pytest.mark.alone
 def test_aer_errors_rising_flip_health_and_it_recovers(tmp_path, short_dir, run):
     tree = FakeTree(tmp_path / "root")
     tree.numa_nodes(1)
