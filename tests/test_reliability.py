@@ -11,6 +11,7 @@ import os
 import random
 import re
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -346,7 +347,6 @@ class _FuzzTarget:
 @pytest.fixture(scope="module")
 def fuzz_target():
     import shutil
-    import tempfile
 
     plugin_dir = tempfile.mkdtemp(prefix="dphf", dir="/tmp")
     target = _FuzzTarget(plugin_dir)
@@ -439,24 +439,29 @@ def test_fuzzed_configs_load_or_fail_with_file_key_and_reason(host, name, replic
         assert str(error).startswith("fuzz.toml: ") and error.key and error.reason
 
 
-@settings(max_examples=200, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None)
 @given(values=st.dictionaries(
     st.sampled_from(["vendor", "device", "class", "numa_node", "enable", "local_cpulist"]),
     st.one_of(st.text(max_size=20), st.binary(max_size=20).map(lambda b: b.decode("latin-1"))),
     max_size=6))
-def test_fuzzed_sysfs_attributes_never_crash_discovery(tmp_path_factory, values):
-    root = tmp_path_factory.mktemp("fuzz")
+def test_fuzzed_sysfs_attributes_never_crash_discovery(values):
+    # One tree an example, removed after it (tmp_path_factory kept all 200 until pytest's
+    # next-but-two run pruned them).
+    with tempfile.TemporaryDirectory(prefix="fuzz") as root:
+        _discover_with_attributes(root, values)
+
+
+def _discover_with_attributes(root: str, values: dict) -> None:
     tree = FakeTree(root)
     path = tree.pci_function("0000:01:00.0", vendor=0x10DE, device=0x2330,
                              pci_class=0x030200, numa_node=0)
     for name, text in values.items():
         tree.attr(f"{path}/{name}", text)
-    functions = list_functions(HostFS(str(root)))
+    functions = list_functions(HostFS(root))
     assert [f.address for f in functions] == ["0000:01:00.0"]
     from drivers.gpu.driver import GpuDriver
 
-    GpuDriver().discover(HostFS(str(root)),
+    GpuDriver().discover(HostFS(root),
                          [ResourceConfig("nvidia.com/gpu", "gpu", {"vendor": "0x10de"})])
 
 
