@@ -10,8 +10,7 @@ import math
 import os
 import posixpath
 import re
-from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 from host.config_errors import ConfigError, hint, show, typed
 from host.socket_names import (
@@ -23,8 +22,7 @@ from host.socket_names import (
 )
 
 
-@dataclass(frozen=True)
-class Range:
+class Range(NamedTuple):
     """Bounds for a seconds value. The upper bounds only exist to catch unit mistakes
     (milliseconds written as seconds) and to stay below threading.TIMEOUT_MAX."""
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
-from typing import Dict, Hashable, Iterable, Optional, Set, Tuple
+from typing import Dict, Hashable, Iterable, NamedTuple, Optional, Set, Tuple
 
 from host.hostfs import HostFS
 
@@ -62,8 +61,7 @@ class TransitionLog:
             return dict(self._active)
 
 
-@dataclass(frozen=True)
-class AerCounts:
+class AerCounts(NamedTuple):
     fatal: int
     nonfatal: int
 

@@ -12,8 +12,7 @@ import ctypes
 import errno
 import os
 import struct
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 IN_MODIFY = 0x00000002
 IN_ATTRIB = 0x00000004
@@ -49,8 +48,7 @@ def _lib() -> ctypes.CDLL:
     return _libc
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):
     wd: int
     mask: int
     name: str

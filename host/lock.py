@@ -20,8 +20,7 @@ import fcntl
 import json
 import os
 import time
-from dataclasses import dataclass
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, NamedTuple, Optional
 
 LOCK_DIR = ".device-plugin-host"
 LOCK_FILE = "host.lock"
@@ -31,8 +30,7 @@ def lock_path(plugin_dir: str) -> str:
     return os.path.join(plugin_dir, LOCK_DIR, LOCK_FILE)
 
 
-@dataclass(frozen=True)
-class Holder:
+class Holder(NamedTuple):
     """Who holds the lock, as it described itself."""
 
     pid: Optional[int]

@@ -18,8 +18,7 @@ import os
 import re
 import stat
 import sys
-from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple, cast
+from typing import Any, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple, cast
 
 import pluggy
 
@@ -33,8 +32,7 @@ _VALUE = re.compile(r"(?P<module>[\w.]+)\s*(:\s*(?P<attr>[\w.]+)\s*)?((?P<extras
 _METADATA_DIRS = (".dist-info", ".egg-info")
 
 
-@dataclass(frozen=True)
-class EntryPoint:
+class EntryPoint(NamedTuple):
     """One ``name = module:attr`` line of a distribution's entry_points.txt."""
 
     name: str
@@ -151,8 +149,7 @@ def _zipped_entry_points(path: str, group: str) -> List[Tuple[EntryPoint, Option
     return found
 
 
-@dataclass(frozen=True)
-class LoadFailure:
+class LoadFailure(NamedTuple):
     """A package or driver that could not be loaded, for logs, ``discover`` and metrics."""
 
     source: str  # "entry point NAME (dist VERSION)"
@@ -164,16 +161,16 @@ class LoadFailure:
 DISABLED_REASON = "disabled by [host] disabled_drivers"
 
 
-@dataclass
 class DriverRegistry:
-    drivers: Dict[str, Driver] = field(default_factory=dict)
-    sources: Dict[str, str] = field(default_factory=dict)
-    failures: List[LoadFailure] = field(default_factory=list)
-    #: Entry points skipped, never imported, because ``[host] disabled_drivers`` names them:
-    #: entry-point name -> source.
-    disabled: Dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
+    # A plain class, like the records of this module (NamedTuples): a dataclass costs ~1.3 ms
+    # of start-up to generate its methods (issue 15), and nothing compares registries.
+    def __init__(self) -> None:
+        self.drivers: Dict[str, Driver] = {}
+        self.sources: Dict[str, str] = {}
+        self.failures: List[LoadFailure] = []
+        #: Entry points skipped, never imported, because ``[host] disabled_drivers`` names
+        #: them: entry-point name -> source.
+        self.disabled: Dict[str, str] = {}
         self.manager = pluggy.PluginManager(hookspecs.PROJECT)
         self.manager.add_hookspecs(hookspecs)
         self._pending: List[Tuple[EntryPoint, Optional[str]]] = []

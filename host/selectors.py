@@ -21,7 +21,6 @@ the host, so ``host.driver`` and the PCI helpers can both build on it.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Callable, List, Mapping, Optional, Sequence, Set, Tuple
 
 #: A compiled selector: True when a device's attributes satisfy it.
@@ -35,9 +34,24 @@ _HEX = re.compile(r"[0-9a-f]+\Z")
 _RANGES = re.compile(r"\s*\d+\s*(-\s*\d+\s*)?(,\s*\d+\s*(-\s*\d+\s*)?)*\Z")
 
 
-@dataclass(frozen=True)
 class IndexRanges:
-    spans: Tuple[Tuple[int, int], ...]
+    """Inclusive index spans, ``"0-3,6"``; a plain class, not a dataclass, whose generated
+    methods cost start-up time (issue 15), nor a tuple, which selector values must not look
+    like."""
+
+    __slots__ = ("spans",)
+
+    def __init__(self, spans: Tuple[Tuple[int, int], ...]) -> None:
+        self.spans = spans
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is IndexRanges and other.spans == self.spans
+
+    def __hash__(self) -> int:
+        return hash(self.spans)
+
+    def __repr__(self) -> str:
+        return f"IndexRanges({self.spans!r})"
 
     def __contains__(self, index: object) -> bool:
         return isinstance(index, int) and any(lo <= index <= hi for lo, hi in self.spans)

@@ -21,7 +21,6 @@ handing out the PCI function's render node gives a container partition 0 only. S
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from drivers.gpu.kfd import KfdNode
@@ -31,8 +30,7 @@ MEMORY_MODES = ("NPS1", "NPS2", "NPS4", "NPS8")
 _MODE = re.compile(r"(spx|dpx|tpx|qpx|cpx)(?:_(nps[1248]))?\Z")
 
 
-@dataclass(frozen=True)
-class PartitionMode:
+class PartitionMode(NamedTuple):
     compute: Optional[str]  # "CPX"; None when the GPU has no such attribute
     memory: Optional[str]  # "NPS4"
     available: Tuple[str, ...]

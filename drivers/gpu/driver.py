@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from drivers.gpu import amd
@@ -121,10 +121,9 @@ class GpuEntry(NamedTuple):  # one per served device and scan: a tuple is cheape
     mig: bool = False  # a MIG device (compute instance) of the function, not the function
 
 
-@dataclass(frozen=True)
-class GpuInventory:
+class GpuInventory(NamedTuple):
     entries: Tuple[GpuEntry, ...]
-    nvml: NvmlView = field(default_factory=lambda: NO_NVML)
+    nvml: NvmlView = NO_NVML
 
 
 class GpuDriver(Driver):

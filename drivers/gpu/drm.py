@@ -11,8 +11,7 @@ container needs.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Tuple
+from typing import NamedTuple, Tuple
 
 from host.hostfs import HostFS
 
@@ -20,8 +19,7 @@ _CARD = re.compile(r"card(\d+)\Z")
 _RENDER = re.compile(r"renderD(\d+)\Z")
 
 
-@dataclass(frozen=True)
-class DrmNodes:
+class DrmNodes(NamedTuple):
     cards: Tuple[str, ...]  # "card1", lowest number first
     renders: Tuple[str, ...]  # "renderD128"
 

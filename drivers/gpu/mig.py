@@ -19,8 +19,7 @@ minor. Profile names ("1g.10gb") and MIG UUIDs are not in procfs: only NVML know
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from host.hostfs import HostFS
 
@@ -34,8 +33,7 @@ _CI = re.compile(r"ci(\d+)\Z")
 _TABLE = re.compile(r"gpu(\d+)/gi(\d+)(?:/ci(\d+))?/access\Z")
 
 
-@dataclass(frozen=True)
-class MigDevice:
+class MigDevice(NamedTuple):
     gpu_minor: int
     gi: int
     ci: int

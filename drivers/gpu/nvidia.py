@@ -26,8 +26,8 @@ are "unknown", never identifiers.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
-from typing import Dict, Mapping, Optional
+from dataclasses import replace
+from typing import Dict, Mapping, NamedTuple, Optional
 
 from host.hostfs import HostFS
 from host.model import Device
@@ -63,8 +63,7 @@ _UUID = re.compile(
 )
 
 
-@dataclass(frozen=True)
-class NvidiaInfo:
+class NvidiaInfo(NamedTuple):
     """The parsed information file; a field is None when absent, unknown or garbage."""
 
     path: str

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Protocol, Set, Tuple
+from types import MappingProxyType
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Protocol, Set, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -25,19 +25,17 @@ INSTALL_HINT = "pip install 'device-plugin-host[nvidia]'"
 _MIG_NAME = re.compile(r"\bMIG\s+(\S+)\s*\Z")
 
 
-@dataclass(frozen=True)
-class NvmlMig:
+class NvmlMig(NamedTuple):
     uuid: Optional[str]  # "MIG-5f2b..."
     profile: Optional[str]  # "1g.10gb"; None when NVML's name does not say it
 
 
-@dataclass(frozen=True)
-class NvmlView:
+class NvmlView(NamedTuple):
     available: bool
     reason: str = ""  # why not available
-    mig_mode: Dict[str, bool] = field(default_factory=dict)  # address -> current MIG mode
-    migs: Dict[Tuple[str, int, int], NvmlMig] = field(default_factory=dict)  # (addr, gi, ci)
-    nvlink_peers: Dict[str, Set[str]] = field(default_factory=dict)
+    mig_mode: Mapping[str, bool] = MappingProxyType({})  # address -> current MIG mode
+    migs: Mapping[Tuple[str, int, int], NvmlMig] = MappingProxyType({})  # (addr, gi, ci)
+    nvlink_peers: Mapping[str, Set[str]] = MappingProxyType({})
 
 
 class NvmlSource(Protocol):
