@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 import traceback
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence
 
 from host import __version__
 from host.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, overlap_error
@@ -39,7 +39,7 @@ from host.serve import run
 from host.socket_names import POD_RESOURCES_SOCKET
 
 if TYPE_CHECKING:
-    pass
+    Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
 
 log = logging.getLogger("host")
 
@@ -69,7 +69,14 @@ class _Formatter(argparse.HelpFormatter):
         super().__init__(prog, indent_increment, max_help_position, width)
 
 
-def _parser() -> argparse.ArgumentParser:
+#: The commands, in the order ``--help`` lists them.
+COMMANDS = ("run", "discover", "check-config", "demo", "drain", "undrain", "pods", "capture")
+
+
+def _parser(only: Optional[str] = None) -> argparse.ArgumentParser:
+    """The whole command line, or with ``only`` just that command's part: an argparse
+    parser per command cost ~4 ms of every daemon start (issue 15), and a command line that
+    names its command needs no other (``_command_of`` says when that is safe)."""
     parser = argparse.ArgumentParser(
         prog="device-plugin-host",
         description="Serve every kind of node device to the kubelet from one process.",
@@ -83,33 +90,60 @@ def _parser() -> argparse.ArgumentParser:
                         help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 help="what to do; `device-plugin-host COMMAND --help` for more")
+    for name in COMMANDS:
+        if only is None or only == name:
+            _COMMAND_FLAGS[name](sub, common)
+    return parser
 
-    def add(name: str, *, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, parents=[common], help=help, description=help[0].upper()
-                              + help[1:] + ".", formatter_class=_Formatter)
+
+def _command_of(argv: Sequence[str]) -> Optional[str]:
+    """The command ``argv`` names, when only that command's parser is needed to parse it:
+    the first word that is not an option, with no option before it but ``--debug`` (the
+    top-level ``--help`` and ``--version`` need every command)."""
+    for word in argv:
+        if word == "--debug":
+            continue
+        return word if word in COMMANDS else None
+    return None
 
 
-    run = add("run", help="serve and register every configured resource")
+def _add(sub: Subcommands, common: argparse.ArgumentParser, name: str, *,
+         help: str) -> argparse.ArgumentParser:
+    return sub.add_parser(
+        name, parents=[common], help=help, description=help[0].upper() + help[1:] + ".",
+        formatter_class=_Formatter)
+
+
+def _run_flags(sub: Subcommands, common: argparse.ArgumentParser) -> None:
+    run = _add(sub, common, "run", help="serve and register every configured resource")
     _config_flags(run)
     run.add_argument("--plugin-dir", metavar="DIR",
                      help="the kubelet's device-plugin directory, where kubelet.sock is and our"
                           " sockets go (default: plugin_dir in [host], "
                           "/var/lib/kubelet/device-plugins)")
 
-    discover = add("discover", help="print what would be advertised, then exit")
+
+def _discover_flags(sub: Subcommands, common: argparse.ArgumentParser) -> None:
+    discover = _add(sub, common, "discover", help="print what would be advertised, then exit")
     _config_flags(discover)
     discover.add_argument("--json", action="store_true", help="a JSON array, one object a device")
 
-    check = add("check-config", help="validate a config file (exit 2 when invalid)")
+
+def _check_flags(sub: Subcommands, common: argparse.ArgumentParser) -> None:
+    check = _add(sub, common, "check-config", help="validate a config file (exit 2 when invalid)")
     check.add_argument("file", help="the TOML file to check (nothing is served or changed)")
     check.add_argument("--host-root", metavar="DIR",
                        help="scan the devices under DIR (default: the [host] host_root, the "
                             "live host) for devices two resources claim")
 
-    demo = add("demo", help="run the real host against a sample tree and simulator")
+
+def _demo_flags(sub: Subcommands, common: argparse.ArgumentParser) -> None:
+    demo = _add(sub, common, "demo", help="run the real host against a sample tree and simulator")
     demo.add_argument("--keep", action="store_true", help="keep the temporary directory")
 
-    drain = add("drain", help="mark a device Unhealthy by hand (for draining)")
+
+def _drain_flags(sub: Subcommands, common: argparse.ArgumentParser) -> None:
+    drain = _add(sub, common, "drain", help="mark a device Unhealthy by hand (for draining)")
     drain.add_argument("resource", nargs="?", help="the resource name, e.g. nvidia.com/gpu")
     drain.add_argument("device", nargs="?",
                        help="the device id as discover shows it (its replicas go with it)")
@@ -117,12 +151,17 @@ def _parser() -> argparse.ArgumentParser:
                        help="why, shown as the device's health reason (default: %(default)s)")
     drain.add_argument("--config", help=_DRAIN_CONFIG_HELP)
     drain.add_argument("--list", action="store_true", help="print the current marks")
-    undrain = add("undrain", help="remove a device's drain mark")
+
+
+def _undrain_flags(sub: Subcommands, common: argparse.ArgumentParser) -> None:
+    undrain = _add(sub, common, "undrain", help="remove a device's drain mark")
     undrain.add_argument("resource", help="the resource name of the mark")
     undrain.add_argument("device", help="the device id of the mark")
     undrain.add_argument("--config", help=_DRAIN_CONFIG_HELP)
 
-    pods = add("pods", help="which pod holds which device (kubelet PodResources API)")
+
+def _pods_flags(sub: Subcommands, common: argparse.ArgumentParser) -> None:
+    pods = _add(sub, common, "pods", help="which pod holds which device (kubelet PodResources API)")
     pods.add_argument("--socket", default=POD_RESOURCES_SOCKET,
                       help=f"the kubelet's pod-resources socket (default {POD_RESOURCES_SOCKET})")
     pods.add_argument("--resource", help="only this resource name (or a pattern: 'nvidia.com/*')")
@@ -132,13 +171,14 @@ def _parser() -> argparse.ArgumentParser:
     pods.add_argument("--dra-state-dir", default="/var/lib/device-plugin-host/dra",
                       help="where the host keeps its prepared-claims checkpoint")
 
-    capture = add("capture", help="write this machine's device tree as a .tree file")
+
+def _capture_flags(sub: Subcommands, common: argparse.ArgumentParser) -> None:
+    capture = _add(sub, common, "capture", help="write this machine's device tree as a .tree file")
     capture.add_argument("--host-root", default="/", metavar="DIR",
                          help="capture the tree under DIR instead of this machine's / "
                               "(DIR/sys, DIR/dev)")
     capture.add_argument("--output", "-o", default="-", metavar="FILE",
                          help="write to FILE (atomically) instead of standard output")
-    return parser
 
 
 def _config_flags(parser: argparse.ArgumentParser) -> None:
@@ -155,6 +195,13 @@ def _load(args: argparse.Namespace, registry: DriverRegistry) -> Config:
     return config.with_overrides(
         plugin_dir=getattr(args, "plugin_dir", None), host_root=getattr(args, "host_root", None)
     )
+
+
+_COMMAND_FLAGS: Dict[str, Callable[[Subcommands, argparse.ArgumentParser], None]] = {
+    "run": _run_flags, "discover": _discover_flags, "check-config": _check_flags,
+    "demo": _demo_flags, "drain": _drain_flags, "undrain": _undrain_flags,
+    "pods": _pods_flags, "capture": _capture_flags,
+}
 
 
 def host_root_problem(root: str) -> Optional[str]:
@@ -182,7 +229,8 @@ def _check_host_root(config: Config, *, from_flag: bool) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Every operator-caused failure ends in one line on stderr and exit 1 (or 2 for a bad
     configuration or host root); a traceback only with ``--debug``."""
-    args = _parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    args = _parser(_command_of(words)).parse_args(words)
     try:
         code = _dispatch(args)
         sys.stdout.flush()  # a closed pipe shows up here when the output was buffered

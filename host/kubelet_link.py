@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import stat
+import time
 from typing import Callable, List, Optional, Set, Tuple
 
 import grpc
@@ -23,6 +24,10 @@ log = logging.getLogger("host.registration")  # the lines operators know
 
 KubeletId = Tuple[int, int]  # (inode, ctime_ns) of kubelet.sock: a new kubelet, a new id
 RETIRE_AFTER_S = 1.0
+# How long a successful bind vouches for the plugin directory (KubeletLink.bind_checked): long
+# enough to cover every resource of one start or kubelet restart, short enough that a
+# directory going read-only or full later is probed again (and told in one line).
+BIND_CHECK_VALID_S = 1.0
 
 # Issue 10.1: after a Register failed to connect (the kubelet stopping, its dead socket left
 # behind), that subchannel sits in reconnect backoff and keeps retrying on its own; by default a
@@ -64,6 +69,21 @@ class KubeletLink:
         # exists and is writable): the host's single-instance lock waits for that moment when
         # the directory was missing or read-only at start.
         self.on_dir_usable: Optional[Callable[[], None]] = None
+        # When one of our sockets was last bound here (monotonic): see bind_checked.
+        self._bound_at = float("-inf")
+
+    def bind_checked(self) -> bool:
+        """Whether a socket of ours was bound in the plugin directory a moment ago, so a new
+        one needs no plain-socket probe first (host/socket_probe.py bind_problem). The probe
+        exists for the one-line reason of a directory that cannot take sockets; on the disk
+        the kubelet's directory lives on it costs as much as the bind itself (~0.35 ms on
+        ext4, an inode created and removed), which every resource paid again at every start
+        and kubelet restart though the first bind of the burst had just succeeded."""
+        return time.monotonic() - self._bound_at < BIND_CHECK_VALID_S
+
+    def bound(self, ok: bool) -> None:
+        """A bind in the plugin directory succeeded (or failed: probe again next time)."""
+        self._bound_at = time.monotonic() if ok else float("-inf")
 
     def dir_state(self, problem: str, detail: str = "") -> None:
         """Log the plugin directory's state once per change (problem "" = usable)."""

@@ -548,3 +548,21 @@ def test_operator_errors_are_one_line_with_exit_1_or_2(tmp_path, argv, code):
         argv = (*argv, "--config", str(_private_config(tmp_path)))
     line = _one_line_error(_cli(*argv), code)
     assert line.startswith("device-plugin-host"), line
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "--config", "c.toml", "--plugin-dir", "/p", "--host-root", "/r", "--debug"],
+    ["--debug", "run"], ["discover", "--json"], ["check-config", "f.toml", "--host-root", "/r"],
+    ["demo", "--keep"], ["drain", "nvidia.com/gpu", "0000:18:00.0", "--reason", "bad"],
+    ["drain", "--list"], ["undrain", "a.b/c", "d"], ["pods", "--json", "--claims"],
+    ["capture", "-o", "x.tree"],
+])
+def test_a_command_parses_the_same_with_only_its_own_parser(argv):
+    """main() builds only the named command's parser (start-up, issue 15): what it parses
+    must be what the whole command line parses."""
+    from host.cli import _command_of, _parser
+
+    assert _command_of(argv) == next(w for w in argv if w != "--debug")
+    assert vars(_parser(_command_of(argv)).parse_args(argv)) == vars(_parser().parse_args(argv))
+    for needs_all in (["--help"], ["--version"], ["bogus"], [], ["--debug", "--help", "run"]):
+        assert _command_of(needs_all) is None
