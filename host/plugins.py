@@ -312,21 +312,12 @@ def load_drivers(first: Optional[Iterable[str]] = None,
 _MAX_PRE_READ = 4 * 2**20 + 1
 
 
-# The last file read ahead, as bytes and as parsed: disabled_in_config and configured_drivers
-# read the same file one after the other at every start, and a 64-resource file took ~3 ms to
-# parse (issue 15). Only read here, never changed: both take values out of it.
-_READ_AHEAD: Tuple[bytes, Any] = (b"", None)
-
-
 def _parsed(data: bytes) -> Any:
-    global _READ_AHEAD
-    if data != _READ_AHEAD[0] or _READ_AHEAD[1] is None:
-        if sys.version_info >= (3, 11):
-            import tomllib
-        else:
-            import tomli as tomllib
-        _READ_AHEAD = (data, tomllib.loads(data.decode("utf-8")))
-    return _READ_AHEAD[1]
+    """The file's TOML, parsed once for these reads and the config loader's (host/config.py
+    parse_toml); raises ValueError (TOMLDecodeError, UnicodeError) for a bad file."""
+    from host.config import parse_toml
+
+    return parse_toml(data.decode("utf-8"))
 
 
 def disabled_in_config(path: Optional[str], default_path: str) -> Tuple[str, ...]:
