@@ -175,6 +175,36 @@ def test_one_pci_function_is_one_device_across_drivers_not_within_one():
         ({}, [])
 
 
+def test_claim_keys_are_made_only_when_needed_and_mean_the_same():
+    # Without ``keys`` find_overlaps works from the reported devices alone (the host keeps
+    # no claim key per device between scans); it must find exactly what the keys find,
+    # including a driver named "pci", whose own keys share the PCI keys' prefix.
+    card = {"pci_address": "0000:18:00.0"}
+    resources = [res("x.com/gpu", "gpu"), res("x.com/vfio", "pci"), res("x.com/mig", "gpu"),
+                 res("x.com/other", "usb"), res("x.com/shares", "gpu",
+                                                 shared_with=("x.com/gpu",))]
+    reported = {
+        "x.com/gpu": [Device(id="GPU-1", attributes=card), dev(1)],
+        "x.com/vfio": [Device(id="0000:18:00.0"), dev(1)],
+        "x.com/mig": [Device(id="MIG-a", attributes=card), dev(1)],
+        "x.com/other": [dev(1)],
+        "x.com/shares": [Device(id="GPU-1"), dev(2)],
+    }
+    expected = _find(resources, reported)
+    assert expected[0] == {"x.com/vfio": frozenset({"0000:18:00.0"}),
+                           "x.com/mig": frozenset({"MIG-a", "d1"})}
+    assert find_overlaps(resources, reported) == expected
+    # Devices a resource's previous driver reported keep that driver's keys until a rescan:
+    # x.com/mig's d1, reported by the usb driver, is the usb device x.com/other claims.
+    reporters = {"x.com/mig": "usb"}
+    keys = {r.name: frozenset(k for d in reported[r.name]
+                              for k in claim_keys(reporters.get(r.name, r.driver), d))
+            for r in resources}
+    found = find_overlaps(resources, reported, reporters=reporters)
+    assert found == find_overlaps(resources, reported, keys, reporters)
+    assert found[0]["x.com/other"] == frozenset({"d1"})
+
+
 def test_overlap_description_counts_what_it_does_not_show():
     assert Overlap("a", "b", ("d0",)).describe() == "1 device (d0)"
     many = Overlap("a", "b", tuple(f"d{i}" for i in range(7)))
