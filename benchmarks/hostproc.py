@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 
 from host.config import Config
 from host.model import Device, ResourceConfig
+from host.process import return_freed_heap
 from host.scheduling import EVENTS_AFTER_READY_S
 from host.testing.drivers import MemoryDriver, make_devices
 from host.testing.harness import make_config, running_host
@@ -85,6 +86,9 @@ async def serve(resources: int, devices: int, plugin_dir: str, host_root: str,
             print("ready", flush=True)
 
         def ready() -> None:
+            # As `cli run` does half a second after all are registered (host/serve.py; there
+            # are no other drivers to load here): the freed heap of that burst goes back.
+            loop.call_later(0.5, return_freed_heap)
             # The kernel's event monitor is armed a moment after every resource registered
             # (host/scheduling.py arm_events); "ready" means registered and watching.
             delay = EVENTS_AFTER_READY_S + 0.05 if events else 0.0
