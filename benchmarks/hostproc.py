@@ -9,6 +9,12 @@ listens in ``--plugin-dir`` (the simulator in the benchmark process)::
 
 Prints ``serving`` once every socket is up and ``ready`` once every resource is registered;
 serves until SIGTERM/SIGINT, then removes its sockets and exits 0.
+
+Of the test kit this process loads only the MemoryDriver: the host root is built by the
+caller (``numa_root``, passed as ``--host-root``; built here only when none is given) and the
+host is started as ``host.testing.harness.running_host`` does, whose module loads the kubelet
+simulator only for ``kubelet_and_host``. No host process loads those, so its memory figures
+do not count them.
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ from host.process import return_freed_heap
 from host.scheduling import EVENTS_AFTER_READY_S
 from host.testing.drivers import MemoryDriver, make_devices
 from host.testing.harness import make_config, running_host
-from host.testing.tree import FakeTree
 
 DRIVER = "memory"
 
@@ -51,6 +56,14 @@ def build_devices(resources: int, devices: int, numa_nodes: int) -> Dict[str, Li
         resource_name(i): make_devices(device_prefix(i), per + (1 if i < extra else 0), numa)
         for i in range(resources)
     }
+
+
+def numa_root(path: str, numa_nodes: int) -> str:
+    """A host root with ``numa_nodes`` NUMA nodes and nothing else, for ``--host-root``."""
+    from host.testing.tree import FakeTree
+
+    FakeTree(path).numa_nodes(max(1, numa_nodes))
+    return path
 
 
 def bench_config(plugin_dir: str, resources: List[ResourceConfig], host_root: str,
@@ -115,8 +128,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     state = tempfile.mkdtemp(prefix="dphb-host-")
     root = args.host_root
     if root is None:
-        root = os.path.join(state, "root")
-        FakeTree(root).numa_nodes(max(1, args.numa_nodes))
+        root = numa_root(os.path.join(state, "root"), args.numa_nodes)
     try:
         asyncio.run(serve(args.resources, args.devices, args.plugin_dir, root,
                           args.numa_nodes, state, args.events))
