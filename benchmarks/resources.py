@@ -13,9 +13,12 @@ host and floor alike).
 ``rss_mb_64r_10k``, ``idle_cpu_pct_64r``:
 
 Setup: ``benchmarks.hostproc`` (the real HostApp, MemoryDriver devices spread over 64
-resources; the CLI, the entry-point drivers and the udev monitor are not loaded, so a
-``device-plugin-host run`` process is a little bigger) registered with the kubelet simulator
-in this process, every ListAndWatch stream open, the operator drain file's directory present.
+resources, on a host root with 2 NUMA nodes built by this process; of the test kit only the
+MemoryDriver is loaded there) registered with the kubelet simulator in this process, every
+ListAndWatch stream open, the operator drain file's directory present. The CLI, the
+entry-point drivers and the udev monitor are not loaded: a ``device-plugin-host run``
+process, which loads every installed driver once serving, is bigger (its imports alone by
+about 2.6 MB; ``rss_mb_1r`` and ``rss_mb_16r`` measure that path).
 Once every resource has its snapshot and a short settle, RSS is read (psutil; MB = 10^6
 bytes), then CPU time over an idle window (30 s; quick: 5 s) as a percentage of one core.
 CPU time is the sum of the per-thread ``schedstat`` run times (nanoseconds) where Linux has
@@ -36,7 +39,7 @@ from typing import Dict, List, Optional, Tuple
 import psutil
 
 from benchmarks.core import Context, Figure, child_process, median, now, short_dir
-from benchmarks.hostproc import resource_name
+from benchmarks.hostproc import numa_root, resource_name
 from benchmarks.startup import build_gpu_tree, write_config
 from host.testing.kubelet import KubeletSimulator
 
@@ -167,12 +170,14 @@ async def _measure(ctx: Context) -> List[Figure]:
     devices = DEVICES if not ctx.tiny else 100
     names = [resource_name(i) for i in range(resources)]
 
-    with short_dir() as host_dir, short_dir() as bare_dir:
+    with short_dir() as host_dir, short_dir() as bare_dir, \
+            tempfile.TemporaryDirectory(prefix="dphb-root-") as root:
         sim = KubeletSimulator(host_dir)
         await sim.start()
         try:
             host_args = ["-m", "benchmarks.hostproc", "--resources", str(resources),
-                         "--devices", str(devices), "--plugin-dir", host_dir]
+                         "--devices", str(devices), "--plugin-dir", host_dir,
+                         "--host-root", numa_root(root, 2)]
             bare_args = ["-m", "benchmarks.floors", "servers", "--count", str(resources),
                          "--dir", bare_dir]
             rss, cpu, pct, wall, method = await idle_side_by_side(

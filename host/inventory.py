@@ -27,7 +27,7 @@ from host.host_view import host_view
 from host.hostfs import HostFS
 from host.isolation import DriverCallError, DriverCalls
 from host.model import Device, Health, ResourceConfig
-from host.overlap import Overlap, claim_keys, find_overlaps
+from host.overlap import Overlap, find_overlaps
 from host.probe import discover_and_probe
 from host.sanitize import sanitize
 
@@ -79,9 +79,10 @@ class Inventory:
         self._aer = AerTracker()
         self._aer_problems: Dict[str, Dict[str, str]] = {}  # resource -> pci address -> why
         self.drains: Dict[DrainKey, str] = {}
-        # Devices claimed by two resources (host/overlap.py): each resource's claim keys, the
-        # ids it must leave out, the overlaps found by the last scan, and the ones warned of.
-        self._claims: Dict[str, FrozenSet[str]] = {}
+        # Devices claimed by two resources (host/overlap.py): the driver that reported each
+        # resource's devices, the ids it must leave out, the overlaps found by the last scan,
+        # and the ones warned of.
+        self._reported_by: Dict[str, str] = {}
         self._excluded: Dict[str, FrozenSet[str]] = {}
         self.overlaps: List[Overlap] = []
         self._warned: Set[Tuple[str, str, str]] = set()
@@ -102,7 +103,7 @@ class Inventory:
                 del self.devices[name]
                 self._vanished.pop(name, None)
                 self._reported.pop(name, None)
-                self._claims.pop(name, None)
+                self._reported_by.pop(name, None)
                 self._aer.retain(name, ())
                 self._aer_problems.pop(name, None)
         # A resource whose config changed (selectors, replicas) is rescanned by the caller;
@@ -183,8 +184,7 @@ class Inventory:
         for resource in resources:
             devices = self._sanitize(name, resource.name, result.get(resource.name, ()))
             self._reported[resource.name] = devices
-            self._claims[resource.name] = frozenset(
-                key for device in devices for key in claim_keys(name, device))
+            self._reported_by[resource.name] = name
         # Before publishing: a device two resources claim is never advertised by both.
         changed |= self._refresh_overlaps()
         for resource in resources:
@@ -215,7 +215,7 @@ class Inventory:
         """Recompute which devices each resource leaves to an earlier one; republish the
         resources whose share changed and warn once per newly overlapping device."""
         excluded, overlaps = find_overlaps(list(self.resources.values()), self._reported,
-                                           self._claims)
+                                           reporters=self._reported_by)
         self.overlaps = overlaps
         for overlap in overlaps:
             new = [i for i in overlap.device_ids

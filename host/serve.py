@@ -21,6 +21,7 @@ from host.exit import EXIT_CONFIG
 from host.isolation import DriverCalls
 from host.lock import HostLock, LockHeld
 from host.plugins import DriverRegistry
+from host.process import return_freed_heap
 from host.reload import ConfigReloader
 from host.socket_names import KUBELET_SOCKET
 from host.systemd import Notifier
@@ -54,6 +55,13 @@ def _load_rest(registry: DriverRegistry, app: HostApp) -> None:
         for name, driver in registry.with_unavailable().items():
             app.drivers.setdefault(name, driver)
             app.inventory.drivers.setdefault(name, driver)
+
+
+def _after_start(registry: DriverRegistry, app: HostApp) -> None:
+    """Every resource registered: load the drivers no resource uses, then give back the heap
+    the start-up burst freed (host/process.py)."""
+    _load_rest(registry, app)
+    return_freed_heap()
 
 
 def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -> int:
@@ -110,9 +118,10 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
             reloader.start()
             # The drivers no resource uses load once serving (a reload may name them; a broken
             # package is still reported): a moment after all are registered, or in 5 s. Both
-            # timers are the host's, cancelled by its stop().
+            # timers are the host's, cancelled by its stop(). The first time all are
+            # registered, the freed heap of that burst goes back to the kernel too.
             app.on_ready.append(lambda: app.background.later(
-                "load other drivers", 0.5, _load_rest, registry, app))
+                "load other drivers", 0.5, _after_start, registry, app))
             app.background.later("load other drivers (fallback)", 5.0, _load_rest, registry, app)
             announce = app.background.spawn(announce_ready(app, notifier, config), "readiness")
             await stop.wait()

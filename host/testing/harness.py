@@ -8,14 +8,16 @@ import hashlib
 import os
 import shutil
 import tempfile
-from typing import Any, AsyncIterator, Dict, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, Optional, Sequence, Tuple, Union
 
 from host.app import HostApp
 from host.config import Config, HostSettings
 from host.driver import Driver
 from host.model import ResourceConfig
-from host.testing.kubelet import KubeletSimulator
 from host.watch import EventSource
+
+if TYPE_CHECKING:  # loaded by kubelet_and_host: a process running only the host needs none
+    from host.testing.kubelet import KubeletSimulator
 
 _drain_root: Optional[str] = None
 
@@ -52,6 +54,8 @@ async def kubelet_and_host(
 ) -> AsyncIterator[Tuple[KubeletSimulator, HostApp]]:
     """A kubelet simulator on the config's plugin dir and the real host against it, with every
     served resource registered and its first snapshot received before the body runs."""
+    from host.testing.kubelet import KubeletSimulator
+
     sim = KubeletSimulator(config.host.plugin_dir, **simulator)
     await sim.start()
     try:
