@@ -14,9 +14,25 @@ from hypothesis import strategies as st
 from host.drain import DrainError, NoSuchMark, clean_reason, key_error, read_drains, update_drains
 from host.resource_name import resource_name_error
 
-_NAMES = st.from_regex(
-    r"[a-z0-9]([a-z0-9-]{0,8}[a-z0-9])?(\.[a-z0-9]{1,6}){0,2}/[A-Za-z0-9]([A-Za-z0-9._-]{0,30}"
-    r"[A-Za-z0-9])?", fullmatch=True,
+_LOWER = "abcdefghijklmnopqrstuvwxyz0123456789"
+_ANY = _LOWER + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _edged(inner: str, edge: str, longest: int) -> st.SearchStrategy[str]:
+    """``[edge]([inner]{0,longest}[edge])?``: built from parts, as st.from_regex spent
+    three quarters of this test's time (5 of 7 s under cProfile) in its regex machinery."""
+    return st.one_of(st.sampled_from(edge), st.builds(
+        lambda first, middle, last: first + middle + last,
+        st.sampled_from(edge), st.text(inner, max_size=longest), st.sampled_from(edge)))
+
+
+# [a-z0-9]([a-z0-9-]{0,8}[a-z0-9])?(\.[a-z0-9]{1,6}){0,2}/
+#   [A-Za-z0-9]([A-Za-z0-9._-]{0,30}[A-Za-z0-9])?
+_NAMES = st.builds(
+    lambda label, dots, name: f"{label}{''.join('.' + d for d in dots)}/{name}",
+    _edged(_LOWER + "-", _LOWER, 8),
+    st.lists(st.text(_LOWER, min_size=1, max_size=6), max_size=2),
+    _edged(_ANY + "._-", _ANY, 30),
 ).filter(lambda name: resource_name_error(name) is None)
 _IDS = st.text(min_size=1, max_size=256).filter(lambda d: key_error("example.com/x", d) is None)
 

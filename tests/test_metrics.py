@@ -460,7 +460,7 @@ def test_healthz_is_ok_while_the_loop_answers_and_the_check_is_clean(run):
 
 def test_healthz_of_a_stuck_event_loop_times_out(run):
     """The loop itself answers, so a blocked loop answers nothing: the kubelet's probe fails
-    by its timeoutSeconds. Here the loop sleeps 3 s in a callback; a 1 s client times out."""
+    by its timeoutSeconds. Here the loop sleeps 2 s in a callback; a 1 s client times out."""
     async def body(metrics: HostMetrics) -> None:
         host, port = metrics.address
         loop = asyncio.get_running_loop()
@@ -475,7 +475,7 @@ def test_healthz_of_a_stuck_event_loop_times_out(run):
             return "answered"
 
         answer = loop.run_in_executor(None, probe)
-        loop.call_soon(lambda: (started.set(), time.sleep(3)))
+        loop.call_soon(lambda: (started.set(), time.sleep(2)))
         assert (await answer).startswith("timed out")
         assert (await scrape(metrics, "/healthz"))[0] == 200  # the loop runs again
 
