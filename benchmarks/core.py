@@ -75,6 +75,10 @@ class Context:
         return tiny if self.tiny else quick if self.quick else full
 
 
+#: The idle window of a tiny run (the smoke test's size: shapes only, numbers meaningless).
+TINY_IDLE_S = 0.2
+
+
 def stderr_progress(message: str) -> None:
     print(f"  .. {message}", file=sys.stderr, flush=True)
 

@@ -22,7 +22,7 @@ import os
 import tempfile
 from typing import Dict, List
 
-from benchmarks.core import Context, Figure, median, now, percentile, short_dir
+from benchmarks.core import TINY_IDLE_S, Context, Figure, median, now, percentile, short_dir
 from benchmarks.floors import PushFloor
 from benchmarks.hostproc import DRIVER, bench_config, resource_name
 from benchmarks.resources import idle_side_by_side
@@ -81,7 +81,7 @@ async def _measure_count(count: int, samples: int, root: str) -> Dict[str, List[
 
 
 async def _idle_watching(ctx: Context) -> Figure:
-    idle_s = ctx.pick(30, 5, 1)
+    idle_s = ctx.pick(30, 5, 1) if not ctx.tiny else TINY_IDLE_S
     resources = 64 if not ctx.tiny else 4
     names = [resource_name(i) for i in range(resources)]
     with short_dir() as host_dir, short_dir() as bare_dir:

@@ -129,9 +129,10 @@ async def _measure(ctx: Context) -> List[Figure]:
             configs[n] = os.path.join(work, f"config-{n}.toml")
             names = write_config(configs[n], ctx.pick(n, n, min(n, 4)), drain_dir)
             configs[n] = (configs[n], names)
-        await _bare_start()  # warm-ups: the page cache and the bytecode cache for both
-        if sizes:
-            await _host_start(*configs[sizes[0]], root)
+        if not ctx.tiny:  # warm-ups (the page cache, the bytecode cache); a tiny run is shapes
+            await _bare_start()
+            if sizes:
+                await _host_start(*configs[sizes[0]], root)
         for _ in range(runs):  # interleaved, so drift hits every size and the floor alike
             floors.append(await _bare_start())
             for n in sizes:
