@@ -34,6 +34,7 @@ from host.exit import EXIT_CONFIG, CommandError
 from host.lock import running_host
 from host.logs import setup_logging
 from host.plugins import DriverRegistry, configured_drivers, disabled_in_config, load_drivers
+from host.process import collect_again
 from host.reload import is_empty
 from host.serve import run
 from host.socket_names import POD_RESOURCES_SOCKET
@@ -231,6 +232,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     configuration or host root); a traceback only with ``--debug``."""
     words = sys.argv[1:] if argv is None else list(argv)
     args = _parser(_command_of(words)).parse_args(words)
+    if args.command != "run":
+        collect_again()  # off only for the daemon's start (host/process.py)
     try:
         code = _dispatch(args)
         sys.stdout.flush()  # a closed pipe shows up here when the output was buffered

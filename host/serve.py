@@ -21,7 +21,7 @@ from host.exit import EXIT_CONFIG
 from host.isolation import DriverCalls
 from host.lock import HostLock, LockHeld
 from host.plugins import DriverRegistry
-from host.process import return_freed_heap
+from host.process import collect_again, return_freed_heap
 from host.reload import ConfigReloader
 from host.socket_names import KUBELET_SOCKET
 from host.systemd import Notifier
@@ -114,6 +114,7 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
             # and set ListAndWatch's p99. Here, at the process entry, not in HostApp.start:
             # a test or benchmark process starts hosts by the hundred.
             gc.freeze()
+            collect_again()  # off since the process began (host/process.py)
             reloader.on_outcome = lambda outcome: gc.freeze() if outcome == "applied" else None
             reloader.start()
             # The drivers no resource uses load once serving (a reload may name them; a broken

@@ -147,3 +147,33 @@ def test_the_widget_example_imports_only_the_public_api():
                 offenders.append(f"{path.relative_to(EXAMPLE)}:{number}: {line.strip()}")
     assert not offenders, "the example reaches into the host's internals:\n" + "\n".join(
         offenders)
+
+
+def test_the_collector_is_off_only_while_the_program_starts():
+    """The entry points pause the cyclic collector for the start (host/process.py); a command
+    turns it back on once parsed, and importing the program or the public API never touches
+    it (a driver's or a test's process keeps its own collector)."""
+    seen = _fresh(
+        "import gc, json, os, sys\n"
+        "import device_plugin_host, host.cli, host.process\n"
+        "untouched = gc.isenabled()\n"
+        "seen = {}\n"
+        "parser, dispatch = host.cli._parser, host.cli._dispatch\n"
+        "def parsing(*args):\n"
+        "    seen['parsing'] = gc.isenabled()\n"
+        "    return parser(*args)\n"
+        "def dispatching(args):\n"
+        "    seen['running'] = gc.isenabled()\n"
+        "    return dispatch(args)\n"
+        "host.cli._parser, host.cli._dispatch = parsing, dispatching\n"
+        "sys.argv = ['device-plugin-host', 'check-config', os.devnull]\n"
+        "host.process.main()\n"
+        "print(json.dumps([untouched, seen['parsing'], seen['running'], gc.isenabled()]))")
+    assert seen == [True, False, True, True]
+    seen = _fresh(
+        "import gc, json\n"
+        "import host.process\n"
+        "host.process.configure_process()\n"
+        "host.process.pause_collector()\n"
+        "print(json.dumps(gc.isenabled()))")
+    assert seen is False
