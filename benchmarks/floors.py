@@ -221,6 +221,22 @@ async def _servers_main(count: int, directory: str) -> None:
     await _serve_until_signalled(servers)
 
 
+async def _plugins_main(names: List[str], directory: str, devices: int) -> None:
+    """What any Python device plugin process pays to serve and register ``names``: one
+    MinimalPlugin each (a server, options, one fixed snapshot of ``devices`` Healthy devices)
+    and its Register, all at once on one channel to the kubelet in ``directory``."""
+    payload = api.ListAndWatchResponse(devices=[
+        api.Device(ID=f"gpu{i}", health="Healthy") for i in range(devices)]).SerializeToString()
+    plugins = [MinimalPlugin(directory, name, i, payload) for i, name in enumerate(names)]
+    channel = kubelet_channel(directory)
+    await asyncio.gather(*(plugin.register(channel) for plugin in plugins))
+    servers = [plugin.server for plugin in plugins if plugin.server is not None]
+    try:
+        await _serve_until_signalled(servers)
+    finally:
+        await channel.close()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.floors")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -229,9 +245,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     servers = sub.add_parser("servers", help="N idle grpc.aio servers on unix sockets")
     servers.add_argument("--count", type=int, default=64)
     servers.add_argument("--dir", required=True)
+    plugins = sub.add_parser("plugins", help="N minimal device plugins, each registered with "
+                                             "the kubelet at DIR/kubelet.sock")
+    plugins.add_argument("--dir", required=True)
+    plugins.add_argument("--devices", type=int, default=4)
+    plugins.add_argument("names", nargs="+", help="the resource names")
     args = parser.parse_args(argv)
     if args.command == "echo":
         asyncio.run(_echo_main(args.socket))
+    elif args.command == "plugins":
+        asyncio.run(_plugins_main(args.names, args.dir, args.devices))
     else:
         asyncio.run(_servers_main(args.count, args.dir))
     return 0

@@ -104,6 +104,26 @@ async def _host_start(config: str, names: Sequence[str], root: str) -> float:
             await sim.stop()
 
 
+async def _plugins_start(names: Sequence[str]) -> float:
+    """Milliseconds from spawn to ``names`` registered with a snapshot, by a process of
+    hand-written minimal plugins (benchmarks.floors plugins): what any Python plugin pays for
+    N servers and N registrations. Not the key's floor (that is one bare server, as issue 15
+    defines it); a note, so the host's own share of a many-resource start can be read."""
+    with short_dir() as plugin_dir:
+        sim = KubeletSimulator(plugin_dir)
+        await sim.start()
+        try:
+            started = now()
+            async with child_process(["-m", "benchmarks.floors", "plugins", "--dir", plugin_dir,
+                                      "--devices", str(GPUS), *names]):
+                await sim.wait_for(
+                    lambda k: all(k.resources[n].connected and k.resources[n].snapshots
+                                  for n in names), timeout=60, what="every plugin registered")
+                return (now() - started) * 1000
+        finally:
+            await sim.stop()
+
+
 async def _bare_start() -> float:
     """Milliseconds from spawn to one bare grpc.aio server serving."""
     with short_dir() as directory:
@@ -123,6 +143,7 @@ async def _measure(ctx: Context) -> List[Figure]:
         drain_dir = os.path.join(work, "drain")
         os.makedirs(drain_dir)
         samples: Dict[int, List[float]] = {n: [] for n in sizes}
+        minimal: Dict[int, List[float]] = {n: [] for n in sizes}
         floors: List[float] = []
         configs = {}
         for n in sizes:
@@ -139,10 +160,15 @@ async def _measure(ctx: Context) -> List[Figure]:
                 path, names = configs[n]
                 ctx.progress(f"startup of {len(names)} resources")
                 samples[n].append(await _host_start(path, names, root))
+                minimal[n].append(await _plugins_start(names))
     floor = median(floors)
     for n in sizes:
         notes = [f"median of {runs}, {GPUS} fake NVIDIA GPUs, max {max(samples[n]):.0f} ms; "
                  f"floor: one bare grpc.aio server, max {max(floors):.0f} ms"]
+        plugins = median(minimal[n])
+        notes.append(f"{len(configs[n][1])} minimal plugins in one process (grpc, a server and "
+                     f"a Register each): {plugins:.0f} ms; host / that = "
+                     f"{median(samples[n]) / plugins:.2f}x")
         if ctx.tiny:
             notes.append(f"tiny run: {min(n, 4)} resources")
         figures.append(Figure(f"startup_ms_{n}", median(samples[n]), "ms", floor, notes))
