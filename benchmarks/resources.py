@@ -17,8 +17,9 @@ resources, on a host root with 2 NUMA nodes built by this process; of the test k
 MemoryDriver is loaded there) registered with the kubelet simulator in this process, every
 ListAndWatch stream open, the operator drain file's directory present. The CLI, the
 entry-point drivers and the udev monitor are not loaded: a ``device-plugin-host run``
-process, which loads every installed driver once serving, is bigger (its imports alone by
-about 2.6 MB; ``rss_mb_1r`` and ``rss_mb_16r`` measure that path).
+process is bigger (its imports alone by about 2.6 MB when it loaded every installed driver
+once serving; about 1.3 MB since the host's own drivers that no resource names wait for a
+reload that needs them; ``rss_mb_1r`` and ``rss_mb_16r`` measure that path).
 Once every resource has its snapshot and a short settle, RSS is read (psutil; MB = 10^6
 bytes), then CPU time over an idle window (30 s; quick: 5 s) as a percentage of one core.
 CPU time is the sum of the per-thread ``schedstat`` run times (nanoseconds) where Linux has

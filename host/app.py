@@ -24,6 +24,7 @@ from typing import (
     Dict,
     Iterable,
     List,
+    Mapping,
     Optional,
     Set,
     Tuple,
@@ -318,6 +319,13 @@ class HostApp:
         """Scan with a config's resources, without applying them, for devices two of them
         claim (host/reconfigure.py)."""
         return await reconfigure.overlaps_in(self, config)
+
+    def adopt_drivers(self, drivers: Mapping[str, Driver]) -> None:
+        """Drivers loaded after start (host/serve.py, host/reload.py): known from now on, for
+        a reload to name; the ones already here stay."""
+        for name, driver in drivers.items():
+            self.drivers.setdefault(name, driver)
+            self.inventory.drivers.setdefault(name, driver)
 
     async def reload(self, config: Config) -> None:
         """Apply a new, already validated config without a blip for unchanged resources

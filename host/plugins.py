@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 # The entry-point value syntax of the packaging spec (and importlib.metadata's EntryPoint).
 _VALUE = re.compile(r"(?P<module>[\w.]+)\s*(:\s*(?P<attr>[\w.]+)\s*)?((?P<extras>\[.*\])\s*)?$")
 _METADATA_DIRS = (".dist-info", ".egg-info")
+#: The distribution the built-in drivers come with (pyproject.toml's name).
+OWN_DISTRIBUTION = "device-plugin-host"
 
 
 class EntryPoint(NamedTuple):
@@ -86,6 +88,11 @@ def _entry_points(group: str) -> List[Tuple[EntryPoint, Optional[str]]]:
             found.extend((EntryPoint(ep_name, value, group), label)
                          for ep_name, value in _section(text, group))
     return found
+
+
+def _own_package(label: Optional[str]) -> bool:
+    """Whether an entry point's "Name Version" label is this distribution's."""
+    return label is not None and label.split(" ", 1)[0] == OWN_DISTRIBUTION
 
 
 def _read(path: str) -> Optional[str]:
@@ -215,11 +222,25 @@ class DriverRegistry:
         if not wanted <= set(self.with_unavailable()):
             self.load_pending()
 
-    def load_pending(self) -> bool:
-        """Load the entry points ``load_entry_points(first=...)`` left; True when any were."""
-        pending, self._pending = self._pending, []
-        self._load(pending)
-        return bool(pending)
+    def load_pending(self, *, other_packages_only: bool = False) -> bool:
+        """Load the entry points ``load_entry_points(first=...)`` left; True when any were.
+
+        ``other_packages_only``: leave this distribution's own drivers pending. They are
+        installed and tested with the host, so importing one that no resource uses only to
+        see that it imports tells an operator nothing and kept ~1.3 MB (issue 15); another
+        package's driver is loaded, so a broken install is in the log and the metrics at
+        start. A reload loads the rest when it runs (host/reload.py)."""
+        if other_packages_only:
+            load = [pair for pair in self._pending if not _own_package(pair[1])]
+            self._pending = [pair for pair in self._pending if _own_package(pair[1])]
+        else:
+            load, self._pending = self._pending, []
+        self._load(load)
+        return bool(load)
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
 
     def _load(self, entry_points: List[Tuple[EntryPoint, Optional[str]]]) -> None:
         for entry_point, dist in entry_points:

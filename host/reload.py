@@ -197,6 +197,12 @@ class ConfigReloader:
                 "built-in defaults, which would stop every configured resource: not applied "
                 "(restart the host to serve the built-in defaults)")
         loop = asyncio.get_running_loop()
+        if self.registry.has_pending:
+            # The host's own drivers that no resource used at start: the new file may name
+            # one (or be the defaults of all). Imported off the loop, known to the host
+            # before the file is checked against them.
+            await loop.run_in_executor(None, self.registry.load_pending)
+            self.app.adopt_drivers(self.registry.with_unavailable())
         # Parsing and driver validation of a large file take long: off the loop.
         config = await loop.run_in_executor(None, self._load)
         if not config.is_default:

@@ -51,15 +51,15 @@ async def announce_ready(app: HostApp, notifier: Notifier, config: Config) -> No
 
 
 def _load_rest(registry: DriverRegistry, app: HostApp) -> None:
-    if registry.load_pending():
-        for name, driver in registry.with_unavailable().items():
-            app.drivers.setdefault(name, driver)
-            app.inventory.drivers.setdefault(name, driver)
+    """Other packages' drivers that no resource uses: loaded so that a broken one is reported
+    now; the host's own wait for a reload that needs them (DriverRegistry.load_pending)."""
+    if registry.load_pending(other_packages_only=True):
+        app.adopt_drivers(registry.with_unavailable())
 
 
 def _after_start(registry: DriverRegistry, app: HostApp) -> None:
-    """Every resource registered: load the drivers no resource uses, then give back the heap
-    the start-up burst freed (host/process.py)."""
+    """Every resource registered: load other packages' drivers no resource uses, then give
+    back the heap the start-up burst freed (host/process.py)."""
     _load_rest(registry, app)
     return_freed_heap()
 
@@ -117,10 +117,10 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
             collect_again()  # off since the process began (host/process.py)
             reloader.on_outcome = lambda outcome: gc.freeze() if outcome == "applied" else None
             reloader.start()
-            # The drivers no resource uses load once serving (a reload may name them; a broken
-            # package is still reported): a moment after all are registered, or in 5 s. Both
-            # timers are the host's, cancelled by its stop(). The first time all are
-            # registered, the freed heap of that burst goes back to the kernel too.
+            # Other packages' drivers no resource uses load once serving (a broken package is
+            # still reported; a reload loads the rest): a moment after all are registered, or
+            # in 5 s. Both timers are the host's, cancelled by its stop(). The first time all
+            # are registered, the freed heap of that burst goes back to the kernel too.
             app.on_ready.append(lambda: app.background.later(
                 "load other drivers", 0.5, _after_start, registry, app))
             app.background.later("load other drivers (fallback)", 5.0, _load_rest, registry, app)

@@ -8,7 +8,6 @@ longest path the host will bind, instead of a resource that never binds and retr
 
 from __future__ import annotations
 
-import hashlib
 import re
 
 #: The kubelet's registration socket, in its device plugin directory.
@@ -23,17 +22,27 @@ GRPC_MAX_SOCKET_PATH = 105
 READABLE_MAX = 20
 TOKEN_MAX = 10  # pid (pid_max <= 2**22: at most 6 hex digits) + 4 random hex digits
 GENERATION_WRAP = 1_000_000  # the generation field is 6 digits; old sockets never live that long
+DIGEST_LEN = 8  # hex digits of the resource name's sha1, for uniqueness past the readable cut
 
 
 def socket_file_name(resource: str, token: str, generation: int) -> str:
     """A bare, unique, short socket file name: readable prefix, hash for uniqueness."""
-    digest = hashlib.sha1(resource.encode()).hexdigest()[:8]
+    # Imported here: host.protocol re-exports this module's constants, and a process that only
+    # speaks the protocol (the start-up floor, benchmarks/floors.py) hashes nothing.
+    import hashlib
+
+    digest = hashlib.sha1(resource.encode()).hexdigest()[:DIGEST_LEN]
     readable = re.sub(r"[^A-Za-z0-9]+", "-", resource).strip("-")[:READABLE_MAX]
+    return _file_name(readable, digest, token, generation)
+
+
+def _file_name(readable: str, digest: str, token: str, generation: int) -> str:
     return f"dph-{readable}-{digest}-{token[:TOKEN_MAX]}-{generation % GENERATION_WRAP:06d}.sock"
 
 
 #: The longest name socket_file_name can return.
-MAX_SOCKET_NAME = len(socket_file_name("x" * READABLE_MAX, "f" * TOKEN_MAX, GENERATION_WRAP - 1))
+MAX_SOCKET_NAME = len(_file_name("x" * READABLE_MAX, "0" * DIGEST_LEN, "f" * TOKEN_MAX,
+                                 GENERATION_WRAP - 1))
 
 
 def longest_socket_path(plugin_dir: str) -> int:

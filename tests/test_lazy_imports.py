@@ -80,6 +80,8 @@ def test_run_loads_the_configured_drivers_first_and_the_others_later():
         "import sys\n"
         "early = sorted(m for m in sys.modules if m.startswith('drivers.'))\n"
         "assert all(m.startswith('drivers.gpu') for m in early), early\n"
+        "registry.load_pending(other_packages_only=True)\n"
+        "assert 'usb' not in registry.drivers and registry.has_pending  # ours wait\n"
         "assert registry.load_pending() and not registry.load_pending()\n"
         "assert {'gpu', 'usb', 'sriov', 'fpga', 'rdma'} <= set(registry.drivers)\n")
     assert "drivers.usb" in modules

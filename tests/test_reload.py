@@ -8,7 +8,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import AsyncIterator, List, Tuple
+from typing import AsyncIterator, List, Optional, Tuple
 
 import pytest
 
@@ -25,11 +25,12 @@ B = '[[resource]]\nname = "example.com/b"\ndriver = "usb"\n'
 
 @contextlib.asynccontextmanager
 async def reloading_host(
-    config_file: Path, root: Path, plugin_dir: str
+    config_file: Path, root: Path, plugin_dir: str, first: Optional[List[str]] = None
 ) -> AsyncIterator[Tuple[KubeletSimulator, HostApp, ConfigReloader, List[str]]]:
     """The real host with the real reloader on ``config_file``; yields the messages of every
-    unhandled task exception the loop reports (there must be none)."""
-    registry = load_drivers()
+    unhandled task exception the loop reports (there must be none). ``first``: the drivers
+    loaded at start, as `run` loads those its file names (the others stay pending)."""
+    registry = load_drivers(first=first)
     overrides = {"plugin_dir": plugin_dir, "host_root": str(root)}
     config = load_config(str(config_file), registry.with_unavailable()).with_overrides(
         **overrides)
@@ -228,5 +229,37 @@ def test_a_reload_that_makes_two_resources_claim_one_gpu_is_rejected(
             assert "resource[1] (example.com/gpu).selectors" in rejected[0]
             assert "0000:18:00.0" in rejected[0]
             assert app.served() == ["nvidia.com/gpu"]
+
+    run(scenario())
+
+
+def test_a_reload_naming_a_driver_not_loaded_at_start_loads_and_serves_it(
+        tmp_path, short_dir, run):
+    """`run` imports only the drivers its file names, and the host's own others only when a
+    reload needs them (issue 15: ~1.3 MB kept by importing all of them after start)."""
+    from host.testing import fake_gpu
+
+    root = tmp_path / "root"
+    tree = FakeTree(root)
+    tree.numa_nodes(1)
+    fake_gpu.add_nvidia_control_nodes(tree)
+    fake_gpu.add_nvidia_gpu(tree, "0000:18:00.0", minor=0, numa_node=0)
+    gpu = '[[resource]]\nname = "nvidia.com/gpu"\ndriver = "gpu"\n'
+    config = tmp_path / "config.toml"
+    config.write_text(gpu)
+
+    async def scenario():
+        async with reloading_host(config, root, short_dir, first=["gpu"]) as (
+                sim, app, reloader, errors):
+            await sim.wait_for(lambda s: s.resources["nvidia.com/gpu"].allocatable == 1)
+            assert "usb" not in app.drivers and reloader.registry.has_pending
+            config.write_text(gpu + A)
+            assert await _outcome(reloader) == "applied"
+            await sim.wait_for(lambda s: s.resources["example.com/a"].connected)
+            assert sorted(app.served()) == ["example.com/a", "nvidia.com/gpu"]
+            assert {"usb", "sriov", "rdma"} <= set(app.drivers)
+            assert not reloader.registry.has_pending
+            assert sim.resources["nvidia.com/gpu"].registrations == 1  # untouched
+            assert errors == []
 
     run(scenario())

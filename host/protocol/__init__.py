@@ -6,7 +6,6 @@
 
 from typing import Any
 
-from host.model import Health
 from host.protocol import deviceplugin_v1beta1_pb2 as api
 from host.protocol import deviceplugin_v1beta1_pb2_grpc as api_grpc
 from host.socket_names import KUBELET_SOCKET, POD_RESOURCES_SOCKET
@@ -14,9 +13,19 @@ from host.socket_names import KUBELET_SOCKET, POD_RESOURCES_SOCKET
 # The PodResources modules load on first use (``pods``, metrics' allocated_device, device-info
 # cleanup): serving devices never needs them.
 _LAZY = {"podresources": "podresources_v1_pb2", "podresources_grpc": "podresources_v1_pb2_grpc"}
+# The kubelet's two health strings, from their one definition (host/model.py Health), read on
+# first use: the wire modules stand alone, so a process that only speaks the protocol (the
+# start-up floor in benchmarks/floors.py) does not build the model's dataclasses.
+_HEALTH = {"HEALTHY", "UNHEALTHY"}
 
 
 def __getattr__(name: str) -> Any:
+    if name in _HEALTH:
+        from host.model import Health
+
+        value = Health[name].value
+        globals()[name] = value
+        return value
     if name in _LAZY:
         import importlib
 
@@ -27,9 +36,6 @@ def __getattr__(name: str) -> Any:
 
 VERSION = "v1beta1"
 DEVICE_PLUGIN_PATH = "/var/lib/kubelet/device-plugins"
-# The kubelet's two health strings, from the one definition (host/model.py Health).
-HEALTHY = Health.HEALTHY.value
-UNHEALTHY = Health.UNHEALTHY.value
 
 __all__ = [
     "DEVICE_PLUGIN_PATH",
