@@ -24,7 +24,6 @@ retrieved".
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import signal
@@ -64,7 +63,10 @@ class ConfigReloader:
         self.overrides = overrides
         self.quiet_s = quiet_s
         data = self._read()
-        self._digest = _digest(data)
+        # The bytes themselves, compared whole: exact, and a config is a few kB (4 MB at
+        # most, host/config.py). A sha256 would load OpenSSL's digests, ~0.8 MB of RSS the
+        # host keeps for its lifetime (issue 15).
+        self._applied = data
         self._empty_at_start = data is not None and is_empty(data)
         self._rejected: Optional[Tuple[Optional[bytes], str]] = None
         self._watch: Optional[DirectoryWatch] = None
@@ -149,22 +151,21 @@ class ConfigReloader:
         if not settled:
             self.schedule(force)  # still being written: wait for the next quiet period
             return
-        digest = _digest(data)
-        if not force and digest == self._digest:
+        if not force and data == self._applied:
             self._tell("unchanged")
             return
         try:
             config = await self._check(data)
         except ConfigError as error:
             self.rejections += 1
-            if force or self._rejected != (digest, str(error)):
+            if force or self._rejected != (data, str(error)):
                 log.error("reload rejected, still serving the previous configuration: %s",
                           error)
-            self._rejected = (digest, str(error))
+            self._rejected = (data, str(error))
             self._tell("rejected")
             return
         self._rejected = None
-        self._digest = digest
+        self._applied = data
         log.info("reloading the configuration from %s", self.path or "built-in defaults")
         await self.app.reload(config)
         self.reloads += 1
@@ -231,10 +232,6 @@ class ConfigReloader:
                 await self._task
             except asyncio.CancelledError:
                 pass
-
-
-def _digest(data: Optional[bytes]) -> Optional[bytes]:
-    return None if data is None else hashlib.sha256(data).digest()
 
 
 def _stat(path: str) -> Optional[Tuple[int, int, int, int]]:

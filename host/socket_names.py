@@ -9,6 +9,7 @@ longest path the host will bind, instead of a resource that never binds and retr
 from __future__ import annotations
 
 import re
+import zlib
 
 #: The kubelet's registration socket, in its device plugin directory.
 KUBELET_SOCKET = "kubelet.sock"
@@ -22,16 +23,15 @@ GRPC_MAX_SOCKET_PATH = 105
 READABLE_MAX = 20
 TOKEN_MAX = 10  # pid (pid_max <= 2**22: at most 6 hex digits) + 4 random hex digits
 GENERATION_WRAP = 1_000_000  # the generation field is 6 digits; old sockets never live that long
-DIGEST_LEN = 8  # hex digits of the resource name's sha1, for uniqueness past the readable cut
+DIGEST_LEN = 8  # hex digits of the resource name's CRC-32, for uniqueness past the readable cut
 
 
 def socket_file_name(resource: str, token: str, generation: int) -> str:
     """A bare, unique, short socket file name: readable prefix, hash for uniqueness."""
-    # Imported here: host.protocol re-exports this module's constants, and a process that only
-    # speaks the protocol (the start-up floor, benchmarks/floors.py) hashes nothing.
-    import hashlib
-
-    digest = hashlib.sha1(resource.encode()).hexdigest()[:DIGEST_LEN]
+    # CRC-32, not a truncated sha1: as unlikely to collide for the names of one config (32 bits
+    # either way, and no adversary picks them), and hashlib would load OpenSSL's digests,
+    # ~0.8 MB of RSS for the process's lifetime (issue 15).
+    digest = f"{zlib.crc32(resource.encode()):0{DIGEST_LEN}x}"
     readable = re.sub(r"[^A-Za-z0-9]+", "-", resource).strip("-")[:READABLE_MAX]
     return _file_name(readable, digest, token, generation)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
 import os
 import shutil
 import tempfile
+import zlib
 from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, Optional, Sequence, Tuple, Union
 
 from host.app import HostApp
@@ -38,7 +38,9 @@ def make_config(plugin_dir: str, resources: Sequence[ResourceConfig], **host: ob
     """A config for tests: the drain file defaults to a per-plugin-dir temp path (never the
     real /var/lib, never inside the plugin dir; the same plugin dir gets the same path, so a
     restarted host finds its marks)."""
-    digest = hashlib.sha1(plugin_dir.encode()).hexdigest()[:12]
+    # CRC-32, like the host's socket names: hashlib would load OpenSSL's digests into the
+    # benchmarks' host process (benchmarks/hostproc.py), which the real host never loads.
+    digest = f"{zlib.crc32(plugin_dir.encode()):08x}"
     host.setdefault("drain_file", os.path.join(_drains(), digest, "drained"))
     host.setdefault("nfd_features_file", "")  # never the node's real NFD directory
     settings = HostSettings(plugin_dir=plugin_dir, **host)  # type: ignore[arg-type]
