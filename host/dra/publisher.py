@@ -214,11 +214,19 @@ class SlicePublisher:
         Started without a resourceVersion (the server's current state, sent as ADDED events,
         which say nothing new); resumed from the last resourceVersion seen after the stream
         ends or breaks, so deletions during an outage still arrive; after 410 Expired the
-        events in between are lost, so every pool is read again."""
+        events in between are lost, so every pool is read again. So too when a stream ends
+        or breaks before it delivered any resourceVersion (an apiserver restart right after
+        we started watching, with our own slice's ADDED event still in flight): the next
+        watch starts from "now", and a deletion in the gap would never be seen."""
         version: Optional[str] = None
         backoff = BACKOFF_MIN_S
         warned = False
+        blind = False  # a stream ended with no version to resume from: re-read our pools
         while True:
+            if blind:
+                blind = False
+                self._deleted_uids.clear()  # their DELETED events may have gone by too
+                self.republish()
             try:
                 async for event in self.client.watch_node_slices(self.node_name, version):
                     backoff, warned = BACKOFF_MIN_S, False
@@ -228,7 +236,12 @@ class SlicePublisher:
                         version = str(seen)
                     if event.get("type") == "DELETED":
                         self._deleted_elsewhere(obj)
+                blind = version is None
             except KubeError as err:
+                refused = 400 <= err.status < 500 and err.status != 429
+                # A refused watch (403) stays refused: re-reading every pool at each retry
+                # would only add requests; the warning below says what is lost.
+                blind = version is None and not refused
                 if err.status == 410:
                     log.info("DRA: the ResourceSlice watch expired (%s); reading our pools "
                              "again", err.message)
@@ -236,7 +249,6 @@ class SlicePublisher:
                     self._deleted_uids.clear()
                     self.republish()
                     continue
-                refused = 400 <= err.status < 500 and err.status != 429
                 if refused and not warned:
                     # 403: the account may not watch resourceslices (RBAC of an older
                     # overlay, a kubeconfig user); slices deleted by others then stay gone.
