@@ -149,8 +149,7 @@ class Snapshot:
             at = index.get(device.id)
             if at is not None:
                 before = old[at]
-                if before is device or (before.health == device.health
-                                        and before.numa_nodes == device.numa_nodes):
+                if before is device or _seen(before) == _seen(device):
                     start = starts[at]
                     end = starts[at + 1]
                     if start != run_end:
