@@ -175,7 +175,9 @@ def test_two_node_device_is_listed_once_per_numa_node_and_merged(short_dir, tmp_
 # -- the simulator's other RPCs ---------------------------------------------------------------
 def test_allocatable_lists_healthy_devices_only(short_dir, tmp_path, run):
     async def body(node: Node, app) -> None:
-        await node.sim.wait_for(lambda k: k.resources[NIC].allocatable == 2)
+        # Both resources: they register independently, and the GPU list is checked below.
+        await node.sim.wait_for(
+            lambda k: k.resources[GPU].allocatable == 5 and k.resources[NIC].allocatable == 2)
         devices = _devices()
         devices[NIC][0] = devices[NIC][0].with_health(Health.UNHEALTHY, "link down")
         node.driver.devices = devices
