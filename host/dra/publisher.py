@@ -238,17 +238,15 @@ class SlicePublisher:
                         self._deleted_elsewhere(obj)
                 blind = version is None
             except KubeError as err:
+                if err.status == 410:
+                    log.info("DRA: the ResourceSlice watch expired (%s); reading our pools "
+                             "again", err.message)
+                    version, blind = None, True
+                    continue
                 refused = 400 <= err.status < 500 and err.status != 429
                 # A refused watch (403) stays refused: re-reading every pool at each retry
                 # would only add requests; the warning below says what is lost.
                 blind = version is None and not refused
-                if err.status == 410:
-                    log.info("DRA: the ResourceSlice watch expired (%s); reading our pools "
-                             "again", err.message)
-                    version = None
-                    self._deleted_uids.clear()
-                    self.republish()
-                    continue
                 if refused and not warned:
                     # 403: the account may not watch resourceslices (RBAC of an older
                     # overlay, a kubeconfig user); slices deleted by others then stay gone.
