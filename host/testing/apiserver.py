@@ -827,8 +827,17 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# What a test may use on the ``kube_api`` fixture, whichever server it is: both classes have
+# each of these, with the same parameters. Counters, failure injection, ``compact`` and the
+# service-account layout are the stand-in's own.
+SHARED_HELPERS = ("url", "kubeconfig_path", "start", "stop", "close", "add_node",
+                  "put_resource_claim", "delete_resource_claim", "resource_slices", "devices",
+                  "delete_slices_of_node", "put_resource_slice", "wait_for")
+
+
 class RealApiServer:
-    """etcd + kube-apiserver from KUBEBUILDER_ASSETS, with the stand-in's helper methods.
+    """etcd + kube-apiserver from KUBEBUILDER_ASSETS, with the stand-in's helper methods
+    (``SHARED_HELPERS``).
 
     Authentication is a static token in group system:masters (--token-auth-file); the
     serving certificate (for 127.0.0.1) and the service-account signing key are made with the
@@ -1008,6 +1017,14 @@ class RealApiServer:
             if code >= 300:
                 raise RuntimeError(f"put_resource_claim status: {code} {created}")
         return created
+
+    def delete_resource_claim(self, namespace: str, name: str) -> None:
+        """Delete the claim; a missing one is no error, as in the stand-in. A claim with
+        finalizers (the scheduler's delete-protection) stays until they are removed."""
+        code, body = self._request(
+            "DELETE", f"{RESOURCE_PREFIX}/namespaces/{namespace}/resourceclaims/{name}")
+        if code >= 300 and code != 404:
+            raise RuntimeError(f"delete_resource_claim: {code} {body}")
 
     def resource_slices(self, driver: Optional[str] = None,
                         node: Optional[str] = None) -> List[Dict[str, Any]]:

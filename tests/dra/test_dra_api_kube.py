@@ -3,17 +3,20 @@ KUBEBUILDER_ASSETS), and its configuration from kubeconfig files and the in-clus
 
 from __future__ import annotations
 
+import ast
 import base64
+import inspect
 import json
 import os
 import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 
 import pytest
 
 from host.dra.kube import KubeClient, KubeConfigError, KubeError, in_cluster_access
-from host.testing.apiserver import ApiServerStandIn, kube_api
+from host.testing.apiserver import SHARED_HELPERS, ApiServerStandIn, RealApiServer, kube_api
 
 __all__ = ["kube_api"]
 
@@ -130,6 +133,58 @@ def test_node_and_claim_get(kube_api, run):
     got, claim = run(scenario())
     assert got["metadata"]["uid"] == node["metadata"]["uid"]
     assert claim["metadata"]["name"] == "claim-1"
+
+
+def test_a_deleted_claim_is_gone_and_deleting_it_again_is_no_error(kube_api, run):
+    kube_api.put_resource_claim({
+        "metadata": {"name": "claim-1", "namespace": "default"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "gpu.example.com"}}]}}})
+    kube_api.delete_resource_claim("default", "claim-1")
+    kube_api.delete_resource_claim("default", "claim-1")
+
+    async def scenario():
+        client = KubeClient.from_settings(kube_api.kubeconfig_path)
+        try:
+            with pytest.raises(KubeError) as err:
+                await client.get_resource_claim("default", "claim-1")
+            return err.value.status
+        finally:
+            await client.close()
+
+    assert run(scenario()) == 404
+
+
+def _kube_api_attributes() -> set:
+    """Every ``kube_api.NAME`` the test modules use."""
+    names = set()
+    for path in Path(__file__).resolve().parents[1].rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id == "kube_api"):
+                names.add(node.attr)
+    return names
+
+
+def test_the_real_server_and_the_stand_in_offer_the_same_helpers(tmp_path, monkeypatch):
+    """A helper only the stand-in has passes on the stand-in and breaks the suite against
+    the real server (KUBEBUILDER_ASSETS, as CI runs it): every helper a test calls on
+    ``kube_api`` is shared, and both classes take the same parameters for it."""
+    used = _kube_api_attributes()
+    assert {"add_node", "devices", "delete_resource_claim"} <= used  # the scan sees them
+    assert used <= set(SHARED_HELPERS), sorted(used - set(SHARED_HELPERS))
+    standin = ApiServerStandIn()
+    real = RealApiServer(str(tmp_path))  # not started: no binaries needed
+    try:
+        for name in SHARED_HELPERS:
+            mine, theirs = getattr(standin, name), getattr(real, name)
+            if callable(mine):
+                assert inspect.signature(mine) == inspect.signature(theirs), name
+            else:
+                assert type(mine) is type(theirs), name
+    finally:
+        standin.close()
+        real.close()
 
 
 def test_outage_refuses_and_recovers_on_the_same_port(run):
