@@ -125,6 +125,8 @@ class HostApp:
         self.metrics.liveness = RegistrationLiveness(
             lambda: {name: ep.registered for name, ep in self.registrar.endpoints.items()},
             lambda: self.config.host.plugin_dir, lambda: self.config.host.liveness_grace_s,
+            dra_registered=lambda: {} if self.dra is None else {
+                name: ep.registered for name, ep in self.dra.endpoints.items()},
         ).problems
         if any(r.api == "dra" for r in self.config.resources):
             await self._start_dra()

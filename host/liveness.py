@@ -10,10 +10,15 @@ Two failures are worth a restart, and neither ends the process by itself:
   devices, and a fresh process (new sockets, new gRPC servers, a new registration) is the
   remedy the host cannot apply to itself. While the kubelet is away, nothing can register
   and restarting would not help, so the clock only runs while kubelet.sock is there.
+* The same for a DRA driver of ours that the kubelet's plugin watcher has not registered
+  (GetInfo and NotifyRegistrationStatus with registered = true): the kubelet prepares no
+  claim of that driver. The kubelet's device-plugin socket tells that the kubelet is up here
+  too (the kubelet makes it at every start, whatever API a node's resources use), and the
+  same grace applies.
 
-The clock of a resource starts at the first check that sees it unregistered with the kubelet
-up, so the probe's period is its resolution; the default grace (300 s) is the kubelet's own
-for a plugin that stopped (``endpointStopGracePeriod``).
+The clock of a resource or driver starts at the first check that sees it unregistered with
+the kubelet up, so the probe's period is its resolution; the default grace (300 s) is the
+kubelet's own for a plugin that stopped (``endpointStopGracePeriod``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import os
 import stat
 import time
-from typing import Callable, Dict, List, Mapping
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from host.socket_names import KUBELET_SOCKET
 
@@ -35,9 +40,10 @@ def kubelet_is_up(plugin_dir: str) -> bool:
 
 
 class RegistrationLiveness:
-    """``problems()`` lists the resources unregistered for longer than the grace while the
-    kubelet is up; empty means alive. Everything is read through callables so a reload that
-    changes the resources or the grace is seen at the next check."""
+    """``problems()`` lists the resources (``registered``: device plugins, by resource name)
+    and DRA drivers (``dra_registered``: by driver name) unregistered for longer than the
+    grace while the kubelet is up; empty means alive. Everything is read through callables so
+    a reload that changes the resources or the grace is seen at the next check."""
 
     def __init__(
         self,
@@ -45,30 +51,44 @@ class RegistrationLiveness:
         plugin_dir: Callable[[], str],
         grace_s: Callable[[], float],
         clock: Callable[[], float] = time.monotonic,
+        dra_registered: Optional[Callable[[], Mapping[str, bool]]] = None,
     ) -> None:
         self._registered = registered
+        self._dra_registered = dra_registered
         self._plugin_dir = plugin_dir
         self._grace_s = grace_s
         self._clock = clock
-        self._since: Dict[str, float] = {}  # resource -> when first seen unregistered
+        # (kind, name) -> when first seen unregistered; kind "resource" or "DRA driver".
+        self._since: Dict[Tuple[str, str], float] = {}
 
     def problems(self) -> List[str]:
         grace = self._grace_s()
-        state = dict(self._registered())
+        state = {("resource", name): ok for name, ok in self._registered().items()}
+        if self._dra_registered is not None:
+            state.update({("DRA driver", name): ok
+                          for name, ok in self._dra_registered().items()})
         directory = self._plugin_dir()
         up = kubelet_is_up(directory)
         now = self._clock()
-        for name in list(self._since):
-            if not up or state.get(name, True):
-                del self._since[name]
+        for key in list(self._since):
+            if not up or state.get(key, True):
+                del self._since[key]
         if grace <= 0 or not up:
             return []
         problems = []
-        for name, registered in sorted(state.items()):
+        kubelet = os.path.join(directory, KUBELET_SOCKET)
+        for key, registered in sorted(state.items()):
             if registered:
                 continue
-            waited = now - self._since.setdefault(name, now)
-            if waited >= grace:
+            waited = now - self._since.setdefault(key, now)
+            if waited < grace:
+                continue
+            kind, name = key
+            if kind == "resource":
                 problems.append(f"resource {name} has not registered for {waited:.0f} s while "
-                                f"the kubelet is up ({os.path.join(directory, KUBELET_SOCKET)})")
+                                f"the kubelet is up ({kubelet})")
+            else:
+                problems.append(f"DRA driver {name} has not been registered by the kubelet's "
+                                f"plugin watcher for {waited:.0f} s while the kubelet is up "
+                                f"({kubelet}): the kubelet prepares none of its claims")
         return problems

@@ -532,6 +532,38 @@ def test_registration_liveness_counts_only_while_the_kubelet_is_up(short_dir):
     assert check.problems() == []
 
 
+def test_registration_liveness_holds_dra_drivers_to_the_same_grace(short_dir):
+    clock = _Clock()
+    resources = {"example.com/a": True}
+    drivers = {"gpu.example.com": False, "nic.example.com": True}
+    check = RegistrationLiveness(lambda: resources, lambda: short_dir, lambda: 300.0, clock,
+                                 dra_registered=lambda: drivers)
+    assert check.problems() == []  # no kubelet.sock: the plugin watcher is not there either
+    kubelet = _kubelet_socket(short_dir)
+    try:
+        assert check.problems() == []  # the clock starts now
+        clock.now += 299
+        assert check.problems() == []
+        clock.now += 2
+        [problem] = check.problems()
+        assert problem.startswith("DRA driver gpu.example.com has not been registered by the "
+                                  "kubelet's plugin watcher for 301 s while the kubelet is up")
+        assert "prepares none of its claims" in problem
+        resources["example.com/a"] = False  # a device plugin that fell off: its own clock
+        assert check.problems() == [problem]
+        clock.now += 300
+        assert [p.split()[0] for p in check.problems()] == ["DRA", "resource"]
+        drivers["gpu.example.com"] = True  # registered: its clock is reset
+        assert [p.split()[0] for p in check.problems()] == ["resource"]
+        drivers["gpu.example.com"] = False
+        clock.now += 299
+        assert [p.split()[0] for p in check.problems()] == ["resource"]
+    finally:
+        kubelet.close()
+        os.unlink(os.path.join(short_dir, "kubelet.sock"))
+    assert check.problems() == []
+
+
 async def _rejecting_kubelet(plugin_dir: str) -> grpc.aio.Server:
     """A kubelet that is up and refuses every Register (as one that rejects the resource)."""
     async def register(request: api.RegisterRequest, context) -> api.Empty:

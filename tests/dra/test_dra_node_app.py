@@ -507,3 +507,70 @@ def test_dra_unhealthy_from_the_config_file_reaches_the_publisher(short_dir, run
                 await app.stop()
 
         assert run(body()) is True
+
+
+def test_healthz_fails_while_the_plugin_watcher_has_not_registered_our_dra_driver(short_dir,
+                                                                                    run):
+    """A host with only DRA resources: the kubelet is up (its kubelet.sock) but its plugin
+    watcher never registers our driver; past the grace /healthz is 503 naming the driver, and
+    200 again once a kubelet's plugin watcher registers it."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    def healthz(address) -> tuple:
+        try:
+            with urllib.request.urlopen(f"http://{address[0]}:{address[1]}/healthz",
+                                        timeout=10) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+        config = _config(short_dir, api, DRA, liveness_grace_s=1)
+        dra_driver = naming.driver_name(DRA.name, None)
+        os.makedirs(config.host.plugin_dir, exist_ok=True)
+        kubelet_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        kubelet_sock.bind(os.path.join(config.host.plugin_dir, "kubelet.sock"))
+        kubelet_sock.listen()
+
+        async def status_until(app: HostApp, wanted: int, what: str) -> str:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 15
+            while True:
+                status, text = await loop.run_in_executor(
+                    None, healthz, app.metrics.address)
+                if status == wanted:
+                    return text
+                assert loop.time() < deadline, f"{what}: still {status} {text!r}"
+                await asyncio.sleep(0.1)
+
+        async def body():
+            app = HostApp(config, {"memory": _driver()}, events=None)
+            assert await app.metrics.start("127.0.0.1:0") is not None
+            client = KubeClient.from_settings(api.kubeconfig_path)
+            kubelet = None
+            try:
+                await app.start()
+                assert app.registrar.endpoints == {}  # no device plugin to hold against us
+                text = await status_until(app, 503, "a DRA driver nobody registers")
+                assert f"DRA driver {dra_driver} has not been registered by the kubelet's " \
+                       "plugin watcher" in text
+                kubelet = DraKubeletSimulator(config.host.plugins_registry_dir,
+                                              get_claim=client.get_resource_claim,
+                                              node_name=NODE)
+                await kubelet.start()
+                await kubelet.wait_registered(dra_driver)
+                assert await status_until(app, 200, "registered") == "ok\n"
+            finally:
+                await app.stop()
+                await app.metrics.stop()
+                if kubelet is not None:
+                    await kubelet.stop()
+                await client.close()
+
+        try:
+            run(body())
+        finally:
+            kubelet_sock.close()
