@@ -401,8 +401,11 @@ class HostApp:
     def _check_ready(self) -> None:
         if self._all_registered() and not self.ready.is_set():
             self.ready.set()
-            log.info("all %d resources registered, %.0f ms after start",
-                     len(self.registrar.endpoints), (time.monotonic() - self.started_at) * 1000)
+            device_plugins = len(self.registrar.endpoints) + len(self.watched)
+            dra = 0 if self.dra is None else len(self.dra.pools)
+            log.info("all %d resources registered (%d device-plugin, %d DRA), %.0f ms after "
+                     "start", device_plugins + dra, device_plugins, dra,
+                     (time.monotonic() - self.started_at) * 1000)
             for callback in self.on_ready:
                 callback()
 

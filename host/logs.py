@@ -14,6 +14,7 @@ import time
 from typing import Optional
 
 CONTEXT_FIELDS = ("resource", "driver", "device")
+QUIET_LIBRARIES = ("httpx", "httpcore")  # at WARNING unless the level is debug
 
 # The house style names what a line concerns in its text ("resource nvidia.com/gpu: ...",
 # "driver 'gpu' ...", "device 0000:3b:00.0 ..."); these recover the fields from it for lines
@@ -84,3 +85,8 @@ def setup_logging(level: str = "info", fmt: str = "plain", stream: Optional[obje
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    # The API client's libraries log every request at INFO ("HTTP Request: GET ..."): one
+    # line per ResourceSlice write and claim read. Shown only when debug logging is asked for.
+    for name in QUIET_LIBRARIES:
+        logging.getLogger(name).setLevel(logging.NOTSET if root.level <= logging.DEBUG
+                                         else logging.WARNING)

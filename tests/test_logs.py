@@ -49,3 +49,32 @@ def test_plain_format_is_one_readable_line():
         setup_logging("warning", "plain")
     line = stream.getvalue().strip()
     assert line.endswith("host.registration: resource a.b/c: registered")
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_api_requests_are_logged_only_at_debug(level, run):
+    """httpx logs each request at INFO; the host shows them only with log_level = "debug"."""
+    from host.dra.kube import KubeClient
+    from host.testing.apiserver import ApiServerStandIn
+
+    stream = io.StringIO()
+    setup_logging(level, "plain", stream)
+    try:
+        with ApiServerStandIn() as api:
+            api.add_node("node-a")
+
+            async def read():
+                client = KubeClient.from_settings(api.kubeconfig_path)
+                try:
+                    return await client.get_node("node-a")
+                finally:
+                    await client.close()
+
+            assert run(read())["metadata"]["name"] == "node-a"
+            logging.getLogger("host.dra").info("after the request")
+    finally:
+        setup_logging("warning", "plain")
+    text = stream.getvalue()
+    assert "after the request" in text  # the stream did get INFO lines
+    requests = [line for line in text.splitlines() if "HTTP Request: GET" in line]
+    assert len(requests) == (1 if level == "debug" else 0), text

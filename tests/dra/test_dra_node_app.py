@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import subprocess
 import sys
@@ -50,7 +51,8 @@ def _driver() -> MemoryDriver:
                                  WATCHED.name: make_devices("fpga", 1)})
 
 
-def test_device_plugin_and_dra_side_by_side_in_one_process(short_dir, run, kube_api):
+def test_device_plugin_and_dra_side_by_side_in_one_process(short_dir, run, kube_api, caplog):
+    caplog.set_level(logging.INFO, logger="host.app")
     kube_api.add_node(NODE)
     config = _config(short_dir, kube_api, DP, DRA, WATCHED)
     os.makedirs(config.host.plugin_dir)
@@ -77,6 +79,8 @@ def test_device_plugin_and_dra_side_by_side_in_one_process(short_dir, run, kube_
                 lambda w: bool(dra_kubelet.device_plugins[WATCHED.name].snapshots),
                 what="the plugin-watcher device plugin's stream")
             await app.ready.wait()
+            [ready] = [m for m in caplog.messages if "resources registered" in m]
+            assert ready.startswith("all 3 resources registered (2 device-plugin, 1 DRA), ")
             # the slices, read back from the API server
             assert await app.publisher.wait_synced()
             published = kube_api.devices(dra_driver, NODE)
@@ -510,10 +514,12 @@ def test_dra_unhealthy_from_the_config_file_reaches_the_publisher(short_dir, run
 
 
 def test_healthz_fails_while_the_plugin_watcher_has_not_registered_our_dra_driver(short_dir,
-                                                                                    run):
+                                                                                    run, caplog):
     """A host with only DRA resources: the kubelet is up (its kubelet.sock) but its plugin
     watcher never registers our driver; past the grace /healthz is 503 naming the driver, and
-    200 again once a kubelet's plugin watcher registers it."""
+    200 again once a kubelet's plugin watcher registers it (and the host says its one
+    resource is registered)."""
+    caplog.set_level(logging.INFO, logger="host.app")
     import socket
     import urllib.error
     import urllib.request
@@ -563,6 +569,9 @@ def test_healthz_fails_while_the_plugin_watcher_has_not_registered_our_dra_drive
                 await kubelet.start()
                 await kubelet.wait_registered(dra_driver)
                 assert await status_until(app, 200, "registered") == "ok\n"
+                await app.ready.wait()
+                [ready] = [m for m in caplog.messages if "resources registered" in m]
+                assert ready.startswith("all 1 resources registered (0 device-plugin, 1 DRA)")
             finally:
                 await app.stop()
                 await app.metrics.stop()
