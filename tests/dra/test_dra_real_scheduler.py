@@ -1,0 +1,578 @@
+"""The real kube-scheduler allocates from the slices our host publishes, and our host prepares
+what it allocated.
+
+One control plane for the module, per pytest-xdist worker that runs some of its tests
+(KUBEBUILDER_ASSETS: etcd, kube-apiserver, kube-scheduler, kube-controller-manager, v1.36 or
+newer, as ../shared/k8s/README.md describes): a Node made here (Ready, without the not-ready
+taint, no kubelet), the DeviceClasses of the shipped ``dra`` overlay, and
+``device-plugin-host run`` as a child process with the overlay's resources on a captured
+8-GPU machine (4 GPUs on each NUMA node). The kubelet's DRA side is the simulator
+(host/testing/kubelet_dra): its plugin watcher registers our driver, and it calls
+NodePrepareResources over the real gRPC socket for the claims the scheduler allocated.
+
+A scenario is a test that takes ``cluster`` (a fresh namespace each; its pods and claims are
+deleted after it, so every test starts with all GPUs free): ``cluster.template(...)``,
+``cluster.pod(...)``, ``cluster.wait_allocated(pod)`` (the pod's claims, allocated),
+``cluster.wait_unschedulable(pod)`` and ``cluster.prepare(pod)`` (the kubelet's prepare).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import shutil
+import signal
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import pytest
+import yaml
+
+from host.dra import naming
+from host.dra.kube import KubeClient
+from host.testing.apiserver import RealApiServer, kubebuilder_assets
+from host.testing.kubelet_dra import ClaimInfo, DraKubeletSimulator
+from host.testing.tree import load_machine
+
+REPO = Path(__file__).resolve().parents[2]
+OVERLAY = REPO / "deploy" / "kubernetes" / "overlays" / "dra"
+MACHINE = "gpu-server-8x"  # 8 H100s: 4 on NUMA node 0, 4 on NUMA node 1
+GPUS = 8
+NODE = "dra-node-1"
+RESOURCE = "nvidia.com/gpu"
+DRIVER = naming.driver_name(RESOURCE, None)
+POOL = naming.pool_name(RESOURCE, NODE)
+NUMA = "resource.kubernetes.io/numaNode"
+# ../shared/k8s/README.md: the same set for the scheduler and the controller manager.
+GATES = ("DRAPartitionableDevices=true,DRAConsumableCapacity=true,DRADeviceTaints=true,"
+         "DRAExtendedResource=true,DRADeviceBindingConditions=true,ResourceHealthStatus=true")
+WAIT_S = 30.0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Api:
+    """Plain JSON requests to the API server with the admin token."""
+
+    def __init__(self, server: RealApiServer) -> None:
+        self.port = server.port
+        self.token = server.TOKEN
+        self._ctx = ssl.create_default_context(cafile=server.ca_path)
+        self._ctx.check_hostname = False  # the certificate names 127.0.0.1 as an IP SAN
+
+    def request(self, method: str, path: str, body: Any = None,
+                ok: Sequence[int] = (200, 201, 202)) -> Any:
+        conn = http.client.HTTPSConnection("127.0.0.1", self.port, context=self._ctx,
+                                           timeout=10)
+        try:
+            conn.request(method, path, body=None if body is None else json.dumps(body),
+                         headers={"Authorization": f"Bearer {self.token}",
+                                  "Content-Type": "application/json",
+                                  "Accept": "application/json"})
+            response = conn.getresponse()
+            data = json.loads(response.read() or b"null")
+        finally:
+            conn.close()
+        if response.status not in ok:
+            raise AssertionError(f"{method} {path}: {response.status} {data}")
+        return data
+
+    def get(self, path: str) -> Any:
+        return self.request("GET", path)
+
+    def create(self, path: str, obj: Dict[str, Any]) -> Dict[str, Any]:
+        return self.request("POST", path, obj)  # type: ignore[no-any-return]
+
+
+def _until(what: str, probe: Any, timeout: float = WAIT_S, every: float = 0.1) -> Any:
+    """Poll ``probe()`` until it returns something true (the API server has no hook here)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(every)
+
+
+class _Process:
+    def __init__(self, name: str, args: List[str], log_dir: str,
+                 env: Optional[Dict[str, str]] = None) -> None:
+        self.name = name
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         cwd=REPO, start_new_session=True)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+def _healthy(port: int) -> bool:
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE  # a self-signed serving certificate made at start
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=2)
+    try:
+        conn.request("GET", "/healthz")
+        response = conn.getresponse()
+        return response.status == 200 and response.read() == b"ok"
+    except OSError:
+        return False
+    finally:
+        conn.close()
+
+
+def _control_plane_component(name: str, assets: str, server: RealApiServer, work: str,
+                             extra: List[str]) -> _Process:
+    port = _free_port()
+    kubeconfig = server.kubeconfig_path
+    process = _Process(name, [
+        os.path.join(assets, name), "--kubeconfig", kubeconfig,
+        "--authentication-kubeconfig", kubeconfig, "--authorization-kubeconfig", kubeconfig,
+        "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={port}",
+        f"--feature-gates={GATES}", *extra], work)
+    deadline = time.monotonic() + 60
+    while not _healthy(port):
+        if not process.alive():
+            raise RuntimeError(f"{name} exited:\n{process.log_tail()}")
+        if time.monotonic() >= deadline:
+            process.stop()
+            raise RuntimeError(f"{name} not healthy in 60 s:\n{process.log_tail()}")
+        time.sleep(0.2)  # a child process start-up: nothing to wait on but its port
+    return process
+
+
+def _make_node(api: Api) -> None:
+    """A Node as a kubelet would register it, Ready, without the not-ready taint that
+    admission adds (only the node-lifecycle controller, not run here, would remove it)."""
+    api.create("/api/v1/nodes", {
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": NODE, "labels": {"kubernetes.io/hostname": NODE,
+                                              "kubernetes.io/os": "linux"}}})
+    node = api.get(f"/api/v1/nodes/{NODE}")
+    capacity = {"cpu": "64", "memory": "256Gi", "pods": "110"}
+    node["status"] = {"capacity": capacity, "allocatable": capacity, "conditions": [{
+        "type": "Ready", "status": "True", "reason": "KubeletReady",
+        "message": "no kubelet: a test node", "lastHeartbeatTime": _now(),
+        "lastTransitionTime": _now()}]}
+    node = api.request("PUT", f"/api/v1/nodes/{NODE}/status", node)
+    node["spec"]["taints"] = []
+    api.request("PUT", f"/api/v1/nodes/{NODE}", node)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def overlay_device_classes() -> List[Dict[str, Any]]:
+    """Every DeviceClass among the overlay's own resources (its kustomization.yaml)."""
+    kustomization = yaml.safe_load((OVERLAY / "kustomization.yaml").read_text())
+    classes = []
+    for entry in kustomization.get("resources") or []:
+        path = OVERLAY / entry
+        if not path.is_file():
+            continue  # ../../base and other directories: no DeviceClass there
+        for doc in yaml.safe_load_all(path.read_text()):
+            if isinstance(doc, dict) and doc.get("kind") == "DeviceClass":
+                classes.append(doc)
+    return classes
+
+
+def _host_config(work: str, server: RealApiServer) -> str:
+    """The overlay's resources as shipped, with [host] paths of this test."""
+    shipped = (OVERLAY / "config.toml").read_text()
+    resources = shipped[shipped.index("[[resource]]"):]
+    host = {
+        "node_name": NODE, "kubeconfig": server.kubeconfig_path, "metrics_address": "",
+        "plugins_registry_dir": os.path.join(work, "registry"),
+        "dra_plugins_dir": os.path.join(work, "plugins"),
+        "dra_state_dir": os.path.join(work, "state"), "cdi_dir": os.path.join(work, "cdi"),
+        "drain_file": os.path.join(work, "drain", "drained"), "nfd_features_file": "",
+        "pod_resources_socket": os.path.join(work, "pod-resources", "kubelet.sock"),
+    }
+    path = os.path.join(work, "config.toml")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write("[host]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in host.items())
+                     + "\n" + resources)
+    return path
+
+
+class _Loop:
+    """An event loop on its own thread for the kubelet simulator, which outlives a test."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kubelet-dra",
+                                        daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Any, timeout: float = WAIT_S) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+class ControlPlane:
+    """The module's cluster: API server, scheduler, controller manager, Node, our host and
+    the kubelet's DRA side."""
+
+    def __init__(self, assets: str, work: str) -> None:
+        self.assets = assets
+        self.work = work
+        self.server = RealApiServer(assets, device_taints=True)
+        self.processes: List[_Process] = []
+        self.api: Optional[Api] = None
+        self.host: Optional[_Process] = None
+        self.loop: Optional[_Loop] = None
+        self.client: Optional[KubeClient] = None
+        self.kubelet: Optional[DraKubeletSimulator] = None
+        self.cdi_dir = os.path.join(work, "cdi")
+
+    def start(self) -> None:
+        self.server.start()
+        self.api = Api(self.server)
+        certs = os.path.dirname(self.server.ca_path)
+        self.processes.append(_control_plane_component(
+            "kube-scheduler", self.assets, self.server, self.work, []))
+        self.processes.append(_control_plane_component(
+            "kube-controller-manager", self.assets, self.server, self.work, [
+                "--controllers=*,-node-lifecycle-controller",
+                f"--service-account-private-key-file={os.path.join(certs, 'sa.key')}",
+                f"--root-ca-file={self.server.ca_path}",
+                "--use-service-account-credentials=false"]))
+        _make_node(self.api)
+        for device_class in overlay_device_classes():
+            self.api.create("/apis/resource.k8s.io/v1/deviceclasses", device_class)
+        tree = os.path.join(self.work, "root")
+        load_machine(MACHINE, tree)
+        config = _host_config(self.work, self.server)
+        self.host = _Process("device-plugin-host", [
+            sys.executable, "-m", "host", "run", "--config", config,
+            "--plugin-dir", os.path.join(self.work, "dp"), "--host-root", tree], self.work)
+        self.loop = _Loop()
+        self.loop.run(self._start_kubelet())
+        _until("our slices published", lambda: self.host_alive() and len(
+            self.server.devices(DRIVER, NODE)) == GPUS)
+
+    async def _start_kubelet(self) -> None:
+        self.client = KubeClient.from_settings(self.server.kubeconfig_path)
+        self.kubelet = DraKubeletSimulator(
+            os.path.join(self.work, "registry"), get_claim=self.client.get_resource_claim,
+            node_name=NODE, plugins_dir=os.path.join(self.work, "plugins"))
+        await self.kubelet.start()
+        await self.kubelet.wait_registered(DRIVER)
+
+    def host_alive(self) -> bool:
+        assert self.host is not None
+        if not self.host.alive():
+            raise AssertionError(f"device-plugin-host exited:\n{self.host.log_tail()}")
+        return True
+
+    def close(self) -> None:
+        if self.loop is not None:
+            async def stop() -> None:
+                if self.kubelet is not None:
+                    await self.kubelet.stop()
+                if self.client is not None:
+                    await self.client.close()
+            try:
+                self.loop.run(stop())
+            finally:
+                self.loop.close()
+        for process in [self.host, *reversed(self.processes)]:
+            if process is not None:
+                process.stop()
+        self.server.close()
+
+
+class Cluster:
+    """One test's view: its own namespace, and the helpers a scenario is written with."""
+
+    def __init__(self, plane: ControlPlane, namespace: str) -> None:
+        self.plane = plane
+        self.namespace = namespace
+        assert plane.api is not None
+        self.api = plane.api
+        self.pods: Dict[str, str] = {}  # name -> uid, for the kubelet's unprepare
+        self._prepared: List[str] = []
+
+    @property
+    def _ns(self) -> str:
+        return f"/api/v1/namespaces/{self.namespace}"
+
+    @property
+    def _rs(self) -> str:
+        return f"/apis/resource.k8s.io/v1/namespaces/{self.namespace}"
+
+    def template(self, name: str, requests: List[Dict[str, Any]],
+                 constraints: Optional[List[Dict[str, Any]]] = None) -> str:
+        """A ResourceClaimTemplate; ``requests`` as in a claim's spec.devices.requests."""
+        devices: Dict[str, Any] = {"requests": requests}
+        if constraints:
+            devices["constraints"] = constraints
+        self.api.create(f"{self._rs}/resourceclaimtemplates", {
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": name}, "spec": {"spec": {"devices": devices}}})
+        return name
+
+    @staticmethod
+    def gpus(count: int = 1, name: str = "gpus",
+             device_class: str = DRIVER) -> Dict[str, Any]:
+        """One request of ``count`` devices of a class (the overlay's class by default)."""
+        return {"name": name, "exactly": {"deviceClassName": device_class, "count": count}}
+
+    def pod(self, name: str, claims: Optional[Dict[str, str]] = None,
+            limits: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+        """A pod whose one container uses ``claims`` (pod claim name -> template name) and
+        asks for ``limits`` (extended resources)."""
+        container: Dict[str, Any] = {"name": "main", "image": "busybox",
+                                     "command": ["sleep", "3600"], "resources": {}}
+        spec: Dict[str, Any] = {"containers": [container], "terminationGracePeriodSeconds": 0}
+        if claims:
+            spec["resourceClaims"] = [{"name": k, "resourceClaimTemplateName": v}
+                                      for k, v in claims.items()]
+            container["resources"]["claims"] = [{"name": k} for k in claims]
+        if limits:
+            container["resources"]["limits"] = dict(limits)
+        pod = self.api.create(f"{self._ns}/pods", {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec})
+        self.pods[name] = pod["metadata"]["uid"]
+        return pod  # type: ignore[no-any-return]
+
+    def get_pod(self, name: str) -> Dict[str, Any]:
+        return self.api.get(f"{self._ns}/pods/{name}")  # type: ignore[no-any-return]
+
+    def get_claim(self, name: str) -> Dict[str, Any]:
+        return self.api.get(f"{self._rs}/resourceclaims/{name}")  # type: ignore[no-any-return]
+
+    def claim_names(self, pod: Dict[str, Any]) -> List[str]:
+        status = pod.get("status") or {}
+        names = [s["resourceClaimName"] for s in status.get("resourceClaimStatuses") or ()
+                 if s.get("resourceClaimName")]
+        extended = (status.get("extendedResourceClaimStatus") or {}).get("resourceClaimName")
+        return names + ([extended] if extended else [])
+
+    def wait_allocated(self, name: str) -> List[Dict[str, Any]]:
+        """The pod is bound to our Node; its claims (templated and extended-resource ones),
+        each allocated and reserved for it."""
+        def bound() -> Optional[List[Dict[str, Any]]]:
+            self.plane.host_alive()
+            pod = self.get_pod(name)
+            if pod["spec"].get("nodeName") != NODE:
+                return None
+            claims = [self.get_claim(c) for c in self.claim_names(pod)]
+            uid = pod["metadata"]["uid"]
+            if claims and all((c.get("status") or {}).get("allocation") and uid in [
+                    r.get("uid") for r in c["status"].get("reservedFor") or ()]
+                    for c in claims):
+                return claims
+            return None
+
+        return _until(f"pod {name} bound with its claims allocated", bound)  # type: ignore
+
+    def wait_unschedulable(self, name: str) -> str:
+        """The scheduler's PodScheduled=False/Unschedulable message for the pod."""
+        def condition() -> Optional[str]:
+            for c in (self.get_pod(name).get("status") or {}).get("conditions") or ():
+                if c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable":
+                    return str(c.get("message"))
+            return None
+
+        return _until(f"pod {name} unschedulable", condition)  # type: ignore[no-any-return]
+
+    def prepare(self, name: str) -> List[ClaimInfo]:
+        """What the kubelet does for a pod bound to it: reads its claims and calls our
+        NodePrepareResources over the plugin's socket."""
+        pod = self.get_pod(name)
+        claims = [(self.namespace, c) for c in self.claim_names(pod)]
+        kubelet = self.plane.kubelet
+        assert kubelet is not None and self.plane.loop is not None
+        infos = self.plane.loop.run(kubelet.prepare(pod["metadata"]["uid"], claims))
+        self._prepared.append(pod["metadata"]["uid"])
+        return infos  # type: ignore[no-any-return]
+
+    def cdi_ids_on_disk(self) -> Dict[str, Dict[str, Any]]:
+        """Every CDI device the specs in the host's CDI directory define, by qualified id."""
+        out = {}
+        for path in Path(self.plane.cdi_dir).glob("*.json"):
+            spec = json.loads(path.read_text())
+            for device in spec.get("devices") or ():
+                out[f"{spec['kind']}={device['name']}"] = device
+        return out
+
+    def cleanup(self) -> None:
+        """Unprepare, then delete the pods at once (no kubelet to wait for) and wait until
+        the controller has deleted their claims: the devices are free for the next test."""
+        kubelet, loop = self.plane.kubelet, self.plane.loop
+        assert kubelet is not None and loop is not None
+        for uid in self._prepared:
+            loop.run(kubelet.unprepare(uid))
+        for name in self.pods:
+            self.api.request("DELETE", f"{self._ns}/pods/{name}?gracePeriodSeconds=0",
+                             ok=(200, 202, 404))
+        _until("the test's claims deleted", lambda: not self.api.get(
+            f"{self._rs}/resourceclaims")["items"])
+
+
+@pytest.fixture(scope="module")
+def control_plane() -> Iterator[ControlPlane]:
+    assets = kubebuilder_assets()
+    if assets is None:
+        pytest.skip("needs the real Kubernetes binaries: KUBEBUILDER_ASSETS naming a directory "
+                    "with kube-apiserver, etcd, kube-scheduler and kube-controller-manager "
+                    "(export KUBEBUILDER_ASSETS=$(../shared/k8s/unpack))")
+    missing = [b for b in ("kube-scheduler", "kube-controller-manager")
+               if not os.access(os.path.join(assets, b), os.X_OK)]
+    if missing:
+        pytest.skip(f"needs {' and '.join(missing)} beside kube-apiserver in {assets}")
+    work = tempfile.mkdtemp(prefix="dph-k8s-", dir="/tmp")  # unix socket paths stay short
+    plane = ControlPlane(assets, work)
+    try:
+        plane.start()
+        yield plane
+    finally:
+        plane.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(control_plane: ControlPlane) -> Iterator[Cluster]:
+    namespace = f"t-{uuid.uuid4().hex[:8]}"
+    assert control_plane.api is not None
+    control_plane.api.create("/api/v1/namespaces", {
+        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    view = Cluster(control_plane, namespace)
+    try:
+        yield view
+    finally:
+        view.cleanup()
+
+
+def _results(claim: Dict[str, Any]) -> List[Dict[str, Any]]:
+    return list(claim["status"]["allocation"]["devices"]["results"])
+
+
+def _published(plane: ControlPlane) -> Dict[str, Dict[str, Any]]:
+    return plane.server.devices(DRIVER, NODE)
+
+
+# -- scenarios ---------------------------------------------------------------------------------
+
+
+def test_the_overlay_ships_the_device_class_the_scenarios_use(control_plane):
+    assert DRIVER in [c["metadata"]["name"] for c in overlay_device_classes()]
+    assert control_plane.api is not None
+    served = control_plane.api.get(f"/apis/resource.k8s.io/v1/deviceclasses/{DRIVER}")
+    assert served["spec"]["extendedResourceName"] == RESOURCE  # the gate kept the field
+
+
+def test_a_one_gpu_claim_is_allocated_from_our_slice_and_prepared(cluster):
+    cluster.template("one-gpu", [cluster.gpus(1)])
+    cluster.pod("one", {"gpus": "one-gpu"})
+    [claim] = cluster.wait_allocated("one")
+    [result] = _results(claim)
+    assert (result["driver"], result["pool"]) == (DRIVER, POOL)
+    assert result["device"] in _published(cluster.plane)
+    [info] = cluster.prepare("one")
+    [device] = info.devices[DRIVER]
+    assert device.device_name == result["device"] and device.pool_name == POOL
+    on_disk = cluster.cdi_ids_on_disk()
+    assert device.cdi_device_ids and all(i in on_disk for i in device.cdi_device_ids)
+
+
+def test_four_gpus_with_match_attribute_come_from_one_numa_node(cluster):
+    """One GPU of the first NUMA node is taken first: the allocator's first fit would then
+    span both nodes, and only the constraint on our numaNode attribute keeps the 4 on one."""
+    published = _published(cluster.plane)
+    cluster.template("one-gpu", [cluster.gpus(1)])
+    cluster.pod("one", {"gpus": "one-gpu"})
+    [taken] = [r["device"] for c in cluster.wait_allocated("one") for r in _results(c)]
+    cluster.template("four-gpus", [cluster.gpus(4)],
+                     [{"requests": ["gpus"], "matchAttribute": NUMA}])
+    cluster.pod("four", {"gpus": "four-gpus"})
+    [claim] = cluster.wait_allocated("four")
+    devices = [r["device"] for r in _results(claim)]
+    assert len(set(devices)) == 4 and taken not in devices
+    numa = {published[d]["attributes"][NUMA]["int"] for d in devices}
+    assert numa == {1 - published[taken]["attributes"][NUMA]["int"]}, numa
+    [info] = cluster.prepare("four")
+    assert sorted(d.device_name for d in info.devices[DRIVER]) == sorted(devices)
+    on_disk = cluster.cdi_ids_on_disk()
+    assert all(i in on_disk for d in info.devices[DRIVER] for i in d.cdi_device_ids)
+
+
+def test_an_extended_resource_request_is_served_through_the_device_class(cluster):
+    """``nvidia.com/gpu: 1`` in a container's limits, no claim in the pod: the scheduler
+    allocates it through the class's extendedResourceName (DRAExtendedResource)."""
+    cluster.pod("legacy", limits={RESOURCE: "1"})
+    [claim] = cluster.wait_allocated("legacy")
+    [result] = _results(claim)
+    assert (result["driver"], result["pool"]) == (DRIVER, POOL)
+    pod = cluster.get_pod("legacy")
+    assert pod["status"]["extendedResourceClaimStatus"]["resourceClaimName"] == \
+        claim["metadata"]["name"]
+    [info] = cluster.prepare("legacy")
+    [device] = info.devices[DRIVER]
+    assert device.device_name == result["device"]
+    on_disk = cluster.cdi_ids_on_disk()
+    assert device.cdi_device_ids and all(i in on_disk for i in device.cdi_device_ids)
+
+
+def test_one_pod_more_than_there_are_gpus_stays_pending(cluster):
+    cluster.template("one-gpu", [cluster.gpus(1)])
+    for i in range(GPUS + 1):
+        cluster.pod(f"p{i}", {"gpus": "one-gpu"})
+
+    def settled() -> Optional[Tuple[List[str], List[str]]]:
+        bound, pending = [], []
+        for i in range(GPUS + 1):
+            pod = cluster.get_pod(f"p{i}")
+            conditions = {c["type"]: c for c in pod["status"].get("conditions") or ()}
+            if pod["spec"].get("nodeName"):
+                bound.append(f"p{i}")
+            elif conditions.get("PodScheduled", {}).get("reason") == "Unschedulable":
+                pending.append(f"p{i}")
+        return (bound, pending) if len(bound) + len(pending) == GPUS + 1 else None
+
+    bound, [left] = _until("every pod bound or unschedulable", settled)
+    assert len(bound) == GPUS
+    devices = [r["device"] for p in bound for c in cluster.wait_allocated(p)
+               for r in _results(c)]
+    assert sorted(devices) == sorted(_published(cluster.plane))  # each GPU once
+    message = cluster.wait_unschedulable(left)
+    assert "cannot allocate all claims" in message, message
