@@ -181,15 +181,31 @@ def _make_node(api: Api) -> None:
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": NODE, "labels": {"kubernetes.io/hostname": NODE,
                                               "kubernetes.io/os": "linux"}}})
-    node = api.get(f"/api/v1/nodes/{NODE}")
     capacity = {"cpu": "64", "memory": "256Gi", "pods": "110"}
-    node["status"] = {"capacity": capacity, "allocatable": capacity, "conditions": [{
-        "type": "Ready", "status": "True", "reason": "KubeletReady",
-        "message": "no kubelet: a test node", "lastHeartbeatTime": _now(),
-        "lastTransitionTime": _now()}]}
-    node = api.request("PUT", f"/api/v1/nodes/{NODE}/status", node)
-    node["spec"]["taints"] = []
-    api.request("PUT", f"/api/v1/nodes/{NODE}", node)
+
+    def ready(node: Dict[str, Any]) -> None:
+        node["status"] = {"capacity": capacity, "allocatable": capacity, "conditions": [{
+            "type": "Ready", "status": "True", "reason": "KubeletReady",
+            "message": "no kubelet: a test node", "lastHeartbeatTime": _now(),
+            "lastTransitionTime": _now()}]}
+
+    def untainted(node: Dict[str, Any]) -> None:
+        node["spec"]["taints"] = []
+
+    _update(api, f"/api/v1/nodes/{NODE}/status", ready)
+    _update(api, f"/api/v1/nodes/{NODE}", untainted)
+
+
+def _update(api: Api, path: str, change: Any) -> Dict[str, Any]:
+    """Read, change, write; again on a 409 (the controller manager's TTL controller
+    annotates a new Node meanwhile), as client-go's RetryOnConflict does."""
+    for _ in range(10):
+        obj = api.get(path)
+        change(obj)
+        written = api.request("PUT", path, obj, ok=(200, 409))
+        if written.get("kind") != "Status":
+            return written  # type: ignore[no-any-return]
+    raise AssertionError(f"PUT {path}: still 409 after 10 tries")
 
 
 def _now() -> str:
