@@ -30,7 +30,8 @@ Failure injection (``fail_next``) answers the next N matching requests with a gi
 with the Status body the real server would send.
 
 ``RealApiServer`` runs etcd and kube-apiserver from ``KUBEBUILDER_ASSETS`` (the envtest
-convention) with the same helper methods where the real server allows them.
+convention) with the same helper methods (``SHARED_HELPERS``); the ``kube_api`` fixture starts
+it once per process and empties it for each test.
 
 Over 1,000 lines: one HTTP server with the registry's semantics (versions, conflicts, watches,
 failure injection) plus the envtest runner with the same helpers; its validation rules are
@@ -40,6 +41,7 @@ already apart (resource_validation.py).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import copy
 import json
 import os
@@ -1060,6 +1062,28 @@ class RealApiServer:
             raise RuntimeError(f"put_resource_slice: {status} {stored}")
         return stored
 
+    def reset(self) -> None:
+        """Back to an empty cluster for the next test: no ResourceSlices, Nodes or
+        ResourceClaims (none of them has a finalizer without a scheduler or kubelet)."""
+        if self._apiserver is None:
+            self.start()
+        namespaces = {c["metadata"]["namespace"] for c in self._list(
+            f"{RESOURCE_PREFIX}/resourceclaims")}
+        for path in [f"{RESOURCE_PREFIX}/resourceslices", "/api/v1/nodes",
+                     *(f"{RESOURCE_PREFIX}/namespaces/{ns}/resourceclaims"
+                       for ns in sorted(namespaces))]:
+            code, body = self._request("DELETE", path)
+            if code >= 300:
+                raise RuntimeError(f"reset: DELETE {path}: {code} {body}")
+            if self._list(path):
+                raise RuntimeError(f"reset: {path} is not empty after its DeleteCollection")
+
+    def _list(self, path: str) -> List[Dict[str, Any]]:
+        code, body = self._request("GET", path)
+        if code != 200:
+            raise RuntimeError(f"list {path}: {code} {body}")
+        return list(body.get("items") or [])
+
     def wait_for(self, predicate: Any, timeout: float = 5.0) -> bool:
         """The real server has no change hook here; a short poll (tests only)."""
         deadline = time.monotonic() + timeout
@@ -1071,13 +1095,32 @@ class RealApiServer:
             time.sleep(0.02)
 
 
+_REAL: Dict[Tuple[str, bool], RealApiServer] = {}  # one per process: etcd + apiserver ~3 s
+
+
+def _real_server(assets: str, device_taints: bool) -> RealApiServer:
+    server = _REAL.get((assets, device_taints))
+    if server is None:
+        server = RealApiServer(assets, device_taints)
+        server.start()
+        atexit.register(server.close)
+        _REAL[(assets, device_taints)] = server
+    return server
+
+
 def api_server_under_test(device_taints: bool = False) -> Iterator[Any]:
-    """The real API server where KUBEBUILDER_ASSETS says so, else the stand-in."""
+    """The real API server where KUBEBUILDER_ASSETS says so, else the stand-in.
+
+    The real one is started once per process and emptied for each test (``reset``): its
+    start costs seconds, a fresh stand-in nothing."""
     assets = kubebuilder_assets()
-    server: Any = RealApiServer(assets, device_taints) if assets else \
-        ApiServerStandIn(device_taints=device_taints)
-    with server:
+    if assets:
+        server = _real_server(assets, device_taints)
+        server.reset()
         yield server
+        return
+    with ApiServerStandIn(device_taints=device_taints) as standin:
+        yield standin
 
 
 
