@@ -155,6 +155,46 @@ def test_a_deleted_claim_is_gone_and_deleting_it_again_is_no_error(kube_api, run
     assert run(scenario()) == 404
 
 
+def test_each_test_gets_an_empty_api_server(run):
+    """The real server is shared by the tests of a process: what one test left (a Node, a
+    slice, claims in two namespaces) is gone for the next."""
+    from host.testing.apiserver import api_server_under_test
+
+    first = api_server_under_test()
+    api = next(first)
+    api.add_node("node-a")
+    api.put_resource_slice(a_slice())
+    for namespace in ("default", "kube-public"):
+        api.put_resource_claim({
+            "metadata": {"name": "claim-1", "namespace": namespace},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": "gpu.example.com"}}]}}})
+    assert len(api.resource_slices()) == 1
+    first.close()
+    second = api_server_under_test()
+    api = next(second)
+
+    async def statuses():
+        client = KubeClient.from_settings(api.kubeconfig_path)
+        out = []
+        try:
+            for read in (lambda: client.get_node("node-a"),
+                         lambda: client.get_resource_claim("default", "claim-1"),
+                         lambda: client.get_resource_claim("kube-public", "claim-1")):
+                with pytest.raises(KubeError) as err:
+                    await read()
+                out.append(err.value.status)
+            return out
+        finally:
+            await client.close()
+
+    try:
+        assert api.resource_slices() == []
+        assert run(statuses()) == [404, 404, 404]
+    finally:
+        second.close()
+
+
 def _kube_api_attributes() -> set:
     """Every ``kube_api.NAME`` the test modules use."""
     names = set()
