@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import pytest
 import yaml
@@ -421,15 +421,21 @@ class Cluster:
 
         return _until(f"pod {name} bound with its claims allocated", bound)  # type: ignore
 
-    def wait_unschedulable(self, name: str) -> str:
-        """The scheduler's PodScheduled=False/Unschedulable message for the pod."""
+    def wait_unschedulable(self, name: str, containing: str = "") -> str:
+        """The scheduler's PodScheduled=False/Unschedulable message for the pod, once it
+        contains ``containing`` (until the controller has made a pod's claims, the
+        scheduler reports those missing instead)."""
         def condition() -> Optional[str]:
-            for c in (self.get_pod(name).get("status") or {}).get("conditions") or ():
-                if c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable":
+            pod = self.get_pod(name)
+            assert not pod["spec"].get("nodeName"), f"pod {name} was bound"
+            for c in (pod.get("status") or {}).get("conditions") or ():
+                if c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable" \
+                        and containing in str(c.get("message")):
                     return str(c.get("message"))
             return None
 
-        return _until(f"pod {name} unschedulable", condition)  # type: ignore[no-any-return]
+        return _until(f"pod {name} unschedulable ({containing!r})",  # type: ignore
+                      condition)
 
     def prepare(self, name: str) -> List[ClaimInfo]:
         """What the kubelet does for a pod bound to it: reads its claims and calls our
@@ -571,24 +577,20 @@ def test_an_extended_resource_request_is_served_through_the_device_class(cluster
 
 def test_one_pod_more_than_there_are_gpus_stays_pending(cluster):
     cluster.template("one-gpu", [cluster.gpus(1)])
-    for i in range(GPUS + 1):
-        cluster.pod(f"p{i}", {"gpus": "one-gpu"})
+    names = [f"p{i}" for i in range(GPUS + 1)]
+    for name in names:
+        cluster.pod(name, {"gpus": "one-gpu"})
 
-    def settled() -> Optional[Tuple[List[str], List[str]]]:
-        bound, pending = [], []
-        for i in range(GPUS + 1):
-            pod = cluster.get_pod(f"p{i}")
-            conditions = {c["type"]: c for c in pod["status"].get("conditions") or ()}
-            if pod["spec"].get("nodeName"):
-                bound.append(f"p{i}")
-            elif conditions.get("PodScheduled", {}).get("reason") == "Unschedulable":
-                pending.append(f"p{i}")
-        return (bound, pending) if len(bound) + len(pending) == GPUS + 1 else None
+    def all_gpus_taken() -> Optional[List[str]]:
+        bound = [n for n in names if cluster.get_pod(n)["spec"].get("nodeName")]
+        assert len(bound) <= GPUS, bound
+        return bound if len(bound) == GPUS else None
 
-    bound, [left] = _until("every pod bound or unschedulable", settled)
-    assert len(bound) == GPUS
+    bound = _until(f"{GPUS} pods bound", all_gpus_taken)
+    [left] = set(names) - set(bound)
     devices = [r["device"] for p in bound for c in cluster.wait_allocated(p)
                for r in _results(c)]
     assert sorted(devices) == sorted(_published(cluster.plane))  # each GPU once
-    message = cluster.wait_unschedulable(left)
-    assert "cannot allocate all claims" in message, message
+    message = cluster.wait_unschedulable(left, "cannot allocate all claims")
+    assert message.startswith("0/1 nodes are available"), message
+    assert not cluster.get_pod(left)["spec"].get("nodeName")
