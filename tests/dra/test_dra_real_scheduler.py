@@ -12,8 +12,11 @@ NodePrepareResources over the real gRPC socket for the claims the scheduler allo
 
 A scenario is a test that takes ``cluster`` (a fresh namespace each; its pods and claims are
 deleted after it, so every test starts with all GPUs free): ``cluster.template(...)``,
-``cluster.pod(...)``, ``cluster.wait_allocated(pod)`` (the pod's claims, allocated),
-``cluster.wait_unschedulable(pod)`` and ``cluster.prepare(pod)`` (the kubelet's prepare).
+``cluster.pod(...)`` (pinned to a Node, ``NODE`` by default), ``cluster.wait_allocated(pod)``
+(the pod's claims, allocated), ``cluster.wait_unschedulable(pod, containing)`` and
+``cluster.prepare(pod)`` (the prepare of the kubelet of the pod's Node). A scenario that
+needs another machine or config adds a Node with its own host once, from a module fixture:
+``control_plane.add_node(name, machine, resources_toml, drivers, published, **host_settings)``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 import yaml
@@ -174,12 +177,12 @@ def _control_plane_component(name: str, assets: str, server: RealApiServer, work
     return process
 
 
-def _make_node(api: Api) -> None:
+def _make_node(api: Api, name: str) -> None:
     """A Node as a kubelet would register it, Ready, without the not-ready taint that
     admission adds (only the node-lifecycle controller, not run here, would remove it)."""
     api.create("/api/v1/nodes", {
         "apiVersion": "v1", "kind": "Node",
-        "metadata": {"name": NODE, "labels": {"kubernetes.io/hostname": NODE,
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name,
                                               "kubernetes.io/os": "linux"}}})
     capacity = {"cpu": "64", "memory": "256Gi", "pods": "110"}
 
@@ -192,8 +195,8 @@ def _make_node(api: Api) -> None:
     def untainted(node: Dict[str, Any]) -> None:
         node["spec"]["taints"] = []
 
-    _update(api, f"/api/v1/nodes/{NODE}/status", ready)
-    _update(api, f"/api/v1/nodes/{NODE}", untainted)
+    _update(api, f"/api/v1/nodes/{name}/status", ready)
+    _update(api, f"/api/v1/nodes/{name}", untainted)
 
 
 def _update(api: Api, path: str, change: Any) -> Dict[str, Any]:
@@ -226,17 +229,23 @@ def overlay_device_classes() -> List[Dict[str, Any]]:
     return classes
 
 
-def _host_config(work: str, server: RealApiServer) -> str:
-    """The overlay's resources as shipped, with [host] paths of this test."""
+def overlay_resources() -> str:
+    """The ``[[resource]]`` tables of the overlay's config.toml, as shipped."""
     shipped = (OVERLAY / "config.toml").read_text()
-    resources = shipped[shipped.index("[[resource]]"):]
+    return shipped[shipped.index("[[resource]]"):]
+
+
+def _host_config(work: str, server: RealApiServer, node: str, resources: str,
+                 settings: Dict[str, Any]) -> str:
+    """``resources`` (TOML) with [host] paths of this test and ``settings``."""
     host = {
-        "node_name": NODE, "kubeconfig": server.kubeconfig_path, "metrics_address": "",
+        "node_name": node, "kubeconfig": server.kubeconfig_path, "metrics_address": "",
         "plugins_registry_dir": os.path.join(work, "registry"),
         "dra_plugins_dir": os.path.join(work, "plugins"),
         "dra_state_dir": os.path.join(work, "state"), "cdi_dir": os.path.join(work, "cdi"),
         "drain_file": os.path.join(work, "drain", "drained"), "nfd_features_file": "",
         "pod_resources_socket": os.path.join(work, "pod-resources", "kubelet.sock"),
+        **settings,
     }
     path = os.path.join(work, "config.toml")
     with open(path, "w", encoding="utf-8") as handle:
@@ -263,9 +272,37 @@ class _Loop:
         self.loop.close()
 
 
+class NodeHost:
+    """One Node: our host (``device-plugin-host run``) on a captured machine, and the
+    kubelet's DRA side (the simulator) on the control plane's loop."""
+
+    def __init__(self, name: str, work: str) -> None:
+        self.name = name
+        self.work = work
+        self.cdi_dir = os.path.join(work, "cdi")
+        self.host: Optional[_Process] = None
+        self.kubelet: Optional[DraKubeletSimulator] = None
+
+    def alive(self) -> bool:
+        assert self.host is not None
+        if not self.host.alive():
+            raise AssertionError(f"device-plugin-host on {self.name} exited:\n"
+                                 f"{self.host.log_tail()}")
+        return True
+
+    def cdi_ids_on_disk(self) -> Dict[str, Dict[str, Any]]:
+        """Every CDI device the specs in the host's CDI directory define, by qualified id."""
+        out = {}
+        for path in Path(self.cdi_dir).glob("*.json"):
+            spec = json.loads(path.read_text())
+            for device in spec.get("devices") or ():
+                out[f"{spec['kind']}={device['name']}"] = device
+        return out
+
+
 class ControlPlane:
-    """The module's cluster: API server, scheduler, controller manager, Node, our host and
-    the kubelet's DRA side."""
+    """The module's cluster: API server, scheduler, controller manager, the overlay's
+    DeviceClasses, and its Nodes (``add_node``), each with our host."""
 
     def __init__(self, assets: str, work: str) -> None:
         self.assets = assets
@@ -273,11 +310,9 @@ class ControlPlane:
         self.server = RealApiServer(assets, device_taints=True)
         self.processes: List[_Process] = []
         self.api: Optional[Api] = None
-        self.host: Optional[_Process] = None
         self.loop: Optional[_Loop] = None
         self.client: Optional[KubeClient] = None
-        self.kubelet: Optional[DraKubeletSimulator] = None
-        self.cdi_dir = os.path.join(work, "cdi")
+        self.nodes: Dict[str, NodeHost] = {}
 
     def start(self) -> None:
         self.server.start()
@@ -291,46 +326,58 @@ class ControlPlane:
                 f"--service-account-private-key-file={os.path.join(certs, 'sa.key')}",
                 f"--root-ca-file={self.server.ca_path}",
                 "--use-service-account-credentials=false"]))
-        _make_node(self.api)
         for device_class in overlay_device_classes():
             self.api.create("/apis/resource.k8s.io/v1/deviceclasses", device_class)
-        tree = os.path.join(self.work, "root")
-        load_machine(MACHINE, tree)
-        config = _host_config(self.work, self.server)
-        self.host = _Process("device-plugin-host", [
-            sys.executable, "-m", "host", "run", "--config", config,
-            "--plugin-dir", os.path.join(self.work, "dp"), "--host-root", tree], self.work)
         self.loop = _Loop()
-        self.loop.run(self._start_kubelet())
-        _until("our slices published", lambda: self.host_alive() and len(
-            self.server.devices(DRIVER, NODE)) == GPUS)
+        self.client = self.loop.run(self._client())
+        self.add_node(NODE, MACHINE, overlay_resources(), [DRIVER],
+                      lambda server: len(server.devices(DRIVER, NODE)) == GPUS)
 
-    async def _start_kubelet(self) -> None:
-        self.client = KubeClient.from_settings(self.server.kubeconfig_path)
-        self.kubelet = DraKubeletSimulator(
-            os.path.join(self.work, "registry"), get_claim=self.client.get_resource_claim,
-            node_name=NODE, plugins_dir=os.path.join(self.work, "plugins"))
-        await self.kubelet.start()
-        await self.kubelet.wait_registered(DRIVER)
+    async def _client(self) -> KubeClient:
+        return KubeClient.from_settings(self.server.kubeconfig_path)
 
-    def host_alive(self) -> bool:
-        assert self.host is not None
-        if not self.host.alive():
-            raise AssertionError(f"device-plugin-host exited:\n{self.host.log_tail()}")
-        return True
+    def add_node(self, name: str, machine: str, resources: str, drivers: Sequence[str],
+                 published: Any, **settings: Any) -> NodeHost:
+        """A Node ``name`` whose host serves ``resources`` (TOML ``[[resource]]`` tables)
+        on the captured ``machine`` with [host] ``settings``; returns once the kubelet has
+        registered ``drivers`` and ``published(server)`` holds."""
+        assert self.api is not None and self.loop is not None
+        node = NodeHost(name, os.path.join(self.work, name))
+        os.makedirs(node.work)
+        self.nodes[name] = node
+        _make_node(self.api, name)
+        tree = os.path.join(node.work, "root")
+        load_machine(machine, tree)
+        config = _host_config(node.work, self.server, name, resources, settings)
+        node.host = _Process("device-plugin-host", [
+            sys.executable, "-m", "host", "run", "--config", config,
+            "--plugin-dir", os.path.join(node.work, "dp"), "--host-root", tree], node.work)
+        node.kubelet = self.loop.run(self._kubelet(node, drivers))
+        _until(f"slices of {name} published", lambda: node.alive() and published(self.server))
+        return node
+
+    async def _kubelet(self, node: NodeHost, drivers: Sequence[str]) -> DraKubeletSimulator:
+        assert self.client is not None
+        kubelet = DraKubeletSimulator(
+            os.path.join(node.work, "registry"), get_claim=self.client.get_resource_claim,
+            node_name=node.name, plugins_dir=os.path.join(node.work, "plugins"))
+        await kubelet.start()
+        await kubelet.wait_registered(*drivers)
+        return kubelet
 
     def close(self) -> None:
         if self.loop is not None:
             async def stop() -> None:
-                if self.kubelet is not None:
-                    await self.kubelet.stop()
+                for node in self.nodes.values():
+                    if node.kubelet is not None:
+                        await node.kubelet.stop()
                 if self.client is not None:
                     await self.client.close()
             try:
                 self.loop.run(stop())
             finally:
                 self.loop.close()
-        for process in [self.host, *reversed(self.processes)]:
+        for process in [*(n.host for n in self.nodes.values()), *reversed(self.processes)]:
             if process is not None:
                 process.stop()
         self.server.close()
@@ -344,8 +391,8 @@ class Cluster:
         self.namespace = namespace
         assert plane.api is not None
         self.api = plane.api
-        self.pods: Dict[str, str] = {}  # name -> uid, for the kubelet's unprepare
-        self._prepared: List[str] = []
+        self.pods: Dict[str, str] = {}  # name -> uid
+        self._prepared: List[Tuple[str, str]] = []  # (node, pod uid), for the unprepare
 
     @property
     def _ns(self) -> str:
@@ -373,12 +420,13 @@ class Cluster:
         return {"name": name, "exactly": {"deviceClassName": device_class, "count": count}}
 
     def pod(self, name: str, claims: Optional[Dict[str, str]] = None,
-            limits: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
-        """A pod whose one container uses ``claims`` (pod claim name -> template name) and
-        asks for ``limits`` (extended resources)."""
+            limits: Optional[Dict[str, str]] = None, node: str = NODE) -> Dict[str, Any]:
+        """A pod for Node ``node`` (a nodeSelector) whose one container uses ``claims``
+        (pod claim name -> template name) and asks for ``limits`` (extended resources)."""
         container: Dict[str, Any] = {"name": "main", "image": "busybox",
                                      "command": ["sleep", "3600"], "resources": {}}
-        spec: Dict[str, Any] = {"containers": [container], "terminationGracePeriodSeconds": 0}
+        spec: Dict[str, Any] = {"containers": [container], "terminationGracePeriodSeconds": 0,
+                                "nodeSelector": {"kubernetes.io/hostname": node}}
         if claims:
             spec["resourceClaims"] = [{"name": k, "resourceClaimTemplateName": v}
                                       for k, v in claims.items()]
@@ -404,12 +452,13 @@ class Cluster:
         return names + ([extended] if extended else [])
 
     def wait_allocated(self, name: str) -> List[Dict[str, Any]]:
-        """The pod is bound to our Node; its claims (templated and extended-resource ones),
+        """The pod is bound to a Node; its claims (templated and extended-resource ones),
         each allocated and reserved for it."""
         def bound() -> Optional[List[Dict[str, Any]]]:
-            self.plane.host_alive()
+            for node in self.plane.nodes.values():
+                node.alive()
             pod = self.get_pod(name)
-            if pod["spec"].get("nodeName") != NODE:
+            if not pod["spec"].get("nodeName"):
                 return None
             claims = [self.get_claim(c) for c in self.claim_names(pod)]
             uid = pod["metadata"]["uid"]
@@ -438,31 +487,28 @@ class Cluster:
                       condition)
 
     def prepare(self, name: str) -> List[ClaimInfo]:
-        """What the kubelet does for a pod bound to it: reads its claims and calls our
+        """What the kubelet of the pod's Node does for it: reads its claims and calls our
         NodePrepareResources over the plugin's socket."""
         pod = self.get_pod(name)
         claims = [(self.namespace, c) for c in self.claim_names(pod)]
-        kubelet = self.plane.kubelet
+        node = pod["spec"]["nodeName"]
+        kubelet = self.plane.nodes[node].kubelet
         assert kubelet is not None and self.plane.loop is not None
         infos = self.plane.loop.run(kubelet.prepare(pod["metadata"]["uid"], claims))
-        self._prepared.append(pod["metadata"]["uid"])
+        self._prepared.append((node, pod["metadata"]["uid"]))
         return infos  # type: ignore[no-any-return]
 
-    def cdi_ids_on_disk(self) -> Dict[str, Dict[str, Any]]:
-        """Every CDI device the specs in the host's CDI directory define, by qualified id."""
-        out = {}
-        for path in Path(self.plane.cdi_dir).glob("*.json"):
-            spec = json.loads(path.read_text())
-            for device in spec.get("devices") or ():
-                out[f"{spec['kind']}={device['name']}"] = device
-        return out
+    def cdi_ids_on_disk(self, node: str = NODE) -> Dict[str, Dict[str, Any]]:
+        return self.plane.nodes[node].cdi_ids_on_disk()
 
     def cleanup(self) -> None:
         """Unprepare, then delete the pods at once (no kubelet to wait for) and wait until
         the controller has deleted their claims: the devices are free for the next test."""
-        kubelet, loop = self.plane.kubelet, self.plane.loop
-        assert kubelet is not None and loop is not None
-        for uid in self._prepared:
+        loop = self.plane.loop
+        assert loop is not None
+        for node, uid in self._prepared:
+            kubelet = self.plane.nodes[node].kubelet
+            assert kubelet is not None
             loop.run(kubelet.unprepare(uid))
         for name in self.pods:
             self.api.request("DELETE", f"{self._ns}/pods/{name}?gracePeriodSeconds=0",
@@ -592,5 +638,26 @@ def test_one_pod_more_than_there_are_gpus_stays_pending(cluster):
                for r in _results(c)]
     assert sorted(devices) == sorted(_published(cluster.plane))  # each GPU once
     message = cluster.wait_unschedulable(left, "cannot allocate all claims")
-    assert message.startswith("0/1 nodes are available"), message
+    assert "nodes are available" in message, message
     assert not cluster.get_pod(left)["spec"].get("nodeName")
+
+
+@pytest.fixture(scope="module")
+def second_node(control_plane: ControlPlane) -> NodeHost:
+    """Another Node of the same kind, with its own host (how a scenario adds a machine)."""
+    name = "dra-node-2"
+    return control_plane.add_node(name, MACHINE, overlay_resources(), [DRIVER],
+                                  lambda server: len(server.devices(DRIVER, name)) == GPUS)
+
+
+def test_a_claim_is_allocated_from_the_pool_of_the_node_its_pod_is_on(cluster, second_node):
+    cluster.template("one-gpu", [cluster.gpus(1)])
+    cluster.pod("there", {"gpus": "one-gpu"}, node=second_node.name)
+    [claim] = cluster.wait_allocated("there")
+    assert cluster.get_pod("there")["spec"]["nodeName"] == second_node.name
+    [result] = _results(claim)
+    assert result["pool"] == naming.pool_name(RESOURCE, second_node.name)
+    [info] = cluster.prepare("there")  # by that node's kubelet, from that node's host
+    [device] = info.devices[DRIVER]
+    assert all(i in cluster.cdi_ids_on_disk(second_node.name) for i in device.cdi_device_ids)
+    assert not set(device.cdi_device_ids) & set(cluster.cdi_ids_on_disk(NODE))
