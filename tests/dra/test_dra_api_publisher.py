@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 
 import pytest
 
@@ -118,9 +119,10 @@ def test_health_becomes_a_taint_where_the_server_keeps_taints(run):
 
         run(publishing(api, [gpu(0), gpu(1, healthy=False)], body, taint_unhealthy=True))
         sick = api.devices(DRIVER, NODE)[dra_device_name(gpu(1).id)]
-        assert sick["taints"] == [{"key": "device-plugin-host.io/unhealthy",
-                                   "value": "XID-79-GPU-has-fallen-off-the-bus",
-                                   "effect": "NoSchedule"}]
+        [taint] = sick["taints"]
+        assert taint.pop("timeAdded")  # set by the server
+        assert taint == {"key": "device-plugin-host.io/unhealthy",
+                         "value": "XID-79-GPU-has-fallen-off-the-bus", "effect": "NoSchedule"}
 
 
 def test_taints_dropped_by_the_server_fall_back_to_leaving_out(run):
@@ -511,3 +513,157 @@ def test_a_republish_while_a_reconcile_deletes_slices_does_not_kill_the_publishe
         run(publishing(api, [gpu(i) for i in range(130)], body))
         assert len(api.resource_slices(DRIVER, NODE)) == 1
         assert len(api.devices(DRIVER, NODE)) == 11
+
+
+async def _watching(api, publisher=None):
+    """Until our watch is open (its first request reached the server)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while api.watches == 0 and loop.time() < deadline:
+        await asyncio.sleep(0.005)
+
+
+def test_a_list_answered_after_a_wipe_it_missed_does_not_lose_the_pool(run):
+    # A kubelet start: its registration makes us read our pools again while its wipe deletes
+    # them, between the server reading our LIST and answering it; the watch brings the
+    # deletions before that answer, which still holds the slices.
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            await _watching(api)
+            seen = publisher.republished_after_delete
+            armed = [True]
+
+            async def wipe_while_listing(verb, path):
+                if verb != "list" or not armed[0]:
+                    return
+                armed[0] = False
+                assert api.delete_slices_of_node(NODE) == 1
+                deadline = time.monotonic() + 5  # until the publisher has taken the deletion
+                while publisher.republished_after_delete == seen and \
+                        time.monotonic() < deadline:
+                    await asyncio.sleep(0.001)
+
+            api.before_answer = wipe_while_listing
+            publisher.republish()
+            assert await publisher.wait_synced()
+            loop = asyncio.get_running_loop()
+            back = await loop.run_in_executor(
+                None, lambda: api.wait_for(lambda a: len(a.devices(DRIVER, NODE)) == 2, 3))
+            return back, armed[0], publisher.republished_after_delete - seen
+
+        back, armed, marked = run(publishing(api, [gpu(0), gpu(1)], body))
+        assert not armed and marked == 1  # the race happened as staged
+        assert back, "the pool stayed deleted"
+
+
+@pytest.mark.parametrize("edit", ["device removed", "attribute changed"])
+def test_a_slice_edited_by_someone_else_is_written_back(kube_api, run, edit):
+    kube_api.add_node(NODE)
+
+    async def body(publisher):
+        assert await publisher.wait_synced()
+        await _watching(kube_api) if isinstance(kube_api, ApiServerStandIn) else \
+            await asyncio.sleep(0.5)
+        [stored] = kube_api.resource_slices(DRIVER, NODE)
+        if edit == "device removed":
+            stored["spec"]["devices"] = stored["spec"]["devices"][:1]
+        else:
+            stored["spec"]["devices"][0]["attributes"]["model"] = {"string": "forged"}
+        edited = kube_api.put_resource_slice(stored)  # a 200 from the server
+        loop = asyncio.get_running_loop()
+
+        def restored(api):
+            [now] = api.resource_slices(DRIVER, NODE)
+            return int(now["metadata"]["resourceVersion"]) > \
+                int(edited["metadata"]["resourceVersion"])
+
+        ok = await loop.run_in_executor(None, lambda: kube_api.wait_for(restored, 5))
+        assert await publisher.wait_synced()
+        return ok, publisher.repaired_after_change
+
+    ok, repaired = run(publishing(kube_api, [gpu(0), gpu(1)], body))
+    assert ok and repaired >= 1
+    devices = kube_api.devices(DRIVER, NODE)
+    assert sorted(devices) == sorted(dra_device_name(gpu(i).id) for i in range(2))
+    assert all(d["attributes"]["model"] == {"string": "NVIDIA A100-SXM4-40GB"}
+               for d in devices.values())
+
+
+def test_our_own_writes_seen_on_the_watch_first_are_not_taken_for_edits(run):
+    # The stand-in answers only after its watches sent the write's event: every event of our
+    # own writes arrives before the answer that says it was ours.
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            await _watching(api)
+            for n in (130, 10, 140, 3):  # slices created, updated and deleted
+                publisher.set_pool(DRIVER, POOL, [gpu(i, healthy=i % 7 != 1) for i in range(n)])
+                assert await publisher.wait_synced()
+            await asyncio.sleep(0.1)
+            return publisher.repaired_after_change, publisher.republished_after_delete
+
+        assert run(publishing(api, [gpu(0)], body)) == (0, 0)
+
+
+def _tainted_pool_rewrites(api, run):
+    api.add_node(NODE)
+    devices = [gpu(0), gpu(1, healthy=False), gpu(2)]
+
+    async def body(publisher):
+        assert await publisher.wait_synced()
+        first = api.resource_slices(DRIVER, NODE)
+        await asyncio.sleep(1.1)  # a rewrite would carry a later timeAdded
+        for _ in range(3):  # what each plugin registration and rescan does
+            publisher.set_pool(DRIVER, POOL, list(devices))
+            assert await publisher.wait_synced()
+        publisher.republish()
+        assert await publisher.wait_synced()
+        return first, api.resource_slices(DRIVER, NODE)
+
+    return run(publishing(api, devices, body, taint_unhealthy=True))
+
+
+def test_server_set_taint_times_do_not_rewrite_an_unchanged_pool(run):
+    with ApiServerStandIn(device_taints=True) as api:
+        (first,), (after,) = _tainted_pool_rewrites(api, run)
+    assert after["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+    assert after["spec"]["pool"]["generation"] == 1
+
+
+def test_server_set_taint_times_against_the_api_server_under_test(run):
+    from host.testing.apiserver import api_server_under_test
+
+    servers = api_server_under_test(device_taints=True)
+    api = next(servers)
+    try:
+        (first,), (after,) = _tainted_pool_rewrites(api, run)
+    finally:
+        servers.close()
+    sick = {d["name"]: d for d in after["spec"]["devices"]}[dra_device_name(gpu(1).id)]
+    assert sick["taints"][0]["timeAdded"]
+    assert after["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+
+
+def test_a_changed_taint_keeps_the_time_of_the_taints_that_stayed(run):
+    with ApiServerStandIn(device_taints=True) as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            before = api.devices(DRIVER, NODE)[dra_device_name(gpu(1).id)]["taints"][0]
+            await asyncio.sleep(1.1)
+            publisher.set_pool(DRIVER, POOL, [gpu(0, healthy=False), gpu(1, healthy=False)])
+            assert await publisher.wait_synced()
+            devices = api.devices(DRIVER, NODE)
+            return before, devices[dra_device_name(gpu(1).id)]["taints"][0], \
+                devices[dra_device_name(gpu(0).id)]["taints"][0]
+
+        before, kept, new = run(publishing(api, [gpu(0), gpu(1, healthy=False)], body,
+                                           taint_unhealthy=True))
+        assert kept["timeAdded"] == before["timeAdded"]
+        assert new["timeAdded"] > before["timeAdded"]
