@@ -9,10 +9,13 @@ import logging
 import time
 
 import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 
 from host.dra.kube import KubeClient
 from host.dra.naming import dra_device_name, driver_name, pool_name
 from host.dra.publisher import SlicePublisher
+from host.dra.slices import build_slices, same_content
 from host.metrics import HostMetrics
 from host.model import Device, Health
 from host.testing.apiserver import ApiServerStandIn, kube_api
@@ -667,3 +670,119 @@ def test_a_changed_taint_keeps_the_time_of_the_taints_that_stayed(run):
                                            taint_unhealthy=True))
         assert kept["timeAdded"] == before["timeAdded"]
         assert new["timeAdded"] > before["timeAdded"]
+
+
+OTHER_DRIVER = "other.device-plugin-host.io"
+POOLS = ((DRIVER, POOL), (OTHER_DRIVER, POOL))
+
+_STEPS = st.one_of(
+    st.tuples(st.just("devices"), st.sampled_from([0, 1]), st.integers(0, 140),
+              st.integers(-1, 139)),
+    st.tuples(st.just("wipe")),  # the kubelet's DeleteCollection of the node's slices
+    st.tuples(st.just("kubelet start")),  # the wipe, and our registration's republish
+    st.tuples(st.just("wipe during a list")),  # the next LIST: read, wipe, then answered
+    st.tuples(st.just("republish")),  # a plugin registration alone
+    st.tuples(st.just("edit"), st.sampled_from([0, 1])),
+    st.tuples(st.just("fail"), st.just(409), st.integers(1, 2),
+              st.sampled_from(["create", "update", "delete"])),
+    # The Node GET is answered 5xx only: a 4xx there means "publish without the owner".
+    st.tuples(st.just("fail"), st.sampled_from([500, 503]), st.integers(1, 2),
+              st.sampled_from(["list", "create", "update", "delete", "get"])),
+    st.tuples(st.just("expire")),  # the watch ends and its resourceVersion is compacted
+    st.tuples(st.just("outage"), st.floats(0, 0.05)),
+    st.tuples(st.just("pause"), st.floats(0, 0.02)),
+)
+
+
+def _summary(api):
+    return [(s["metadata"]["name"], len(s["spec"].get("devices") or []), s["spec"]["pool"])
+            for s in api.resource_slices(node=NODE)]
+
+
+def _pool_converged(api, driver, pool, devices, node_uid):
+    stored = sorted((s for s in api.resource_slices(driver, NODE)
+                     if s["spec"]["pool"]["name"] == pool), key=lambda s: s["metadata"]["name"])
+    want = build_slices(driver, NODE, pool, devices, 0, node_uid)
+    if [s["metadata"]["name"] for s in stored] != [w["metadata"]["name"] for w in want]:
+        return False
+    generations = {s["spec"]["pool"]["generation"] for s in stored}
+    return len(generations) == 1 and all(same_content(w, s) for w, s in zip(want, stored))
+
+
+async def _interleaving(steps, seed, settled=True):
+    api = ApiServerStandIn(answer_jitter_s=0.002, seed=seed)
+    api.start()
+    node_uid = api.add_node(NODE)["metadata"]["uid"]
+    client = KubeClient.from_settings(api.kubeconfig_path, timeout_s=2)
+    publisher = SlicePublisher(client, NODE)
+    desired = {key: [gpu(0), gpu(1)] for key in POOLS}
+    for (driver, pool), devices in desired.items():
+        publisher.set_pool(driver, pool, devices)
+    await publisher.start()
+    loop = asyncio.get_running_loop()
+    try:
+        if settled:  # else the steps race the first publish too
+            assert await publisher.wait_synced()
+            await _watching(api)
+        for step in steps:
+            kind = step[0]
+            if kind == "devices":
+                _, which, count, sick = step
+                desired[POOLS[which]] = [gpu(i, healthy=i != sick) for i in range(count)]
+                publisher.set_pool(*POOLS[which], desired[POOLS[which]])
+            elif kind == "wipe":
+                api.delete_slices_of_node(NODE)
+            elif kind == "kubelet start":
+                api.delete_slices_of_node(NODE)
+                publisher.republish()
+            elif kind == "republish":
+                publisher.republish()
+            elif kind == "wipe during a list":
+                def wipe_once(verb, path):
+                    if verb == "list":
+                        api.before_answer = None
+                        api.delete_slices_of_node(NODE)
+                api.before_answer = wipe_once
+            elif kind == "edit":
+                mine = [s for s in api.resource_slices(POOLS[step[1]][0], NODE)
+                        if s["spec"].get("devices")]
+                if mine:
+                    mine[0]["spec"]["devices"] = mine[0]["spec"]["devices"][1:]
+                    api.put_resource_slice(mine[0])
+            elif kind == "fail":
+                api.fail_next(step[1], count=step[2], verbs={step[3]})
+            elif kind == "expire":
+                api.compact()
+                api.end_watches()
+            elif kind == "outage":
+                await loop.run_in_executor(None, api.stop)
+                await asyncio.sleep(step[1])
+                await loop.run_in_executor(None, api.start)
+            await asyncio.sleep(step[1] if kind == "pause" else 0)
+        deadline = loop.time() + 10
+        while True:
+            if all(_pool_converged(api, *key, devices, node_uid)
+                   for key, devices in desired.items()) and not publisher.pending():
+                return
+            assert loop.time() < deadline, (
+                f"not converged: pending {publisher.pending()}, last error "
+                f"{publisher.last_error}, slices {_summary(api)}")
+            await asyncio.sleep(0.01)
+    finally:
+        api.before_answer = None
+        await publisher.stop()
+        await client.close()
+        api.close()
+
+
+# No shrinking: a failing example is at most 8 steps, and each try waits out the deadline.
+@settings(max_examples=20, deadline=None,
+          phases=(Phase.explicit, Phase.reuse, Phase.generate))
+@given(steps=st.lists(_STEPS, min_size=1, max_size=8), seed=st.integers(0, 1 << 16),
+       settled=st.booleans())
+def test_any_interleaving_of_wipes_changes_and_failures_converges(steps, seed, settled):
+    """Whatever happens in whatever order (wipes, also while a LIST is in flight, device
+    changes, edits by others, 409s, 5xx, expired watches, outages), with every watch event
+    delivered before the answer of the request that made it and answers delayed at random,
+    the server ends up holding exactly the desired pools, each one whole generation."""
+    asyncio.run(asyncio.wait_for(_interleaving(steps, seed, settled), 30))
