@@ -89,6 +89,31 @@ class _Pool:
         self.epoch += 1
         self.version += 1
 
+    def event(self, name: str, rv: Optional[int],
+              obj: Optional[Dict[str, Any]]) -> Optional[bool]:
+        """Someone else's write of slice ``name`` (``obj`` None: its deletion), the caller
+        holding the lock. None: old news; False: a write of ours to it is in flight, whose
+        answer decides; True: news, and the pool is pending again. The view takes the event
+        in place (no LIST needed), unless it is dropped already: a LIST may be in flight,
+        whose answer must then be thrown away."""
+        newest = rv if rv is not None else 1 << 62  # unreadable: newer than anything
+        if newest <= self.known_rv.get(name, -1):
+            return None
+        if rv is not None:
+            self.known_rv[name] = rv
+        if name in self.writing:
+            self.writing[name] = max(self.writing[name], newest)
+            return False
+        if self.observed is None:
+            self.invalidate()
+        else:
+            if obj is None:
+                self.observed.pop(name, None)
+            else:
+                self.observed[name] = obj
+            self.version += 1
+        return True
+
     def remember(self, obj: Dict[str, Any]) -> None:
         meta = obj.get("metadata") or {}
         rv = _rv(meta)
@@ -358,20 +383,21 @@ class SlicePublisher:
             return
         spec = obj.get("spec") or {}
         key = (str(spec.get("driver")), str((spec.get("pool") or {}).get("name")))
-        name, rv = meta.get("name"), _rv(meta)
+        name = str(meta.get("name") or "")
         with self._lock:
             state = self._pools.get(key)
             if state is None or state.devices is None:
                 return
-            known = state.known_rv.get(name) if name else None
-            if rv is not None and known is not None and rv < known:
-                return  # we have seen the slice made again since: old news
-            state.invalidate()
+            news = state.event(name, _rv(meta), None)
+            if news is None:
+                return  # we have seen the slice made again since
             # The garbage collector deletes slices whose Node owner is gone (a Node deleted
             # and registered again has a new UID): read the Node again, or the next slices
             # would carry the dead UID and be collected again, over and over.
             self._node_uid = None
             self._node_epoch += 1
+        if not news:
+            return
         self.republished_after_delete += 1
         log.info("DRA: ResourceSlice %s of pool %s was deleted by someone else; publishing it "
                  "again", name, key[1])
@@ -384,20 +410,14 @@ class SlicePublisher:
         name, rv = str(meta.get("name") or ""), _rv(meta)
         spec = obj.get("spec") or {}
         key = (str(spec.get("driver")), str((spec.get("pool") or {}).get("name")))
-        newest = rv if rv is not None else 1 << 62  # unreadable: newer than anything
         marked: List[str] = []
         with self._lock:
             for pool_key, state in self._pools.items():
                 if state.devices is None or (pool_key != key and name not in state.known_rv
                                              and name not in state.writing):
                     continue
-                if newest <= state.known_rv.get(name, -1):
-                    continue  # old news: our own write, or what we read
-                if name in state.writing:
-                    state.writing[name] = max(state.writing[name], newest)
-                    continue  # decided by the write's answer
-                state.invalidate()
-                marked.append(pool_key[1])
+                if state.event(name, rv, obj):
+                    marked.append(pool_key[1])
         if marked:
             self._foreign_change(name, marked)
 
