@@ -592,7 +592,8 @@ class SlicePublisher:
                     log.warning("DRA: the API server dropped device taints (DRADeviceTaints "
                                 "is off); unhealthy devices of %s are left out instead", pool)
             for name in [n for n in observed if n not in names]:
-                if not await self._delete(state, epoch, name, observed[name]):
+                gone = observed.get(name)  # the watch may have taken it out meanwhile
+                if gone is not None and not await self._delete(state, epoch, name, gone):
                     return
             if taint and state.taints_dropped:
                 # What we wrote shows unhealthy devices as usable: write it again without them.

@@ -402,6 +402,17 @@ class ApiServerStandIn:
                 self._notify()
             return len(names)
 
+    def delete_slice(self, name: str) -> bool:
+        """Delete one slice as another client would (its DELETED event included)."""
+        with self._lock:
+            old = self._state.slices.pop(name, None)
+            if old is None:
+                return False
+            self._bump()
+            self._event("DELETED", old)
+            self._notify()
+            return True
+
     def put_resource_slice(self, obj: Dict[str, Any]) -> Dict[str, Any]:
         """Write a slice as another client would (no validation): for conflict tests."""
         with self._lock:

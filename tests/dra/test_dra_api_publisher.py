@@ -672,6 +672,43 @@ def test_a_changed_taint_keeps_the_time_of_the_taints_that_stayed(run):
         assert new["timeAdded"] > before["timeAdded"]
 
 
+
+def test_a_slice_deleted_by_someone_else_while_we_delete_obsolete_ones(run):
+    # The pool shrinks from 3 slices to 1; while we delete the second, someone else deletes
+    # the third and the watch tells us before our DELETE is answered.
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            await _watching(api)
+            names = sorted(s["metadata"]["name"] for s in api.resource_slices(DRIVER, NODE))
+            assert len(names) == 3
+            seen = publisher.republished_after_delete
+            armed = [True]
+
+            async def delete_the_last(verb, path):
+                if verb != "delete" or not armed[0]:
+                    return
+                armed[0] = False
+                assert api.delete_slice(names[2])
+                deadline = time.monotonic() + 5
+                while publisher.republished_after_delete == seen and \
+                        time.monotonic() < deadline:
+                    await asyncio.sleep(0.001)
+
+            api.before_answer = delete_the_last
+            publisher.set_pool(DRIVER, POOL, [gpu(i) for i in range(10)])
+            assert await publisher.wait_synced()
+            api.before_answer = None
+            publisher.set_pool(DRIVER, POOL, [gpu(i) for i in range(11)])
+            assert await publisher.wait_synced()  # the owner task still runs
+            return armed[0]
+
+        assert not run(publishing(api, [gpu(i) for i in range(260)], body))
+        [piece] = api.resource_slices(DRIVER, NODE)
+        assert len(piece["spec"]["devices"]) == 11
+
 OTHER_DRIVER = "other.device-plugin-host.io"
 POOLS = ((DRIVER, POOL), (OTHER_DRIVER, POOL))
 
@@ -683,6 +720,7 @@ _STEPS = st.one_of(
     st.tuples(st.just("wipe during a list")),  # the next LIST: read, wipe, then answered
     st.tuples(st.just("republish")),  # a plugin registration alone
     st.tuples(st.just("edit"), st.sampled_from([0, 1])),
+    st.tuples(st.just("delete one"), st.sampled_from([0, 1])),
     st.tuples(st.just("fail"), st.just(409), st.integers(1, 2),
               st.sampled_from(["create", "update", "delete"])),
     # The Node GET is answered 5xx only: a 4xx there means "publish without the owner".
@@ -713,7 +751,7 @@ async def _interleaving(steps, seed, settled=True):
     api = ApiServerStandIn(answer_jitter_s=0.002, seed=seed)
     api.start()
     node_uid = api.add_node(NODE)["metadata"]["uid"]
-    client = KubeClient.from_settings(api.kubeconfig_path, timeout_s=2)
+    client = KubeClient.from_settings(api.kubeconfig_path, timeout_s=1)
     publisher = SlicePublisher(client, NODE)
     desired = {key: [gpu(0), gpu(1)] for key in POOLS}
     for (driver, pool), devices in desired.items():
@@ -749,6 +787,10 @@ async def _interleaving(steps, seed, settled=True):
                 if mine:
                     mine[0]["spec"]["devices"] = mine[0]["spec"]["devices"][1:]
                     api.put_resource_slice(mine[0])
+            elif kind == "delete one":
+                mine = api.resource_slices(POOLS[step[1]][0], NODE)
+                if mine:
+                    api.delete_slice(mine[-1]["metadata"]["name"])
             elif kind == "fail":
                 api.fail_next(step[1], count=step[2], verbs={step[3]})
             elif kind == "expire":
