@@ -60,6 +60,8 @@ TARGETS: Dict[str, Target] = {
     "preferred_ms_1024_8numa": Target("max", 5, "< 5 ms"),
     "event_to_kubelet_p99_ms_64": Target("max", 10, "< 10 ms"),
     "idle_cpu_pct_watching": Target("max", 0.1, "< 0.1 %"),
+    "dra_slice_event_p99_ms": Target("max", 20, "< 20 ms"),
+    "dra_republish_p99_ms": Target("max", 50, "< 50 ms"),
 }
 
 

@@ -21,13 +21,30 @@ background and with retries (DRAPluginManager.wipeResourceSlices: Node GET first
 from 1 s), so the wipe can land after our plugin registered and republished; and the DRA
 manager wipes a driver's slices 30 s after its plugin's connection dropped.
 
-Near 500 lines: the reconcile, its backoff and the watch share one view of the server's
-slices, and their races are only understandable read side by side.
+Slices changed by someone else (a device removed, an attribute edited) are written back the
+same way: an ADDED or MODIFIED event of a slice of ours newer than what we already know (its
+resourceVersion, an integer as upstream's mutation cache reads it) marks the pool, as
+upstream's controller queues a pool on update events. An event that arrives while our own
+write of that slice is in flight is judged by the write's answer: ours when the answer has
+its resourceVersion, someone else's when it is newer. Content is never the test, since the
+server changes what we send (defaults, fields of features it has off).
+
+Taint times the server set (``timeAdded``) are copied from the stored slice before comparing
+and writing, as upstream's copyTaintTimeAdded does: they are kept, and never make an
+unchanged pool look changed.
+
+Answers in flight while a pool's view is dropped are stale: the view carries an epoch, bumped
+by every invalidation (a watched deletion or foreign change, ``republish()``), and a reconcile
+that finds it changed after any await throws its answer away and leaves the pool pending. The
+kubelet's wipe can delete slices between the server reading a LIST and answering it, and the
+watch can deliver that deletion before the answer arrives: keeping that answer would make a
+deleted pool look published.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import random
 import threading
@@ -56,6 +73,100 @@ class _Pool:
     rejected_version: int = -1  # the version a 422 was answered for
     rejected_reasons: Set[str] = field(default_factory=set)
     taints_dropped: bool = False
+    # Bumped whenever ``observed`` is dropped: an answer that was in flight meanwhile is stale.
+    epoch: int = 0
+    # The newest resourceVersion known per slice name (reads, our writes, events): an event
+    # no newer than that is old news.
+    known_rv: Dict[str, int] = field(default_factory=dict)
+    # Slices with a write of ours in flight, with the newest resourceVersion an event showed
+    # for them meanwhile (-1: none): whether that event was our write is known only from the
+    # answer's resourceVersion, which may arrive after it.
+    writing: Dict[str, int] = field(default_factory=dict)
+
+    def invalidate(self) -> None:
+        """Forget the server's view and make the pool pending (the caller holds the lock)."""
+        self.observed = None
+        self.epoch += 1
+        self.version += 1
+
+    def event(self, name: str, rv: Optional[int],
+              obj: Optional[Dict[str, Any]]) -> Optional[bool]:
+        """Someone else's write of slice ``name`` (``obj`` None: its deletion), the caller
+        holding the lock. None: old news; False: a write of ours to it is in flight, whose
+        answer decides; True: news, and the pool is pending again. The view takes the event
+        in place (no LIST needed), unless it is dropped already: a LIST may be in flight,
+        whose answer must then be thrown away."""
+        newest = rv if rv is not None else 1 << 62  # unreadable: newer than anything
+        if newest <= self.known_rv.get(name, -1):
+            return None
+        if rv is not None:
+            self.known_rv[name] = rv
+        if name in self.writing:
+            self.writing[name] = max(self.writing[name], newest)
+            return False
+        if self.observed is None:
+            self.invalidate()
+        else:
+            if obj is None:
+                self.observed.pop(name, None)
+            else:
+                self.observed[name] = obj
+            self.version += 1
+        return True
+
+    def remember(self, obj: Dict[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        rv = _rv(meta)
+        name = meta.get("name")
+        if rv is not None and name and rv > self.known_rv.get(name, -1):
+            self.known_rv[name] = rv
+
+
+def _rv(meta: Dict[str, Any]) -> Optional[int]:
+    try:
+        return int(meta.get("resourceVersion") or "")
+    except ValueError:
+        return None
+
+
+def copy_taint_times(desired: Sequence[Dict[str, Any]],
+                     stored: Sequence[Dict[str, Any]]) -> None:
+    """Give each taint of ``desired`` slices without ``timeAdded`` the time of the same taint
+    (key, value, effect) on the same device in ``stored`` slices, in place: the server sets
+    that time when a taint is first written, and a write without it would reset it."""
+    times: Dict[Tuple[str, str, str, str], Any] = {}
+    for piece in stored:
+        for device in (piece.get("spec") or {}).get("devices") or []:
+            for taint in device.get("taints") or []:
+                if taint.get("timeAdded"):
+                    times[(device.get("name"), taint.get("key"), taint.get("value"),
+                           taint.get("effect"))] = taint["timeAdded"]
+    if not times:
+        return
+    for piece in desired:
+        for device in piece["spec"].get("devices") or []:
+            for taint in device.get("taints") or []:
+                if not taint.get("timeAdded"):
+                    when = times.get((device.get("name"), taint.get("key"), taint.get("value"),
+                                      taint.get("effect")))
+                    if when:
+                        taint["timeAdded"] = when
+
+
+def _pool_of(obj: Dict[str, Any]) -> str:
+    return str(((obj.get("spec") or {}).get("pool") or {}).get("name"))
+
+
+def holds(desired: Dict[str, Any], stored: Dict[str, Any]) -> bool:
+    """Whether ``stored`` says what ``desired`` says, its generation included; a taint time
+    the server set where ``desired`` has none is no difference."""
+    if (desired["spec"]["pool"].get("generation") !=
+            ((stored.get("spec") or {}).get("pool") or {}).get("generation")):
+        return False
+    if any(d.get("taints") for d in desired["spec"].get("devices") or []):
+        desired = copy.deepcopy(desired)
+        copy_taint_times([desired], [stored])
+    return same_content(desired, stored)
 
 
 class _Metrics:
@@ -103,6 +214,8 @@ class SlicePublisher:
         # UIDs of slices we deleted ourselves: their DELETED events are not news.
         self._deleted_uids: Set[str] = set()
         self.republished_after_delete = 0  # pools marked again after someone deleted a slice
+        self.repaired_after_change = 0  # pools marked again after someone changed a slice
+        self._node_epoch = 0  # bumped when the Node's UID must be read again
         self._idle: Optional[asyncio.Event] = None
         self._node_uid: Optional[str] = None
         self._node_warned = False
@@ -136,8 +249,7 @@ class SlicePublisher:
         """Our slices may be gone (the kubelet deletes a node's slices when it starts)."""
         with self._lock:
             for state in self._pools.values():
-                state.observed = None
-                state.version += 1
+                state.invalidate()
         self._poke()
 
     def _mark(self, key: PoolKey, devices: Optional[Sequence[Device]]) -> None:
@@ -209,7 +321,8 @@ class SlicePublisher:
     # -- the watch task -----------------------------------------------------------------------
 
     async def _watch(self) -> None:
-        """Follow the node's slices; a DELETED one of a pool we publish marks that pool.
+        """Follow the node's slices; one of a pool we publish that was deleted or changed by
+        someone else marks that pool.
 
         Started without a resourceVersion (the server's current state, sent as ADDED events,
         which say nothing new); resumed from the last resourceVersion seen after the stream
@@ -234,8 +347,11 @@ class SlicePublisher:
                     seen = (obj.get("metadata") or {}).get("resourceVersion")
                     if seen:
                         version = str(seen)
-                    if event.get("type") == "DELETED":
+                    kind = event.get("type")
+                    if kind == "DELETED":
                         self._deleted_elsewhere(obj)
+                    elif kind in ("ADDED", "MODIFIED"):
+                        self._changed_elsewhere(obj)
                 blind = version is None
             except KubeError as err:
                 if err.status == 410:
@@ -267,19 +383,48 @@ class SlicePublisher:
             return
         spec = obj.get("spec") or {}
         key = (str(spec.get("driver")), str((spec.get("pool") or {}).get("name")))
+        name = str(meta.get("name") or "")
         with self._lock:
             state = self._pools.get(key)
             if state is None or state.devices is None:
                 return
-            state.observed = None
-            state.version += 1
+            news = state.event(name, _rv(meta), None)
+            if news is None:
+                return  # we have seen the slice made again since
             # The garbage collector deletes slices whose Node owner is gone (a Node deleted
             # and registered again has a new UID): read the Node again, or the next slices
             # would carry the dead UID and be collected again, over and over.
             self._node_uid = None
+            self._node_epoch += 1
+        if not news:
+            return
         self.republished_after_delete += 1
         log.info("DRA: ResourceSlice %s of pool %s was deleted by someone else; publishing it "
-                 "again", meta.get("name"), key[1])
+                 "again", name, key[1])
+        self._poke()
+
+    def _changed_elsewhere(self, obj: Dict[str, Any]) -> None:
+        """An ADDED or MODIFIED slice: news when it belongs to a pool we publish (by its
+        pool, or by a name we wrote or read) and is newer than anything we know of it."""
+        meta = obj.get("metadata") or {}
+        name, rv = str(meta.get("name") or ""), _rv(meta)
+        spec = obj.get("spec") or {}
+        key = (str(spec.get("driver")), str((spec.get("pool") or {}).get("name")))
+        marked: List[str] = []
+        with self._lock:
+            for pool_key, state in self._pools.items():
+                if state.devices is None or (pool_key != key and name not in state.known_rv
+                                             and name not in state.writing):
+                    continue
+                if state.event(name, rv, obj):
+                    marked.append(pool_key[1])
+        if marked:
+            self._foreign_change(name, marked)
+
+    def _foreign_change(self, name: str, pools: Sequence[str]) -> None:
+        self.repaired_after_change += 1
+        log.info("DRA: ResourceSlice %s of pool %s was changed by someone else; writing it "
+                 "again", name, ", ".join(pools))
         self._poke()
 
     # -- the owner task -----------------------------------------------------------------------
@@ -351,9 +496,13 @@ class SlicePublisher:
 
     async def _node_owner_uid(self) -> Optional[str]:
         if self._node_uid is None:
+            epoch = self._node_epoch
             try:
                 node = await self._call("get", self.client.get_node(self.node_name))
-                self._node_uid = (node.get("metadata") or {}).get("uid")
+                uid = (node.get("metadata") or {}).get("uid")
+                if self._node_epoch != epoch:
+                    return uid  # read before a replacement was seen: not kept
+                self._node_uid = uid
             except KubeError as err:
                 if err.status == 0 or err.status >= 500:
                     raise
@@ -388,29 +537,40 @@ class SlicePublisher:
                 raise
 
     async def _reconcile_once(self, key: PoolKey) -> None:
+        """One pass over the pool. Returns without marking it synced when its view was
+        dropped while a request was in flight (the pool is pending again then)."""
         driver, pool = key
         with self._lock:
             state = self._pools[key]
-            version, devices = state.version, state.devices
-        observed = state.observed
+            version, devices, epoch = state.version, state.devices, state.epoch
+            observed = state.observed
         if observed is None:
-            observed = state.observed = await self._observe(key)
+            listed = await self._observe(key)
+            with self._lock:
+                if state.epoch != epoch:
+                    return  # read before a deletion or change we have seen since
+                observed = state.observed = listed
+                for obj in listed.values():
+                    state.remember(obj)
         if devices is None:
             for name, obj in list(observed.items()):
-                await self._delete(state, name, obj)
+                if not await self._delete(state, epoch, name, obj):
+                    return
             self._synced(key, state, version)
             return
         node_uid = await self._node_owner_uid()
+        if state.epoch != epoch:
+            return
         taint = self.taint_unhealthy and not state.taints_dropped
         current = max((s["spec"]["pool"].get("generation", 0) for s in observed.values()),
                       default=0)
         desired = build_slices(driver, self.node_name, pool, devices, current, node_uid,
                                taint_unhealthy=taint)
+        if taint:
+            copy_taint_times(desired, list(observed.values()))
         names = {d["metadata"]["name"] for d in desired}
         in_sync = set(observed) == names and all(
-            same_content(d, observed[d["metadata"]["name"]]) and
-            observed[d["metadata"]["name"]]["spec"]["pool"].get("generation") == current
-            for d in desired)
+            holds(d, observed[d["metadata"]["name"]]) for d in desired)
         if in_sync:
             self._synced(key, state, version)
             return
@@ -422,18 +582,19 @@ class SlicePublisher:
                 obj["spec"]["pool"]["generation"] = generation
                 name = obj["metadata"]["name"]
                 old = observed.get(name)
-                if old is None:
-                    stored = await self._call("create", self.client.create_resource_slice(obj))
-                else:
-                    obj["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
-                    stored = await self._call("update", self.client.update_resource_slice(obj))
-                observed[name] = stored
+                stored = await self._write(state, obj, old)
+                with self._lock:
+                    if state.epoch != epoch:
+                        return  # the view was dropped meanwhile: read the pool again
+                    observed[name] = stored
                 if taint and self._taints_lost(obj, stored):
                     state.taints_dropped = True
                     log.warning("DRA: the API server dropped device taints (DRADeviceTaints "
                                 "is off); unhealthy devices of %s are left out instead", pool)
             for name in [n for n in observed if n not in names]:
-                await self._delete(state, name, observed[name])
+                gone = observed.get(name)  # the watch may have taken it out meanwhile
+                if gone is not None and not await self._delete(state, epoch, name, gone):
+                    return
             if taint and state.taints_dropped:
                 # What we wrote shows unhealthy devices as usable: write it again without them.
                 await self._reconcile_once(key)
@@ -448,9 +609,35 @@ class SlicePublisher:
             raise
         self._synced(key, state, version)
 
-    async def _delete(self, state: _Pool, name: str, obj: Dict[str, Any]) -> None:
-        # state.observed may be dropped meanwhile (republish, a watched deletion): then the
-        # next reconcile reads the pool again, and there is nothing to forget here.
+    async def _write(self, state: _Pool, obj: Dict[str, Any],
+                     old: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        """Create or update one slice; an event of it seen meanwhile that is not this write
+        drops the pool's view (someone else wrote it after us)."""
+        name = obj["metadata"]["name"]
+        with self._lock:
+            state.writing[name] = -1
+        stored: Optional[Dict[str, Any]] = None
+        try:
+            if old is None:
+                stored = await self._call("create", self.client.create_resource_slice(obj))
+            else:
+                obj["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
+                stored = await self._call("update", self.client.update_resource_slice(obj))
+            return stored
+        finally:
+            with self._lock:
+                seen = state.writing.pop(name, -1)
+                ours = _rv(stored.get("metadata") or {}) if stored is not None else None
+                if stored is not None:
+                    state.remember(stored)
+                foreign = seen >= 0 and (ours is None or seen > ours)
+                if foreign:
+                    state.invalidate()
+            if foreign:
+                self._foreign_change(name, [_pool_of(obj)])
+
+    async def _delete(self, state: _Pool, epoch: int, name: str, obj: Dict[str, Any]) -> bool:
+        """Delete one slice of ours; False when the pool's view was dropped meanwhile."""
         uid = obj["metadata"].get("uid")
         if uid:
             self._deleted_uids.add(uid)
@@ -462,8 +649,12 @@ class SlicePublisher:
                 self._deleted_uids.discard(uid)  # still there: its deletion is not ours
             if err.status != 404:
                 raise
-        if state.observed is not None:
-            state.observed.pop(name, None)
+        with self._lock:
+            if state.epoch != epoch:
+                return False
+            if state.observed is not None:
+                state.observed.pop(name, None)
+        return True
 
     @staticmethod
     def _taints_lost(sent: Dict[str, Any], stored: Dict[str, Any]) -> bool:
@@ -497,4 +688,4 @@ class SlicePublisher:
             if state.observed is None:
                 state.observed = await self._observe(key)
             for name, obj in list(state.observed.items()):
-                await self._delete(state, name, obj)
+                await self._delete(state, state.epoch, name, obj)

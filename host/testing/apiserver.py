@@ -25,7 +25,17 @@ get, Node get. Like the real server it
     field selectors as for lists): from ``resourceVersion`` on, or the current objects as
     ADDED first without one; an ERROR event 410 Expired for a resourceVersion older than the
     last ``compact()``; a DeleteCollection (``delete_slices_of_node``) is one DELETED event
-    per slice. Watches are counted in ``watches``, not in ``requests``/``request_log``.
+    per slice. Watches are counted in ``watches``, not in ``requests``/``request_log``;
+    ``end_watches()`` ends every open one, as its timeoutSeconds does;
+  * answers after its watches: a request's state is read (or written) first, and its answer
+    is held until every open watch has sent the events up to the newest revision, so a client
+    sees a deletion on its watch before the LIST answer that still holds the slice, as
+    client-go may over two connections (``events_before_answers``, on by default);
+    ``before_answer`` (a test's hook, may be async) runs between reading and answering, where
+    the kubelet's wipe can land while a LIST is in flight; ``answer_jitter_s`` delays each
+    answer by a random time up to that after its state was read;
+  * sets ``taints[].timeAdded`` to the time of the write where a kept taint has none, as the
+    v1 defaulting (SetDefaults_DeviceTaint) does.
 Failure injection (``fail_next``) answers the next N matching requests with a given status,
 with the Status body the real server would send.
 
@@ -43,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import copy
+import inspect
 import json
 import os
 import random
@@ -176,9 +187,16 @@ class ApiServerStandIn:
     TOKEN = "standin-token"
 
     def __init__(self, device_taints: bool = False, latency_s: float = 0.0,
-                 tls: bool = False) -> None:
+                 tls: bool = False, events_before_answers: bool = True,
+                 answer_jitter_s: float = 0.0, seed: Optional[int] = None) -> None:
         self.device_taints = device_taints
         self.latency_s = latency_s
+        self.events_before_answers = events_before_answers
+        self.answer_jitter_s = answer_jitter_s
+        self._random = random.Random(seed)
+        # Called on the server's loop with (verb, path) after a request's state was read or
+        # written and before its answer is sent; may return an awaitable, which is awaited.
+        self.before_answer: Optional[Callable[[str, str], Any]] = None
         self.tls = tls
         # Bearer tokens the server accepts (401 otherwise); a test rotates by replacing it.
         self.tokens: Set[str] = {self.TOKEN}
@@ -201,6 +219,10 @@ class ApiServerStandIn:
         self._changed = threading.Condition(self._lock)
         self._writes = 0
         self._watch_wakers: Set[asyncio.Event] = set()  # one per open watch, on self._loop
+        # The revision each open watch has sent its events up to (keyed by its waker).
+        self._watch_sent: Dict[asyncio.Event, int] = {}
+        self._watch_progress: Optional[asyncio.Event] = None
+        self._watch_enders: Set[asyncio.Event] = set()
         self.watches = 0  # watch requests served (kept out of ``requests``/``request_log``)
         # Called from the server's thread after each successful write with (verb, object):
         # lets a benchmark timestamp the moment the server holds a change.
@@ -288,6 +310,8 @@ class ApiServerStandIn:
         self.port = sock.getsockname()[1]
         if self.tls and self._ssl is None:
             self._ssl = self._make_certificate()
+        if self._watch_progress is None:
+            self._watch_progress = asyncio.Event()
         self._server = await asyncio.start_server(self._serve, sock=sock, ssl=self._ssl)
 
     async def _shutdown(self) -> None:
@@ -380,6 +404,17 @@ class ApiServerStandIn:
                 self._notify()
             return len(names)
 
+    def delete_slice(self, name: str) -> bool:
+        """Delete one slice as another client would (its DELETED event included)."""
+        with self._lock:
+            old = self._state.slices.pop(name, None)
+            if old is None:
+                return False
+            self._bump()
+            self._event("DELETED", old)
+            self._notify()
+            return True
+
     def put_resource_slice(self, obj: Dict[str, Any]) -> Dict[str, Any]:
         """Write a slice as another client would (no validation): for conflict tests."""
         with self._lock:
@@ -455,6 +490,7 @@ class ApiServerStandIn:
                     return  # the real server ends a watch by closing its response
                 status, payload = self._handle(method, target, body,
                                                headers.get("authorization", ""))
+                await self._before_answer(method, target)
                 data = json.dumps(payload, separators=(",", ":")).encode()
                 # API Priority and Fairness answers 429 with Retry-After: 1.
                 extra = "Retry-After: 1\r\n" if status == 429 else ""
@@ -473,6 +509,51 @@ class ApiServerStandIn:
                 writer.close()
             except RuntimeError:
                 pass
+
+    async def _before_answer(self, method: str, target: str) -> None:
+        """Between reading a request's state and answering it (see the module docstring)."""
+        if self.answer_jitter_s > 0:
+            await asyncio.sleep(self._random.uniform(0, self.answer_jitter_s))
+        hook = self.before_answer
+        if hook is not None:
+            path = unquote(urlsplit(target).path).rstrip("/")
+            result = hook(self._route(method, path)[0], path)
+            if inspect.isawaitable(result):
+                await result
+        if self.events_before_answers:
+            with self._lock:
+                revision = self._state.revision
+            await self._watches_reached(revision)
+
+    async def _watches_reached(self, revision: int, timeout_s: float = 0.25) -> None:
+        """Wait until every open watch has sent its events up to ``revision`` (bounded: a
+        client that stopped reading its watch must not stall every answer)."""
+        progress = self._watch_progress
+        if progress is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while any(sent < revision for sent in self._watch_sent.values()):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            progress.clear()
+            try:
+                await asyncio.wait_for(progress.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+
+    def end_watches(self) -> None:
+        """End every open watch (what its timeoutSeconds does): the client resumes from the
+        last resourceVersion it saw, and gets 410 Expired after ``compact()``."""
+        loop = self._loop
+        if loop is None:
+            return
+
+        def end() -> None:
+            for ender in list(self._watch_enders):
+                ender.set()
+
+        loop.call_soon_threadsafe(end)
 
     def _handle(self, method: str, target: str, body: bytes,
                 authorization: str = "") -> Tuple[int, Any]:
@@ -628,7 +709,9 @@ class ApiServerStandIn:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                      b"Transfer-Encoding: chunked\r\n\r\n")
         waker = asyncio.Event()
+        ender = asyncio.Event()
         self._watch_wakers.add(waker)
+        self._watch_enders.add(ender)
         gone = asyncio.ensure_future(reader.read())  # the client closed (or was cut off)
         deadline = time.monotonic() + float(query.get("timeoutSeconds") or 1800)
         try:
@@ -648,6 +731,9 @@ class ApiServerStandIn:
                     seen = int(since)
             while seen >= 0:
                 await writer.drain()
+                self._watch_sent[waker] = seen
+                if self._watch_progress is not None:
+                    self._watch_progress.set()
                 waker.clear()
                 with self._lock:
                     fresh = [(rv, kind, obj) for rv, kind, obj in self._state.events
@@ -659,17 +745,23 @@ class ApiServerStandIn:
                 if fresh:
                     continue
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or gone.done():
+                if remaining <= 0 or gone.done() or ender.is_set():
                     break
                 woken = asyncio.ensure_future(waker.wait())
-                await asyncio.wait({woken, gone}, timeout=remaining,
+                ended = asyncio.ensure_future(ender.wait())
+                await asyncio.wait({woken, gone, ended}, timeout=remaining,
                                    return_when=asyncio.FIRST_COMPLETED)
                 woken.cancel()
+                ended.cancel()
             if not gone.done():
                 writer.write(b"0\r\n\r\n")
                 await writer.drain()
         finally:
             self._watch_wakers.discard(waker)
+            self._watch_enders.discard(ender)
+            self._watch_sent.pop(waker, None)
+            if self._watch_progress is not None:
+                self._watch_progress.set()
             gone.cancel()
             if gone.done() and not gone.cancelled():
                 gone.exception()  # a reset connection: retrieved, not reported as lost
@@ -705,12 +797,14 @@ class ApiServerStandIn:
                      "items": items}
 
     def _drop_disabled(self, obj: Dict[str, Any], old: Optional[Dict[str, Any]]) -> None:
-        """dropDisabledFields: taints go unless the gate is on or the old object had them."""
-        if self.device_taints:
-            return
-        old_had = any(d.get("taints") for d in ((old or {}).get("spec") or {}).get("devices")
-                      or [])
-        if old_had:
+        """dropDisabledFields: taints go unless the gate is on or the old object had them;
+        a kept taint without ``timeAdded`` gets the time of this write (defaulting)."""
+        if self.device_taints or any(
+                d.get("taints") for d in ((old or {}).get("spec") or {}).get("devices") or []):
+            for device in (obj.get("spec") or {}).get("devices") or []:
+                for taint in (device.get("taints") or []) if isinstance(device, dict) else []:
+                    if isinstance(taint, dict) and not taint.get("timeAdded"):
+                        taint["timeAdded"] = _now()
             return
         for device in (obj.get("spec") or {}).get("devices") or []:
             if isinstance(device, dict):

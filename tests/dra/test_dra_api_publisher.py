@@ -6,12 +6,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 
 import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 
 from host.dra.kube import KubeClient
 from host.dra.naming import dra_device_name, driver_name, pool_name
 from host.dra.publisher import SlicePublisher
+from host.dra.slices import build_slices, same_content
 from host.metrics import HostMetrics
 from host.model import Device, Health
 from host.testing.apiserver import ApiServerStandIn, kube_api
@@ -118,9 +122,10 @@ def test_health_becomes_a_taint_where_the_server_keeps_taints(run):
 
         run(publishing(api, [gpu(0), gpu(1, healthy=False)], body, taint_unhealthy=True))
         sick = api.devices(DRIVER, NODE)[dra_device_name(gpu(1).id)]
-        assert sick["taints"] == [{"key": "device-plugin-host.io/unhealthy",
-                                   "value": "XID-79-GPU-has-fallen-off-the-bus",
-                                   "effect": "NoSchedule"}]
+        [taint] = sick["taints"]
+        assert taint.pop("timeAdded")  # set by the server
+        assert taint == {"key": "device-plugin-host.io/unhealthy",
+                         "value": "XID-79-GPU-has-fallen-off-the-bus", "effect": "NoSchedule"}
 
 
 def test_taints_dropped_by_the_server_fall_back_to_leaving_out(run):
@@ -511,3 +516,315 @@ def test_a_republish_while_a_reconcile_deletes_slices_does_not_kill_the_publishe
         run(publishing(api, [gpu(i) for i in range(130)], body))
         assert len(api.resource_slices(DRIVER, NODE)) == 1
         assert len(api.devices(DRIVER, NODE)) == 11
+
+
+async def _watching(api, publisher=None):
+    """Until our watch is open (its first request reached the server)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while api.watches == 0 and loop.time() < deadline:
+        await asyncio.sleep(0.005)
+
+
+def test_a_list_answered_after_a_wipe_it_missed_does_not_lose_the_pool(run):
+    # A kubelet start: its registration makes us read our pools again while its wipe deletes
+    # them, between the server reading our LIST and answering it; the watch brings the
+    # deletions before that answer, which still holds the slices.
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            await _watching(api)
+            seen = publisher.republished_after_delete
+            armed = [True]
+
+            async def wipe_while_listing(verb, path):
+                if verb != "list" or not armed[0]:
+                    return
+                armed[0] = False
+                assert api.delete_slices_of_node(NODE) == 1
+                deadline = time.monotonic() + 5  # until the publisher has taken the deletion
+                while publisher.republished_after_delete == seen and \
+                        time.monotonic() < deadline:
+                    await asyncio.sleep(0.001)
+
+            api.before_answer = wipe_while_listing
+            publisher.republish()
+            assert await publisher.wait_synced()
+            loop = asyncio.get_running_loop()
+            back = await loop.run_in_executor(
+                None, lambda: api.wait_for(lambda a: len(a.devices(DRIVER, NODE)) == 2, 3))
+            return back, armed[0], publisher.republished_after_delete - seen
+
+        back, armed, marked = run(publishing(api, [gpu(0), gpu(1)], body))
+        assert not armed and marked == 1  # the race happened as staged
+        assert back, "the pool stayed deleted"
+
+
+@pytest.mark.parametrize("edit", ["device removed", "attribute changed"])
+def test_a_slice_edited_by_someone_else_is_written_back(kube_api, run, edit):
+    kube_api.add_node(NODE)
+
+    async def body(publisher):
+        assert await publisher.wait_synced()
+        await _watching(kube_api) if isinstance(kube_api, ApiServerStandIn) else \
+            await asyncio.sleep(0.5)
+        [stored] = kube_api.resource_slices(DRIVER, NODE)
+        if edit == "device removed":
+            stored["spec"]["devices"] = stored["spec"]["devices"][:1]
+        else:
+            stored["spec"]["devices"][0]["attributes"]["model"] = {"string": "forged"}
+        edited = kube_api.put_resource_slice(stored)  # a 200 from the server
+        loop = asyncio.get_running_loop()
+
+        def restored(api):
+            [now] = api.resource_slices(DRIVER, NODE)
+            return int(now["metadata"]["resourceVersion"]) > \
+                int(edited["metadata"]["resourceVersion"])
+
+        ok = await loop.run_in_executor(None, lambda: kube_api.wait_for(restored, 5))
+        assert await publisher.wait_synced()
+        return ok, publisher.repaired_after_change
+
+    ok, repaired = run(publishing(kube_api, [gpu(0), gpu(1)], body))
+    assert ok and repaired >= 1
+    devices = kube_api.devices(DRIVER, NODE)
+    assert sorted(devices) == sorted(dra_device_name(gpu(i).id) for i in range(2))
+    assert all(d["attributes"]["model"] == {"string": "NVIDIA A100-SXM4-40GB"}
+               for d in devices.values())
+
+
+def test_our_own_writes_seen_on_the_watch_first_are_not_taken_for_edits(run):
+    # The stand-in answers only after its watches sent the write's event: every event of our
+    # own writes arrives before the answer that says it was ours.
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            await _watching(api)
+            for n in (130, 10, 140, 3):  # slices created, updated and deleted
+                publisher.set_pool(DRIVER, POOL, [gpu(i, healthy=i % 7 != 1) for i in range(n)])
+                assert await publisher.wait_synced()
+            await asyncio.sleep(0.1)
+            return publisher.repaired_after_change, publisher.republished_after_delete
+
+        assert run(publishing(api, [gpu(0)], body)) == (0, 0)
+
+
+def _tainted_pool_rewrites(api, run):
+    api.add_node(NODE)
+    devices = [gpu(0), gpu(1, healthy=False), gpu(2)]
+
+    async def body(publisher):
+        assert await publisher.wait_synced()
+        first = api.resource_slices(DRIVER, NODE)
+        await asyncio.sleep(1.1)  # a rewrite would carry a later timeAdded
+        for _ in range(3):  # what each plugin registration and rescan does
+            publisher.set_pool(DRIVER, POOL, list(devices))
+            assert await publisher.wait_synced()
+        publisher.republish()
+        assert await publisher.wait_synced()
+        return first, api.resource_slices(DRIVER, NODE)
+
+    return run(publishing(api, devices, body, taint_unhealthy=True))
+
+
+def test_server_set_taint_times_do_not_rewrite_an_unchanged_pool(run):
+    with ApiServerStandIn(device_taints=True) as api:
+        (first,), (after,) = _tainted_pool_rewrites(api, run)
+    assert after["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+    assert after["spec"]["pool"]["generation"] == 1
+
+
+def test_server_set_taint_times_against_the_api_server_under_test(run):
+    from host.testing.apiserver import api_server_under_test
+
+    servers = api_server_under_test(device_taints=True)
+    api = next(servers)
+    try:
+        (first,), (after,) = _tainted_pool_rewrites(api, run)
+    finally:
+        servers.close()
+    sick = {d["name"]: d for d in after["spec"]["devices"]}[dra_device_name(gpu(1).id)]
+    assert sick["taints"][0]["timeAdded"]
+    assert after["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+
+
+def test_a_changed_taint_keeps_the_time_of_the_taints_that_stayed(run):
+    with ApiServerStandIn(device_taints=True) as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            before = api.devices(DRIVER, NODE)[dra_device_name(gpu(1).id)]["taints"][0]
+            await asyncio.sleep(1.1)
+            publisher.set_pool(DRIVER, POOL, [gpu(0, healthy=False), gpu(1, healthy=False)])
+            assert await publisher.wait_synced()
+            devices = api.devices(DRIVER, NODE)
+            return before, devices[dra_device_name(gpu(1).id)]["taints"][0], \
+                devices[dra_device_name(gpu(0).id)]["taints"][0]
+
+        before, kept, new = run(publishing(api, [gpu(0), gpu(1, healthy=False)], body,
+                                           taint_unhealthy=True))
+        assert kept["timeAdded"] == before["timeAdded"]
+        assert new["timeAdded"] > before["timeAdded"]
+
+
+
+def test_a_slice_deleted_by_someone_else_while_we_delete_obsolete_ones(run):
+    # The pool shrinks from 3 slices to 1; while we delete the second, someone else deletes
+    # the third and the watch tells us before our DELETE is answered.
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+
+        async def body(publisher):
+            assert await publisher.wait_synced()
+            await _watching(api)
+            names = sorted(s["metadata"]["name"] for s in api.resource_slices(DRIVER, NODE))
+            assert len(names) == 3
+            seen = publisher.republished_after_delete
+            armed = [True]
+
+            async def delete_the_last(verb, path):
+                if verb != "delete" or not armed[0]:
+                    return
+                armed[0] = False
+                assert api.delete_slice(names[2])
+                deadline = time.monotonic() + 5
+                while publisher.republished_after_delete == seen and \
+                        time.monotonic() < deadline:
+                    await asyncio.sleep(0.001)
+
+            api.before_answer = delete_the_last
+            publisher.set_pool(DRIVER, POOL, [gpu(i) for i in range(10)])
+            assert await publisher.wait_synced()
+            api.before_answer = None
+            publisher.set_pool(DRIVER, POOL, [gpu(i) for i in range(11)])
+            assert await publisher.wait_synced()  # the owner task still runs
+            return armed[0]
+
+        assert not run(publishing(api, [gpu(i) for i in range(260)], body))
+        [piece] = api.resource_slices(DRIVER, NODE)
+        assert len(piece["spec"]["devices"]) == 11
+
+OTHER_DRIVER = "other.device-plugin-host.io"
+POOLS = ((DRIVER, POOL), (OTHER_DRIVER, POOL))
+
+_STEPS = st.one_of(
+    st.tuples(st.just("devices"), st.sampled_from([0, 1]), st.integers(0, 140),
+              st.integers(-1, 139)),
+    st.tuples(st.just("wipe")),  # the kubelet's DeleteCollection of the node's slices
+    st.tuples(st.just("kubelet start")),  # the wipe, and our registration's republish
+    st.tuples(st.just("wipe during a list")),  # the next LIST: read, wipe, then answered
+    st.tuples(st.just("republish")),  # a plugin registration alone
+    st.tuples(st.just("edit"), st.sampled_from([0, 1])),
+    st.tuples(st.just("delete one"), st.sampled_from([0, 1])),
+    st.tuples(st.just("fail"), st.just(409), st.integers(1, 2),
+              st.sampled_from(["create", "update", "delete"])),
+    # The Node GET is answered 5xx only: a 4xx there means "publish without the owner".
+    st.tuples(st.just("fail"), st.sampled_from([500, 503]), st.integers(1, 2),
+              st.sampled_from(["list", "create", "update", "delete", "get"])),
+    st.tuples(st.just("expire")),  # the watch ends and its resourceVersion is compacted
+    st.tuples(st.just("outage"), st.floats(0, 0.05)),
+    st.tuples(st.just("pause"), st.floats(0, 0.02)),
+)
+
+
+def _summary(api):
+    return [(s["metadata"]["name"], len(s["spec"].get("devices") or []), s["spec"]["pool"])
+            for s in api.resource_slices(node=NODE)]
+
+
+def _pool_converged(api, driver, pool, devices, node_uid):
+    stored = sorted((s for s in api.resource_slices(driver, NODE)
+                     if s["spec"]["pool"]["name"] == pool), key=lambda s: s["metadata"]["name"])
+    want = build_slices(driver, NODE, pool, devices, 0, node_uid)
+    if [s["metadata"]["name"] for s in stored] != [w["metadata"]["name"] for w in want]:
+        return False
+    generations = {s["spec"]["pool"]["generation"] for s in stored}
+    return len(generations) == 1 and all(same_content(w, s) for w, s in zip(want, stored))
+
+
+async def _interleaving(steps, seed, settled=True):
+    api = ApiServerStandIn(answer_jitter_s=0.002, seed=seed)
+    api.start()
+    node_uid = api.add_node(NODE)["metadata"]["uid"]
+    client = KubeClient.from_settings(api.kubeconfig_path, timeout_s=1)
+    publisher = SlicePublisher(client, NODE)
+    desired = {key: [gpu(0), gpu(1)] for key in POOLS}
+    for (driver, pool), devices in desired.items():
+        publisher.set_pool(driver, pool, devices)
+    await publisher.start()
+    loop = asyncio.get_running_loop()
+    try:
+        if settled:  # else the steps race the first publish too
+            assert await publisher.wait_synced()
+            await _watching(api)
+        for step in steps:
+            kind = step[0]
+            if kind == "devices":
+                _, which, count, sick = step
+                desired[POOLS[which]] = [gpu(i, healthy=i != sick) for i in range(count)]
+                publisher.set_pool(*POOLS[which], desired[POOLS[which]])
+            elif kind == "wipe":
+                api.delete_slices_of_node(NODE)
+            elif kind == "kubelet start":
+                api.delete_slices_of_node(NODE)
+                publisher.republish()
+            elif kind == "republish":
+                publisher.republish()
+            elif kind == "wipe during a list":
+                def wipe_once(verb, path):
+                    if verb == "list":
+                        api.before_answer = None
+                        api.delete_slices_of_node(NODE)
+                api.before_answer = wipe_once
+            elif kind == "edit":
+                mine = [s for s in api.resource_slices(POOLS[step[1]][0], NODE)
+                        if s["spec"].get("devices")]
+                if mine:
+                    mine[0]["spec"]["devices"] = mine[0]["spec"]["devices"][1:]
+                    api.put_resource_slice(mine[0])
+            elif kind == "delete one":
+                mine = api.resource_slices(POOLS[step[1]][0], NODE)
+                if mine:
+                    api.delete_slice(mine[-1]["metadata"]["name"])
+            elif kind == "fail":
+                api.fail_next(step[1], count=step[2], verbs={step[3]})
+            elif kind == "expire":
+                api.compact()
+                api.end_watches()
+            elif kind == "outage":
+                await loop.run_in_executor(None, api.stop)
+                await asyncio.sleep(step[1])
+                await loop.run_in_executor(None, api.start)
+            await asyncio.sleep(step[1] if kind == "pause" else 0)
+        deadline = loop.time() + 10
+        while True:
+            if all(_pool_converged(api, *key, devices, node_uid)
+                   for key, devices in desired.items()) and not publisher.pending():
+                return
+            assert loop.time() < deadline, (
+                f"not converged: pending {publisher.pending()}, last error "
+                f"{publisher.last_error}, slices {_summary(api)}")
+            await asyncio.sleep(0.01)
+    finally:
+        api.before_answer = None
+        await publisher.stop()
+        await client.close()
+        api.close()
+
+
+# No shrinking: a failing example is at most 8 steps, and each try waits out the deadline.
+@settings(max_examples=20, deadline=None,
+          phases=(Phase.explicit, Phase.reuse, Phase.generate))
+@given(steps=st.lists(_STEPS, min_size=1, max_size=8), seed=st.integers(0, 1 << 16),
+       settled=st.booleans())
+def test_any_interleaving_of_wipes_changes_and_failures_converges(steps, seed, settled):
+    """Whatever happens in whatever order (wipes, also while a LIST is in flight, device
+    changes, edits by others, 409s, 5xx, expired watches, outages), with every watch event
+    delivered before the answer of the request that made it and answers delayed at random,
+    the server ends up holding exactly the desired pools, each one whole generation."""
+    asyncio.run(asyncio.wait_for(_interleaving(steps, seed, settled), 30))
