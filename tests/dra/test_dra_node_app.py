@@ -158,7 +158,7 @@ def test_start_up_checks_fail_before_serving(short_dir, run, monkeypatch):
             run(start(no_name))
         bad_name = dataclasses.replace(config, host=dataclasses.replace(config.host,
                                                                         node_name="Node_1"))
-        with pytest.raises(DraStartError, match="'Node_1'.*not a valid Node name"):
+        with pytest.raises(DraStartError, match=r"'Node_1'.*not a valid Node name"):
             run(start(bad_name))
         api.add_node(NODE)
         api._state.nodes[NODE]["status"]["capacity"] = {DRA.name: "3"}  # a device plugin's
