@@ -259,9 +259,15 @@ def test_a_node_registered_again_gets_every_slice_owned_by_the_new_uid(api_serve
         loop = asyncio.get_running_loop()
         before = ours(api)
         api.delete_node(NODE)
+        deadline = loop.time() + 5
+        while not app.node_watch.waiting() and loop.time() < deadline:
+            await asyncio.sleep(0.01)  # the host sees the deletion ...
         if collect:
+            # (the collector acts on the deletion later than a watch hears of it; slices
+            # collected before the host heard would be written once more with the old uid,
+            # collected again, and rewritten with the new uid once the Node is back)
             assert api.collect_garbage() == len(before)
-        await asyncio.sleep(0.5)  # the host sees the deletion ...
+        await asyncio.sleep(0.5)
         # ... and writes nothing without a Node: the old slices stay as they were (no
         # garbage collector) or stay gone (one ran)
         if collect:
