@@ -308,3 +308,48 @@ def test_a_node_registered_again_gets_every_slice_owned_by_the_new_uid(api_serve
             await app.stop()
 
     run(body(), timeout=60)
+
+
+def test_the_node_watch_follows_deletion_and_refused_rbac(run, caplog):
+    """A Node deleted and registered again is seen as None then the new uid; where list and
+    watch on nodes are refused (an older RBAC with get only) the Node is read with get every
+    POLL_S instead, said once."""
+    from host.dra.kube import KubeClient
+    from host.dra.node import POLL_S, NodeWatch
+
+    with ApiServerStandIn() as api:
+        async def until(predicate: Any, timeout: float = 5.0) -> None:
+            deadline = asyncio.get_running_loop().time() + timeout
+            while not predicate():
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
+
+        async def body() -> None:
+            client = KubeClient.from_settings(api.kubeconfig_path)
+            seen: List[Optional[str]] = []
+            watch = NodeWatch(client, NODE, seen.append)
+            watch.start()
+            try:
+                await until(lambda: seen == [None])  # listed: no Node, said at once
+                assert watch.waiting()
+                first = api.add_node(NODE)["metadata"]["uid"]
+                await until(lambda: seen == [None, first])
+                assert watch.waiting() == []
+                api.delete_node(NODE)
+                second = api.add_node(NODE)["metadata"]["uid"]
+                await until(lambda: seen == [None, first, None, second])
+                # refused list/watch: the watch is cut (the server restarts), then polled
+                api.fail_next(403, count=10_000, verbs={"list", "watch"})
+                api.stop()
+                api.start()
+                api.delete_node(NODE)
+                await until(lambda: seen[-1] is None, timeout=3 * POLL_S + 5)
+                third = api.add_node(NODE)["metadata"]["uid"]
+                await until(lambda: seen[-1] == third, timeout=3 * POLL_S + 5)
+            finally:
+                await watch.close()
+                await client.close()
+
+        run(body(), timeout=60)
+    refused = [r for r in caplog.records if "cannot list/watch Node" in r.getMessage()]
+    assert len(refused) == 1
