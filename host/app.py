@@ -116,6 +116,7 @@ class HostApp:
         self.dra: Optional[DraFrontEnd] = None
         self.kube: Optional[Any] = None
         self.publisher: Optional[Any] = None
+        self.node_watch: Optional[Any] = None  # host.dra.node.NodeWatch
         self.watched: Dict[str, PluginWatcherEndpoint] = {}
         self._dra_deferred: Set[str] = set()
 

@@ -312,6 +312,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(f"{args.file}: valid: {_what_it_serves(args.file, config)}")
             for line in registry.disabled_lines():
                 print(line)
+            if not _check_dra_node(config):
+                return EXIT_CONFIG
             _note_running_host(config)
             return 0
         config = _load(args, registry)
@@ -356,6 +358,30 @@ def _what_it_serves(path: str, config: Config) -> str:
         empty = False
     why = "the file is empty" if empty else "the file has no [[resource]]"
     return f"{why}, which means the built-in defaults: {names}"
+
+
+def _check_dra_node(config: Config) -> bool:
+    """check-config's word on the node name DRA resources need: which case exits 2 at
+    ``run`` (a name that is no Node name) and which is waited for (a Node not registered
+    yet). False when ``run`` would exit 2 here."""
+    from host.config_values import dns_subdomain_error
+
+    if not any(r.api == "dra" for r in config.resources):
+        return True
+    name = config.host.node_name
+    if not name:
+        print("DRA: no node name here ([host] node_name / NODE_NAME): `run` exits 2 (a "
+              "configuration error) unless its environment sets NODE_NAME")
+        return True
+    problem = dns_subdomain_error(name)
+    if problem:
+        print(f"device-plugin-host: invalid configuration: node name {name!r} (NODE_NAME) is "
+              f"not a valid Node name: {problem}", file=sys.stderr)
+        return False
+    print(f"DRA: node {name}: if its Node is not registered yet, `run` waits for it (a "
+          "warning once, a note on /healthz) and serves the device plugin resources meanwhile; "
+          "not an error")
+    return True
 
 
 def _check_overlaps(config: Config, registry: DriverRegistry) -> None:

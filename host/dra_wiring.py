@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, Optional
 
 from host.driver import UnavailableDriver
 from host.model import Device, ResourceConfig
@@ -26,6 +26,7 @@ async def start_dra(app: HostApp) -> None:
     from host.dra.frontend import DraFrontEnd
     from host.dra.kube import KubeClient, KubeConfigError
     from host.dra.metrics import DraMetrics
+    from host.dra.node import NodeWatch
     from host.dra.startup import DraStartError, check_cluster, check_settings
 
     check_settings(app.config)
@@ -34,7 +35,7 @@ async def start_dra(app: HostApp) -> None:
     except KubeConfigError as error:
         raise DraStartError(f"no API access for DRA: {error}") from None
     try:
-        await check_cluster(app.kube, app.config)
+        node = await check_cluster(app.kube, app.config)
     except BaseException:
         await app.kube.close()
         app.kube = None
@@ -48,18 +49,57 @@ async def start_dra(app: HostApp) -> None:
     app.publisher = SlicePublisher(app.kube, app.config.host.node_name, metrics=app.metrics,
                                    taint_unhealthy=app.config.host.dra_unhealthy == "taint")
     host = app.config.host
+    metrics = DraMetrics(app.metrics.registry)
     app.dra = DraFrontEnd(
         node_name=host.node_name, claims=app.kube, calls=app.calls,
         registry_dir=host.plugins_registry_dir, plugins_dir=host.dra_plugins_dir,
         state_dir=host.dra_state_dir, cdi_dir=host.cdi_dir,
         allocate_timeout_s=host.allocate_timeout_s, publisher=app.publisher,
-        metrics=DraMetrics(app.metrics.registry))
+        metrics=metrics)
     app.dra.on_registered = app._dra_registered
-    if app.publisher is not None:
-        await app.publisher.start()
+    # The Node may not exist yet (the kubelet registers it after it starts) or be registered
+    # again later with a new uid: the publisher writes nothing without one (nor while the
+    # API server has not said yet, during an outage at start) and names the current one as
+    # owner; the watch's first list answers at once when the server does.
+    uid = (node.get("metadata") or {}).get("uid") if node else None
+    app.publisher.set_node_uid(uid)
+    checked = {uid}  # Node uids whose capacity was checked (check_cluster did the first)
+
+    def node_uid(uid: Optional[str]) -> None:
+        """The Node appeared, changed uid or was deleted."""
+        assert app.publisher is not None
+        app.publisher.set_node_uid(uid)
+        if uid is not None and uid not in checked:
+            checked.add(uid)
+            app.background.spawn(_check_capacity(app), name="dra-node-capacity")
+
+    watch = NodeWatch(app.kube, host.node_name, node_uid, gauge=metrics.node_registered)
+    app.node_watch = watch
+    watch.start(node)
+    app.metrics.notes = watch.waiting
+    await app.publisher.start()
+
+
+async def _check_capacity(app: HostApp) -> None:
+    """A Node registered after we started may list device plugin capacity for a name we
+    serve through DRA (checked at start when it already existed): say so, once per uid."""
+    from host.dra.kube import KubeError
+    from host.dra.startup import capacity_conflict
+
+    if app.kube is None:
+        return
+    try:
+        node = await app.kube.get_node(app.config.host.node_name)
+    except KubeError:
+        return
+    conflict = capacity_conflict(node, app.config)
+    if conflict:
+        log.error("DRA: %s", conflict)
 
 
 async def stop_dra(app: HostApp) -> None:
+    if app.node_watch is not None:
+        await app.node_watch.close()
     if app.dra is not None:
         await app.dra.close()
     if app.publisher is not None:

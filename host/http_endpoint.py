@@ -145,19 +145,28 @@ class HttpEndpoint:
         await _respond(writer, 200, body, content_type, head_only=method == "HEAD")
 
 
-def healthz(liveness: Optional[Callable[[], List[str]]]) -> Tuple[int, bytes]:
+def healthz(liveness: Optional[Callable[[], List[str]]],
+            notes: Optional[Callable[[], List[str]]] = None) -> Tuple[int, bytes]:
     """/healthz: 503 with one line per problem the liveness check reports; "ok" when there is
-    no check, or when the check itself fails (a bug there must not restart a working host)."""
+    no check, or when the check itself fails (a bug there must not restart a working host).
+    ``notes`` (transient states, such as waiting for the Node) follow "ok" one per line as
+    "note: ...", and never turn the answer into a failure."""
+    extra = ""
+    if notes is not None:
+        try:
+            extra = "".join(f"note: {n}\n" for n in notes())
+        except Exception:
+            log.exception("metrics: the /healthz notes failed")
     if liveness is None:
-        return 200, b"ok\n"
+        return 200, f"ok\n{extra}".encode()
     try:
         problems = liveness()
     except Exception as error:
         log.exception("metrics: the liveness check failed")
-        return 200, f"ok (the registration check failed: {error})\n".encode()
+        return 200, f"ok (the registration check failed: {error})\n{extra}".encode()
     if not problems:
-        return 200, b"ok\n"
-    return 503, "".join(f"unhealthy: {p}\n" for p in problems).encode()
+        return 200, f"ok\n{extra}".encode()
+    return 503, ("".join(f"unhealthy: {p}\n" for p in problems) + extra).encode()
 
 
 def _join(host: str, port: int) -> str:

@@ -117,6 +117,9 @@ class HostMetrics:
         # /healthz: None answers "ok" whenever the loop answers; the host sets its
         # registration check (host/liveness.py), whose problems turn the answer into a 503.
         self.liveness: Optional[Callable[[], List[str]]] = None
+        # /healthz notes: transient states worth showing that a restart would not cure (the
+        # host waiting for its Node object); listed under "ok", never a failure.
+        self.notes: Optional[Callable[[], List[str]]] = None
 
     # -- what the host calls (cheap, never raising) -----------------------------------------
     def set_devices(self, resource: str, devices: Iterable[Device]) -> None:
@@ -247,7 +250,7 @@ class HostMetrics:
 
     def health(self) -> Tuple[int, bytes]:
         """/healthz, answered on the event loop (host/http_endpoint.py healthz)."""
-        return healthz(self.liveness)
+        return healthz(self.liveness, self.notes)
 
 
 __all__ = ["DEFAULT_ADDRESS", "HostMetrics", "parse_address"]

@@ -80,12 +80,12 @@ def test_the_cluster_role_grants_what_the_client_calls_and_the_claims_watch():
                for group in rule["apiGroups"] for resource in rule["resources"]
                for verb in rule["verbs"]}
     assert set(API_ACCESS) <= granted
-    # The list: resourceslices CRUD, resourceclaims get/list/watch, nodes get; nothing
-    # else (no secrets, no pods, no other verbs on nodes).
+    # resourceslices CRUD, resourceclaims get/list/watch, nodes get/list/watch (the Node is
+    # waited for and followed by name); nothing else (no secrets, no pods, no writes to nodes).
     allowed = {(v, "resource.k8s.io", "resourceslices") for v in
                ("get", "list", "watch", "create", "update", "patch", "delete")}
     allowed |= {(v, "resource.k8s.io", "resourceclaims") for v in ("get", "list", "watch")}
-    allowed |= {("get", "", "nodes")}
+    allowed |= {(v, "", "nodes") for v in ("get", "list", "watch")}
     assert granted == allowed
 
 

@@ -31,7 +31,7 @@ import ssl
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Dict, List, Mapping, Optional
+from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Tuple
 
 import httpx
 
@@ -48,6 +48,8 @@ WATCH_TIMEOUT_S = 300
 # (tests/test_deploy_dra.py holds the dra overlay's ClusterRole to it).
 API_ACCESS = (
     ("get", "", "nodes"),
+    ("list", "", "nodes"),
+    ("watch", "", "nodes"),
     ("get", "resource.k8s.io", "resourceclaims"),
     ("list", "resource.k8s.io", "resourceslices"),
     ("watch", "resource.k8s.io", "resourceslices"),
@@ -341,12 +343,35 @@ class KubeClient:
         """The watch events ({"type", "object"}) of the node's ResourceSlices after
         ``resource_version``, until the server ends the watch. An ERROR event (410 Expired
         after compaction) is raised as KubeError with the Status's code."""
-        params = {"fieldSelector": f"spec.nodeName={node_name}", "watch": "true",
+        async for event in self._watch(f"{RESOURCE_API}/resourceslices",
+                                       f"spec.nodeName={node_name}", resource_version,
+                                       timeout_s):
+            yield event
+
+    async def list_nodes_named(self, name: str) -> Tuple[List[Dict[str, Any]], str]:
+        """The Node called ``name`` as a list (empty while it does not exist) and the list's
+        resourceVersion, to watch from: an informer's list, for one object."""
+        result = await self._call("GET", "/api/v1/nodes",
+                                  params={"fieldSelector": f"metadata.name={name}"})
+        result = result or {}
+        version = str((result.get("metadata") or {}).get("resourceVersion") or "")
+        return list(result.get("items") or []), version
+
+    async def watch_node(self, name: str, resource_version: Optional[str],
+                         timeout_s: int = WATCH_TIMEOUT_S) -> AsyncIterator[Dict[str, Any]]:
+        """The watch events of the Node called ``name`` after ``resource_version`` (see
+        ``watch_node_slices`` for the contract)."""
+        async for event in self._watch("/api/v1/nodes", f"metadata.name={name}",
+                                       resource_version, timeout_s):
+            yield event
+
+    async def _watch(self, path: str, field_selector: str, resource_version: Optional[str],
+                     timeout_s: int) -> AsyncIterator[Dict[str, Any]]:
+        params = {"fieldSelector": field_selector, "watch": "true",
                   "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_s)}
         if resource_version:
             params["resourceVersion"] = resource_version
         timeout = httpx.Timeout(10.0, read=timeout_s + 30.0)
-        path = f"{RESOURCE_API}/resourceslices"
         for attempt in (0, 1):
             headers = {}
             token = self._token.get(force=attempt == 1)

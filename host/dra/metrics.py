@@ -26,6 +26,10 @@ class DraMetrics:
         self.prepared = Gauge(PREFIX + "dra_prepared_claims",
                               "Claims prepared on this node (in the checkpoint)",
                               registry=registry)
+        self.node_registered = Gauge(
+            PREFIX + "dra_node_registered", "1 while this node's Node object exists, 0 while "
+            "the host waits for the kubelet to register it (no ResourceSlices are written)",
+            registry=registry)
 
     def claim(self, driver: str, outcome: str) -> None:
         self.claims.labels(driver, outcome).inc()

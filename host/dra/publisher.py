@@ -219,6 +219,9 @@ class SlicePublisher:
         self._idle: Optional[asyncio.Event] = None
         self._node_uid: Optional[str] = None
         self._node_warned = False
+        # Set by set_node_uid (a NodeWatch follows the Node): the uid is then always the
+        # current one, never read here, and while it is None (no Node) nothing is written.
+        self._node_followed = False
         self._metrics = _Metrics.of(metrics) if metrics is not None else None
         self.requests = 0  # API requests sent, for the benchmarks
         self.failures = 0  # reconcile rounds that ended in a retry
@@ -242,6 +245,18 @@ class SlicePublisher:
             self.taint_unhealthy = taint
             for state in self._pools.values():
                 state.taints_dropped = False
+                state.version += 1
+        self._poke()
+
+    def set_node_uid(self, uid: Optional[str]) -> None:
+        """The Node's current uid (None: there is no Node, so write nothing until there is
+        one). A new uid makes every pool be written again, naming the new Node as owner."""
+        with self._lock:
+            followed, self._node_followed = self._node_followed, True
+            if followed and uid == self._node_uid:
+                return
+            self._node_uid = uid
+            for state in self._pools.values():
                 state.version += 1
         self._poke()
 
@@ -393,9 +408,11 @@ class SlicePublisher:
                 return  # we have seen the slice made again since
             # The garbage collector deletes slices whose Node owner is gone (a Node deleted
             # and registered again has a new UID): read the Node again, or the next slices
-            # would carry the dead UID and be collected again, over and over.
-            self._node_uid = None
-            self._node_epoch += 1
+            # would carry the dead UID and be collected again, over and over (unless a
+            # NodeWatch follows the Node: it sets the new uid itself).
+            if not self._node_followed:
+                self._node_uid = None
+                self._node_epoch += 1
         if not news:
             return
         self.republished_after_delete += 1
@@ -466,7 +483,10 @@ class SlicePublisher:
                 self._wake.set()
 
     async def _reconcile_all(self) -> Optional[KubeError]:
-        """Reconcile each pending pool; the first transient failure ends the round."""
+        """Reconcile each pending pool; the first transient failure ends the round. While
+        the followed Node does not exist nothing is written (the pools stay pending)."""
+        if self._node_followed and self._node_uid is None:
+            return None
         for key in self.pending():
             try:
                 await self._reconcile(key)
@@ -495,7 +515,7 @@ class SlicePublisher:
         return result
 
     async def _node_owner_uid(self) -> Optional[str]:
-        if self._node_uid is None:
+        if self._node_uid is None and not self._node_followed:
             epoch = self._node_epoch
             try:
                 node = await self._call("get", self.client.get_node(self.node_name))

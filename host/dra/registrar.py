@@ -96,7 +96,12 @@ class _ServedSocket:
         server, self.server = self.server, None
         if server is None:
             return
-        await server.stop(SERVER_STOP_GRACE_S)
+        try:
+            await server.stop(SERVER_STOP_GRACE_S)
+        except asyncio.InvalidStateError:
+            # grpc's stop of a server whose start() was cancelled half-way (the host stopped
+            # while this endpoint was coming up): nothing is serving.
+            log.debug("%s: stopped a server that had not finished starting", self.path)
         try:  # remove it if grpc did not, but never a socket someone else bound meanwhile
             if os.lstat(self.path).st_ino == self.inode:
                 os.unlink(self.path)

@@ -1,15 +1,20 @@
 """Start-up checks for DRA resources: fail at once, with one line, instead of serving wrong.
 
-A DaemonSet pod without NODE_NAME, without API access (no service account token, RBAC
-missing) or on a node where a device plugin already advertises the same extended resource
-would otherwise start and then never publish, never prepare, or double-count devices. Each
-case is a ``DraStartError``; the CLI prints it and exits 2, like a bad config file.
+A DaemonSet pod without NODE_NAME (or with one that is no valid Node name), without API access
+(no service account token, RBAC missing) or on a node where a device plugin already
+advertises the same extended resource would otherwise start and then never publish, never
+prepare, or double-count devices. Each case is a ``DraStartError``; the CLI prints it and
+exits 2, like a bad config file.
+
+A Node that does not exist yet is not one of them: the kubelet registers it some time after it
+starts (a node booting, joining the cluster, or registered again after ``kubectl delete
+node``), so ``check_cluster`` reports it as missing and the host waits for it (host/dra/node.py).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterable
+from typing import Any, Dict, Iterable, Optional
 
 from host.config import Config
 from host.model import ResourceConfig
@@ -28,11 +33,16 @@ def dra_resources(config: Config) -> Iterable[ResourceConfig]:
 
 def check_settings(config: Config) -> None:
     """What can be checked without the API server."""
+    from host.config_values import dns_subdomain_error
     from host.dra import naming
 
     if not config.host.node_name:
         raise DraStartError("api = \"dra\" needs this node's name: set [host] node_name or the "
                             "NODE_NAME environment variable (the downward API's spec.nodeName)")
+    problem = dns_subdomain_error(config.host.node_name)
+    if problem:
+        raise DraStartError(f"node name {config.host.node_name!r} ([host] node_name / "
+                            f"NODE_NAME) is not a valid Node name: {problem}")
     owners: Dict[str, str] = {}
     for resource in dra_resources(config):
         try:
@@ -49,14 +59,16 @@ def check_settings(config: Config) -> None:
         owners.setdefault(driver, resource.name)
 
 
-async def check_cluster(client: Any, config: Config) -> None:
+async def check_cluster(client: Any, config: Config) -> Optional[Dict[str, Any]]:
     """The API server lets us read our Node, and no device plugin on the node serves the same
     name as one of our DRA resources (one node must not serve a name through both APIs).
 
-    Refusals (401, 403, no such Node) are the operator's to fix: DraStartError. An API server
-    that does not answer (connection refused, timeout, 5xx, 429) is an outage, not a
-    misconfiguration: the host starts anyway, since the device plugin resources and claims
-    already prepared must keep working, and the slice publisher retries until it returns.
+    Returns the Node, or None when it cannot be read now. Refusals (401, 403) are the
+    operator's to fix: DraStartError. No such Node (404) is the kubelet not having registered
+    it yet: None, and the host waits for it. An API server that does not answer (connection
+    refused, timeout, 5xx, 429) is an outage, not a misconfiguration: None too; the host
+    starts anyway, since the device plugin resources and claims already prepared must keep
+    working, and the slice publisher retries until it returns.
     """
     node_name = config.host.node_name
     try:
@@ -65,8 +77,7 @@ async def check_cluster(client: Any, config: Config) -> None:
         status = getattr(error, "status", None)
         reason = getattr(error, "reason", "") or str(error) or type(error).__name__
         if status == 404:
-            raise DraStartError(f"the API server has no Node named {node_name!r}: check "
-                                "[host] node_name / NODE_NAME") from None
+            return None
         if status in (401, 403):
             raise DraStartError(f"no API access for DRA (reading Node {node_name}): HTTP "
                                 f"{status} {reason}: check the service account / kubeconfig "
@@ -74,15 +85,23 @@ async def check_cluster(client: Any, config: Config) -> None:
         if status == 0 or status is None or status == 429 or status >= 500:
             log.warning("DRA: the API server does not answer (%s); starting anyway, slices "
                         "are published once it does", reason)
-            return
+            return None
         raise DraStartError(f"no API access for DRA (reading Node {node_name}): HTTP "
                             f"{status} {reason}") from None
+    conflict = capacity_conflict(node, config)
+    if conflict:
+        raise DraStartError(conflict)
+    return node
+
+
+def capacity_conflict(node: Dict[str, Any], config: Config) -> Optional[str]:
+    """Why ``node`` already serves one of our DRA resources through a device plugin, or None."""
     capacity = (node.get("status") or {}).get("capacity") or {}
     for resource in dra_resources(config):
         amount = str(capacity.get(resource.name, "0"))
         if amount not in ("0", ""):
-            raise DraStartError(
-                f"resource {resource.name}: Node {node_name} already has capacity "
-                f"{resource.name}={amount} from a device plugin; one node must not serve a "
-                "name through both APIs (stop that device plugin, or wait for the kubelet to "
-                "drop the resource, before moving it to DRA)")
+            return (f"resource {resource.name}: Node {config.host.node_name} already has "
+                    f"capacity {resource.name}={amount} from a device plugin; one node must "
+                    "not serve a name through both APIs (stop that device plugin, or wait for "
+                    "the kubelet to drop the resource, before moving it to DRA)")
+    return None

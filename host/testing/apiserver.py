@@ -4,7 +4,7 @@
 it alike), what kube-apiserver serves for: ResourceSlice create / update / delete / get / list
 (field selectors spec.nodeName, spec.driver and metadata.name, as upstream's
 addConversionFuncs in pkg/apis/resource/v1 allows; any other label is a 400), ResourceClaim
-get, Node get. Like the real server it
+get, Node get, list and watch (field selector metadata.name only). Like the real server it
   * validates slices with upstream's rules (host/testing/resource_validation.py) and answers
     422 with a Status whose details.causes name the fields;
   * keeps one resourceVersion counter (etcd's revision) and answers 409 Conflict to an update
@@ -36,6 +36,11 @@ get, Node get. Like the real server it
     answer by a random time up to that after its state was read;
   * sets ``taints[].timeAdded`` to the time of the write where a kept taint has none, as the
     v1 defaulting (SetDefaults_DeviceTaint) does.
+  * has Nodes made and deleted by the test (``add_node``, ``delete_node``: ADDED / DELETED
+    events for Node watches); a deleted Node's ResourceSlices stay, as they do with
+    kube-apiserver alone: only kube-controller-manager's garbage collector removes objects
+    whose owner is gone, and it is not part of either server (``collect_garbage`` does what
+    it would, for a test that wants it).
 Failure injection (``fail_next``) answers the next N matching requests with a given status,
 with the Status body the real server would send.
 
@@ -343,14 +348,46 @@ class ApiServerStandIn:
     # -- helpers for tests --------------------------------------------------------------------
 
     def add_node(self, name: str) -> Dict[str, Any]:
+        """Register the Node (as the kubelet does); an existing one is returned as it is."""
         with self._lock:
+            if name in self._state.nodes:
+                return copy.deepcopy(self._state.nodes[name])
             node = {"apiVersion": "v1", "kind": "Node",
                     "metadata": {"name": name, "uid": str(uuid.uuid4()),
                                  "resourceVersion": self._bump(),
                                  "creationTimestamp": _now()},
                     "spec": {}, "status": {}}
             self._state.nodes[name] = node
+            self._event("ADDED", node)
+            self._notify()
             return copy.deepcopy(node)
+
+    def delete_node(self, name: str) -> bool:
+        """``kubectl delete node``: the Node goes (no finalizers); its slices stay."""
+        with self._lock:
+            node = self._state.nodes.pop(name, None)
+            if node is None:
+                return False
+            self._bump()
+            self._event("DELETED", node)
+            self._notify()
+            return True
+
+    def collect_garbage(self) -> int:
+        """What the garbage collector does: delete every ResourceSlice whose Node owner (by
+        uid) no longer exists; the number deleted."""
+        with self._lock:
+            alive = {n["metadata"]["uid"] for n in self._state.nodes.values()}
+            names = [n for n, s in self._state.slices.items()
+                     if any(o.get("kind") == "Node" and o.get("uid") not in alive
+                            for o in (s["metadata"].get("ownerReferences") or []))]
+            for name in names:
+                old = self._state.slices.pop(name)
+                self._bump()
+                self._event("DELETED", old)
+            if names:
+                self._notify()
+            return len(names)
 
     def put_resource_claim(self, obj: Dict[str, Any]) -> Dict[str, Any]:
         claim = copy.deepcopy(obj)
@@ -607,6 +644,8 @@ class ApiServerStandIn:
         segs = path.strip("/").split("/")
         if method == "GET" and len(segs) == 4 and segs[:3] == ["api", "v1", "nodes"]:
             return "get", self._get_node, (segs[3],)
+        if method == "GET" and segs == ["api", "v1", "nodes"]:
+            return "list", self._list_nodes, ()
         if path.startswith(RESOURCE_PREFIX):
             rest = segs[3:]
             if len(rest) == 4 and rest[0] == "namespaces" and rest[2] == "resourceclaims" \
@@ -661,8 +700,9 @@ class ApiServerStandIn:
     def _is_watch(method: str, target: str) -> bool:
         parts = urlsplit(target)
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        return method == "GET" and unquote(parts.path).rstrip("/") == \
-            f"{RESOURCE_PREFIX}/resourceslices" and query.get("watch") in ("1", "true")
+        return method == "GET" and unquote(parts.path).rstrip("/") in (
+            f"{RESOURCE_PREFIX}/resourceslices", "/api/v1/nodes") and \
+            query.get("watch") in ("1", "true")
 
     async def _serve_watch(self, target: str, authorization: str,
                            reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -671,6 +711,9 @@ class ApiServerStandIn:
         matching objects as ADDED first; ended by the server after ``timeoutSeconds``."""
         query = {k: v[-1] for k, v in parse_qs(urlsplit(target).query).items()}
         token = authorization[7:] if authorization.startswith("Bearer ") else None
+        nodes = unquote(urlsplit(target).path).rstrip("/") == "/api/v1/nodes"
+        kind_watched = "Node" if nodes else "ResourceSlice"
+        fields = ("metadata.name",) if nodes else SLICE_FIELDS
         with self._lock:
             self.watches += 1
             failure = self._take_failure("watch")
@@ -687,9 +730,10 @@ class ApiServerStandIn:
                 except ValueError as err:
                     error = _bad_request(str(err))
                 for name, _value, _equal in terms:
-                    if error is None and name not in SLICE_FIELDS:
-                        error = _bad_request(f'field label not supported for {GROUP}/v1, '
-                                             f'Kind=ResourceSlice: {name}')
+                    if error is None and name not in fields:
+                        error = _bad_request(f'field label not supported for '
+                                             f'{"" if nodes else GROUP}/v1, '
+                                             f'Kind={kind_watched}: {name}')
         if error is not None:
             data = json.dumps(error[1], separators=(",", ":")).encode()
             writer.write(f"HTTP/1.1 {error[0]} {_REASONS.get(error[0], 'Error')}\r\n"
@@ -699,7 +743,8 @@ class ApiServerStandIn:
             return
 
         def matches(obj: Dict[str, Any]) -> bool:
-            return all((_slice_field(obj, n) == v) == eq for n, v, eq in terms)
+            return obj.get("kind", "ResourceSlice") == kind_watched and all(
+                (_slice_field(obj, n) == v) == eq for n, v, eq in terms)
 
         def chunk(kind: str, obj: Dict[str, Any]) -> bytes:
             line = json.dumps({"type": kind, "object": obj}, separators=(",", ":")) + "\n"
@@ -718,7 +763,8 @@ class ApiServerStandIn:
             with self._lock:
                 since = query.get("resourceVersion") or ""
                 if since in ("", "0"):
-                    for obj in self._state.slices.values():
+                    current = self._state.nodes if nodes else self._state.slices
+                    for obj in current.values():
                         if matches(obj):
                             writer.write(chunk("ADDED", obj))
                     seen = self._state.revision
@@ -771,6 +817,20 @@ class ApiServerStandIn:
     def _get_node(self, name: str, obj: Any, query: Dict[str, str]) -> Tuple[int, Any]:
         node = self._state.nodes.get(name)
         return (200, copy.deepcopy(node)) if node else _not_found("nodes", name)
+
+    def _list_nodes(self, obj: Any, query: Dict[str, str]) -> Tuple[int, Any]:
+        try:
+            terms = parse_field_selector(query.get("fieldSelector", ""))
+        except ValueError as err:
+            return _bad_request(str(err))
+        for name, _value, _equal in terms:
+            if name != "metadata.name":
+                return _bad_request(f'field label not supported for /v1, Kind=Node: {name}')
+        items = [copy.deepcopy(n) for _, n in sorted(self._state.nodes.items())
+                 if all((n["metadata"]["name"] == v) == eq for _, v, eq in terms)]
+        return 200, {"kind": "NodeList", "apiVersion": "v1",
+                     "metadata": {"resourceVersion": str(self._state.revision)},
+                     "items": items}
 
     def _get_claim(self, namespace: str, name: str, obj: Any,
                    query: Dict[str, str]) -> Tuple[int, Any]:
@@ -1094,6 +1154,31 @@ class RealApiServer:
         if status >= 300:
             raise RuntimeError(f"add_node: {status} {obj}")
         return obj
+
+    def delete_node(self, name: str) -> bool:
+        status, obj = self._request("DELETE", f"/api/v1/nodes/{name}")
+        if status == 404:
+            return False
+        if status >= 300:
+            raise RuntimeError(f"delete_node: {status} {obj}")
+        return True
+
+    def collect_garbage(self) -> int:
+        """The garbage collector's work (kube-controller-manager does not run here): delete
+        every ResourceSlice whose Node owner no longer exists."""
+        status, nodes = self._request("GET", "/api/v1/nodes")
+        if status >= 300:
+            raise RuntimeError(f"collect_garbage: {status} {nodes}")
+        alive = {n["metadata"]["uid"] for n in nodes.get("items") or []}
+        gone = 0
+        for piece in self.resource_slices():
+            if any(o.get("kind") == "Node" and o.get("uid") not in alive
+                   for o in piece["metadata"].get("ownerReferences") or []):
+                name = piece["metadata"]["name"]
+                status, _ = self._request("DELETE", f"{RESOURCE_PREFIX}/resourceslices/{name}")
+                if status < 300:
+                    gone += 1
+        return gone
 
     def put_resource_claim(self, obj: Dict[str, Any]) -> Dict[str, Any]:
         claim = copy.deepcopy(obj)

@@ -456,6 +456,7 @@ def test_slices_collected_with_a_replaced_node_come_back_owned_by_the_new_one(ru
 
         async def body(publisher):
             assert await publisher.wait_synced()
+            api.delete_node(NODE)
             new = api.add_node(NODE)
             assert new["metadata"]["uid"] != old["metadata"]["uid"]
             loop = asyncio.get_running_loop()

@@ -160,8 +160,10 @@ def test_start_up_checks_fail_before_serving(short_dir, run, monkeypatch):
                                                                        node_name=""))
         with pytest.raises(DraStartError, match="NODE_NAME"):
             run(start(no_name))
-        with pytest.raises(DraStartError, match="has no Node named"):
-            run(start(config))
+        bad_name = dataclasses.replace(config, host=dataclasses.replace(config.host,
+                                                                        node_name="Node_1"))
+        with pytest.raises(DraStartError, match=r"'Node_1'.*not a valid Node name"):
+            run(start(bad_name))
         api.add_node(NODE)
         api._state.nodes[NODE]["status"]["capacity"] = {DRA.name: "3"}  # a device plugin's
         with pytest.raises(DraStartError, match="both APIs"):
