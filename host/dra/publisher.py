@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from host.dra.kube import KubeClient, KubeError
-from host.dra.slices import build_slices, same_content
+from host.dra.slices import build_slices, same_content, uses_counters
 from host.model import Device
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class _Pool:
     rejected_version: int = -1  # the version a 422 was answered for
     rejected_reasons: Set[str] = field(default_factory=set)
     taints_dropped: bool = False
+    counters_dropped: bool = False  # the server drops sharedCounters / consumesCounters
 
 
 class _Metrics:
@@ -106,6 +107,7 @@ class SlicePublisher:
         self._idle: Optional[asyncio.Event] = None
         self._node_uid: Optional[str] = None
         self._node_warned = False
+        self._counters_warned = False
         self._metrics = _Metrics.of(metrics) if metrics is not None else None
         self.requests = 0  # API requests sent, for the benchmarks
         self.failures = 0  # reconcile rounds that ended in a retry
@@ -129,6 +131,7 @@ class SlicePublisher:
             self.taint_unhealthy = taint
             for state in self._pools.values():
                 state.taints_dropped = False
+                state.counters_dropped = False
                 state.version += 1
         self._poke()
 
@@ -405,7 +408,7 @@ class SlicePublisher:
         current = max((s["spec"]["pool"].get("generation", 0) for s in observed.values()),
                       default=0)
         desired = build_slices(driver, self.node_name, pool, devices, current, node_uid,
-                               taint_unhealthy=taint)
+                               taint_unhealthy=taint, counters=not state.counters_dropped)
         names = {d["metadata"]["name"] for d in desired}
         in_sync = set(observed) == names and all(
             same_content(d, observed[d["metadata"]["name"]]) and
@@ -432,9 +435,18 @@ class SlicePublisher:
                     state.taints_dropped = True
                     log.warning("DRA: the API server dropped device taints (DRADeviceTaints "
                                 "is off); unhealthy devices of %s are left out instead", pool)
+                if uses_counters(obj) and not uses_counters(stored):
+                    state.counters_dropped = True
+                    if not self._counters_warned:
+                        self._counters_warned = True
+                        log.warning("DRA: the API server dropped shared counters "
+                                    "(DRAPartitionableDevices is off or not known); GPUs "
+                                    "served as their partitions are left out of the slices "
+                                    "instead")
             for name in [n for n in observed if n not in names]:
                 await self._delete(state, name, observed[name])
-            if taint and state.taints_dropped:
+            if (taint and state.taints_dropped) or (
+                    state.counters_dropped and any(uses_counters(d) for d in desired)):
                 # What we wrote shows unhealthy devices as usable: write it again without them.
                 await self._reconcile_once(key)
                 return

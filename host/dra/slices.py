@@ -17,13 +17,27 @@ the DRADeviceTaints gate: alpha and off by default in 1.33-1.35, beta and on onl
 is correct on every version we support. ``taint_unhealthy=True`` is there for clusters known
 to run the gate (1.36+): the taint is NoSchedule, key ``device-plugin-host.io/unhealthy``,
 value the health reason reduced to a label value (taint values must be label values).
+
+Partitions (KEP-4815, DRAPartitionableDevices: beta and on by default from 1.36). A device
+whose ``parent`` fact names another device of the same pool is a partition of it (a MIG device
+of its GPU, an AMD compute partition of its GPU); a device with ``partitioned = "true"`` is a
+GPU served as its partitions, never whole. Each such parent gets a counter set named after it
+(``sharedCounters``, in slices of their own with no devices: at most 8 sets a slice) with two
+counters: ``partitions`` (how many partitions the pool holds) and ``whole`` (0: the GPU is not
+served whole while partitioned). The parent consumes all of both, each partition consumes one
+``partitions``. The scheduler counts what allocated devices consume from the devices it finds
+in the slices (structured allocator, checkAvailableCounters), so the parent stays published
+while partitioned: a whole GPU allocated before it was partitioned keeps its partitions from
+being allocated, and no claim gets the parent while it is partitioned. A slice whose devices
+consume counters holds at most 64 devices. With ``counters=False`` (a server that dropped the
+fields: gate off, older server) partitioned parents are left out and nothing consumes counters.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
 
 from host.dra.naming import DNS_LABEL_MAX, dra_device_name
 from host.model import Device
@@ -39,10 +53,18 @@ PCIE_ROOT = STANDARD + "pcieRoot"
 PCI_BUS_ID = STANDARD + "pciBusID"
 NUMA_NODE = STANDARD + "numaNode"
 TAINT_KEY = "device-plugin-host.io/unhealthy"
+MAX_COUNTER_SETS = 8
+PARENT = "parent"  # the fact naming the device a partition belongs to (its id)
+PARTITIONED = "partitioned"  # "true": a parent served as its partitions, never whole
+COUNTER_PARTITIONS = "partitions"
+COUNTER_WHOLE = "whole"
 
 # Facts our drivers record as decimal strings that selectors compare as numbers.
 _INT_ATTRIBUTES = frozenset({"device_minor", "iommu_group", "port_id", "numa_node",
-                             "vf_index", "pf_index", "busnum", "devnum", "num_vfs"})
+                             "vf_index", "pf_index", "busnum", "devnum", "num_vfs",
+                             "mig_gi", "mig_ci", "mig_parent_minor", "mig_gi_cap",
+                             "mig_ci_cap", "partition_index", "partition_count"})
+_BOOL_ATTRIBUTES = frozenset({PARTITIONED})
 # Sizes in bytes that sysfs reports (amdgpu mem_info_vram_total; a driver's memory_bytes).
 _MEMORY_ATTRIBUTES = ("memory_bytes", "mem_info_vram_total", "vram_total_bytes")
 _C_IDENT_BAD = re.compile(r"[^A-Za-z0-9_]")
@@ -65,6 +87,8 @@ def _too_long(value: str) -> bool:
 
 
 def _value(name: str, raw: str) -> Optional[Dict[str, Any]]:
+    if name in _BOOL_ATTRIBUTES and raw in ("true", "false"):
+        return {"bool": raw == "true"}
     if name in _INT_ATTRIBUTES and _INT.match(raw) and -(2 ** 63) <= int(raw) < 2 ** 63:
         return {"int": int(raw)}
     if _too_long(raw):
@@ -136,7 +160,8 @@ def taint_value(reason: str) -> str:
     return value.rstrip("-_.") or "unhealthy"
 
 
-def slice_device(device: Device, taint: bool = False) -> Dict[str, Any]:
+def slice_device(device: Device, taint: bool = False,
+                 consumes: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
     entry: Dict[str, Any] = {"name": dra_device_name(device.id)}
     attributes = device_attributes(device)
     if attributes:
@@ -144,10 +169,44 @@ def slice_device(device: Device, taint: bool = False) -> Dict[str, Any]:
     capacity = device_capacity(device)
     if capacity:
         entry["capacity"] = capacity
+    if consumes:
+        entry["consumesCounters"] = consumes
     if taint:
         entry["taints"] = [{"key": TAINT_KEY, "value": taint_value(device.health_reason),
                             "effect": "NoSchedule"}]
     return entry
+
+
+def is_partitioned(device: Device) -> bool:
+    return device.attributes.get(PARTITIONED) == "true"
+
+
+class Partitions:
+    """The pool's counter sets and what each device consumes (see the module docstring)."""
+
+    def __init__(self, devices: Sequence[Device]) -> None:
+        ids = {device.id for device in devices}
+        children: Dict[str, Set[str]] = {}
+        for device in devices:
+            parent = device.attributes.get(PARENT)
+            if parent and parent in ids and parent != device.id:
+                children.setdefault(parent, set()).add(device.id)
+        parents = {d.id for d in devices if is_partitioned(d)} | set(children)
+        self.counter_sets: List[Dict[str, Any]] = []
+        self.consumes: Dict[str, List[Dict[str, Any]]] = {}  # by device id
+        for parent in sorted(parents):
+            name = dra_device_name(parent)
+            count = len(children.get(parent, ()))
+            self.counter_sets.append({"name": name, "counters": {
+                COUNTER_PARTITIONS: {"value": str(count)}, COUNTER_WHOLE: {"value": "0"}}})
+            self.consumes[parent] = [{"counterSet": name, "counters": {
+                COUNTER_PARTITIONS: {"value": str(count)}, COUNTER_WHOLE: {"value": "1"}}}]
+            for child in children.get(parent, ()):
+                self.consumes[child] = [{"counterSet": name, "counters": {
+                    COUNTER_PARTITIONS: {"value": "1"}}}]
+
+    def __bool__(self) -> bool:
+        return bool(self.counter_sets)
 
 
 def slice_name(node_name: str, driver: str, pool: str, index: int) -> str:
@@ -163,21 +222,34 @@ def slice_name(node_name: str, driver: str, pool: str, index: int) -> str:
 
 def build_slices(driver: str, node_name: str, pool: str, devices: Sequence[Device],
                  generation: int, node_uid: Optional[str] = None,
-                 taint_unhealthy: bool = False) -> List[Dict[str, Any]]:
-    """The pool's ResourceSlices: devices sorted by name, chunked, one slice even when empty.
+                 taint_unhealthy: bool = False, counters: bool = True) -> List[Dict[str, Any]]:
+    """The pool's ResourceSlices: devices sorted by name, chunked, then the counter sets
+    (partitions, see the module docstring) in slices of their own; one slice even when empty.
 
     An empty pool still gets a slice (resourceSliceCount 1, no devices): it tells the
     scheduler the driver runs on this node and has nothing, unlike a missing pool.
     """
+    layout = Partitions(devices) if counters else None
     entries: Dict[str, Dict[str, Any]] = {}
     for device in devices:
-        if not device.healthy and not taint_unhealthy:
+        partitioned = is_partitioned(device)
+        if partitioned and layout is None:
+            continue  # without counters nothing would keep it from being allocated
+        if not device.healthy and not taint_unhealthy and not partitioned:
             continue
-        entry = slice_device(device, taint=not device.healthy)
+        consumes = layout.consumes.get(device.id) if layout is not None else None
+        entry = slice_device(device, taint=not device.healthy, consumes=consumes)
         entries.setdefault(entry["name"], entry)  # replicas of one device share a name
     ordered = [entries[name] for name in sorted(entries)]
-    per_slice = MAX_DEVICES_WITH_TAINTS if taint_unhealthy else MAX_DEVICES
-    chunks = [ordered[i:i + per_slice] for i in range(0, len(ordered), per_slice)] or [[]]
+    advanced = taint_unhealthy or any("consumesCounters" in e for e in ordered)
+    per_slice = MAX_DEVICES_WITH_TAINTS if advanced else MAX_DEVICES
+    chunks: List[Dict[str, Any]] = [
+        {"devices": ordered[i:i + per_slice]} for i in range(0, len(ordered), per_slice)]
+    sets = layout.counter_sets if layout is not None else []
+    chunks += [{"sharedCounters": sets[i:i + MAX_COUNTER_SETS]}
+               for i in range(0, len(sets), MAX_COUNTER_SETS)]
+    if not chunks:
+        chunks = [{"devices": []}]
     owner: List[Dict[str, Any]] = []
     if node_uid:
         owner = [{"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid,
@@ -192,16 +264,23 @@ def build_slices(driver: str, node_name: str, pool: str, devices: Sequence[Devic
             "spec": {"driver": driver, "nodeName": node_name,
                      "pool": {"name": pool, "generation": generation,
                               "resourceSliceCount": len(chunks)},
-                     "devices": chunk},
+                     **chunk},
         })
     return out
+
+
+def uses_counters(obj: Mapping[str, Any]) -> bool:
+    """Whether a slice carries counter sets or devices that consume counters."""
+    spec = obj.get("spec") or {}
+    return bool(spec.get("sharedCounters")) or any(
+        d.get("consumesCounters") for d in spec.get("devices") or [])
 
 
 def same_content(desired: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
     """Whether ``stored`` already says what ``desired`` says, the generation aside."""
     want = desired.get("spec") or {}
     have = stored.get("spec") or {}
-    for key in ("driver", "nodeName", "devices"):
+    for key in ("driver", "nodeName", "devices", "sharedCounters"):
         if (want.get(key) or None) != (have.get(key) or None):
             return False
     want_pool, have_pool = want.get("pool") or {}, have.get("pool") or {}
