@@ -41,7 +41,8 @@ Rules, chosen so that every GPU the kubelet sees is either fully usable or visib
   select them by ``mig_profile`` (NVML), ``mig_parent``, ``mig_gi``, ``mig_ci``). For a
   resource with ``api = "dra"``, "mixed" serves whole GPUs and MIG devices in the one pool,
   told apart by attributes (DeviceClasses select them), as NVIDIA's DRA driver does.
-* Every GPU device says what it is: ``type`` "gpu", "mig" or "partition"; a MIG device or
+* Every GPU device says what it is: ``type`` "gpu", "mig", "partition" or "vfio"
+  (passthrough), so a DeviceClass's CEL never meets a device without it; a MIG device or
   compute partition names its GPU in ``parent`` (the GPU's id, its PCI address) and its
   ``profile`` (MIG profile from NVML, or the partition mode "cpx_nps4"). A GPU served as its
   partitions is also listed, for DRA pools only, as a "parent" record with ``partitioned =
@@ -758,6 +759,7 @@ def _passthrough_device(host: HostFS, fn: PciFunction) -> Device:
     attributes = {
         **fn.attributes(),
         "gpu_vendor": VENDORS.get(fn.vendor or 0, "unknown"),
+        "type": "vfio",
         PASSTHROUGH_ATTRIBUTE: "true",
     }
     problems: List[str] = []
