@@ -166,7 +166,8 @@ def test_one_driver_name_per_vendor_and_classes_select_by_type_and_profile():
             assert expression.endswith(f'{attrs}.type == "{kind}" && "profile" in {attrs} && '
                                        f'{attrs}.profile == "{profile}"'), expression
         else:
-            assert expression.endswith(f'{attrs}.type == "gpu"'), expression
+            assert expression.endswith(f'{attrs}.type == "gpu" && '
+                                       f'!("partitioned" in {attrs})'), expression
 
 
 def test_the_device_classes_are_accepted_by_the_real_api_server():

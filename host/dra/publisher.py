@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from host.dra.kube import KubeClient, KubeError
-from host.dra.slices import build_slices, same_content, uses_counters
+from host.dra.slices import build_slices, has_taints, same_content, uses_counters
 from host.model import Device
 
 log = logging.getLogger(__name__)
@@ -408,7 +408,8 @@ class SlicePublisher:
         current = max((s["spec"]["pool"].get("generation", 0) for s in observed.values()),
                       default=0)
         desired = build_slices(driver, self.node_name, pool, devices, current, node_uid,
-                               taint_unhealthy=taint, counters=not state.counters_dropped)
+                               taint_unhealthy=taint, counters=not state.counters_dropped,
+                               partition_taints=not state.taints_dropped)
         names = {d["metadata"]["name"] for d in desired}
         in_sync = set(observed) == names and all(
             same_content(d, observed[d["metadata"]["name"]]) and
@@ -431,10 +432,12 @@ class SlicePublisher:
                     obj["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
                     stored = await self._call("update", self.client.update_resource_slice(obj))
                 observed[name] = stored
-                if taint and self._taints_lost(obj, stored):
+                if self._taints_lost(obj, stored):
                     state.taints_dropped = True
-                    log.warning("DRA: the API server dropped device taints (DRADeviceTaints "
-                                "is off); unhealthy devices of %s are left out instead", pool)
+                    if taint:
+                        log.warning("DRA: the API server dropped device taints "
+                                    "(DRADeviceTaints is off); unhealthy devices of %s are "
+                                    "left out instead", pool)
                 if uses_counters(obj) and not uses_counters(stored):
                     state.counters_dropped = True
                     if not self._counters_warned:
@@ -445,7 +448,7 @@ class SlicePublisher:
                                     "instead")
             for name in [n for n in observed if n not in names]:
                 await self._delete(state, name, observed[name])
-            if (taint and state.taints_dropped) or (
+            if (state.taints_dropped and any(has_taints(d) for d in desired)) or (
                     state.counters_dropped and any(uses_counters(d) for d in desired)):
                 # What we wrote shows unhealthy devices as usable: write it again without them.
                 await self._reconcile_once(key)

@@ -22,15 +22,20 @@ Partitions (KEP-4815, DRAPartitionableDevices: beta and on by default from 1.36)
 whose ``parent`` fact names another device of the same pool is a partition of it (a MIG device
 of its GPU, an AMD compute partition of its GPU); a device with ``partitioned = "true"`` is a
 GPU served as its partitions, never whole. Each such parent gets a counter set named after it
-(``sharedCounters``, in slices of their own with no devices: at most 8 sets a slice) with two
-counters: ``partitions`` (how many partitions the pool holds) and ``whole`` (0: the GPU is not
-served whole while partitioned). The parent consumes all of both, each partition consumes one
-``partitions``. The scheduler counts what allocated devices consume from the devices it finds
-in the slices (structured allocator, checkAvailableCounters), so the parent stays published
-while partitioned: a whole GPU allocated before it was partitioned keeps its partitions from
-being allocated, and no claim gets the parent while it is partitioned. A slice whose devices
-consume counters holds at most 64 devices. With ``counters=False`` (a server that dropped the
-fields: gate off, older server) partitioned parents are left out and nothing consumes counters.
+(``sharedCounters``, in slices of their own with no devices: at most 8 sets a slice) with one
+counter, ``partitions``: how many partitions of it the pool holds. The parent consumes all of
+it, each partition one, so the scheduler never allocates a GPU and one of its partitions
+together. The scheduler counts what allocated devices consume from the devices it finds in the
+slices (structured allocator, checkAvailableCounters), so the parent stays published while
+partitioned: a whole GPU allocated before it was partitioned keeps its partitions from being
+allocated. No consumption ever exceeds a counter: the allocator compares every counter set of
+the pool on each allocation, and one negative counter would block every partition of the
+pool. What keeps a partitioned parent from being allocated while nothing holds it is a
+``NoSchedule`` taint (key ``device-plugin-host.io/partitioned``) and the DeviceClasses, which
+select ``type == "gpu"`` devices that are not ``partitioned``; a claim that tolerates the
+taint gets it only while none of its partitions is allocated. A slice whose devices consume
+counters holds at most 64 devices. With ``counters=False`` (a server that dropped the fields:
+gate off, older server) partitioned parents are left out and nothing consumes counters.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ MAX_COUNTER_SETS = 8
 PARENT = "parent"  # the fact naming the device a partition belongs to (its id)
 PARTITIONED = "partitioned"  # "true": a parent served as its partitions, never whole
 COUNTER_PARTITIONS = "partitions"
-COUNTER_WHOLE = "whole"
+PARTITIONED_TAINT_KEY = "device-plugin-host.io/partitioned"
 
 # Facts our drivers record as decimal strings that selectors compare as numbers.
 _INT_ATTRIBUTES = frozenset({"device_minor", "iommu_group", "port_id", "numa_node",
@@ -161,7 +166,8 @@ def taint_value(reason: str) -> str:
 
 
 def slice_device(device: Device, taint: bool = False,
-                 consumes: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
+                 consumes: Optional[List[Dict[str, Any]]] = None,
+                 partitioned: bool = False) -> Dict[str, Any]:
     entry: Dict[str, Any] = {"name": dra_device_name(device.id)}
     attributes = device_attributes(device)
     if attributes:
@@ -171,9 +177,14 @@ def slice_device(device: Device, taint: bool = False,
         entry["capacity"] = capacity
     if consumes:
         entry["consumesCounters"] = consumes
+    taints = []
+    if partitioned:
+        taints.append({"key": PARTITIONED_TAINT_KEY, "value": "true", "effect": "NoSchedule"})
     if taint:
-        entry["taints"] = [{"key": TAINT_KEY, "value": taint_value(device.health_reason),
-                            "effect": "NoSchedule"}]
+        taints.append({"key": TAINT_KEY, "value": taint_value(device.health_reason),
+                       "effect": "NoSchedule"})
+    if taints:
+        entry["taints"] = taints
     return entry
 
 
@@ -198,9 +209,9 @@ class Partitions:
             name = dra_device_name(parent)
             count = len(children.get(parent, ()))
             self.counter_sets.append({"name": name, "counters": {
-                COUNTER_PARTITIONS: {"value": str(count)}, COUNTER_WHOLE: {"value": "0"}}})
+                COUNTER_PARTITIONS: {"value": str(count)}}})
             self.consumes[parent] = [{"counterSet": name, "counters": {
-                COUNTER_PARTITIONS: {"value": str(count)}, COUNTER_WHOLE: {"value": "1"}}}]
+                COUNTER_PARTITIONS: {"value": str(count)}}}]
             for child in children.get(parent, ()):
                 self.consumes[child] = [{"counterSet": name, "counters": {
                     COUNTER_PARTITIONS: {"value": "1"}}}]
@@ -222,7 +233,8 @@ def slice_name(node_name: str, driver: str, pool: str, index: int) -> str:
 
 def build_slices(driver: str, node_name: str, pool: str, devices: Sequence[Device],
                  generation: int, node_uid: Optional[str] = None,
-                 taint_unhealthy: bool = False, counters: bool = True) -> List[Dict[str, Any]]:
+                 taint_unhealthy: bool = False, counters: bool = True,
+                 partition_taints: bool = True) -> List[Dict[str, Any]]:
     """The pool's ResourceSlices: devices sorted by name, chunked, then the counter sets
     (partitions, see the module docstring) in slices of their own; one slice even when empty.
 
@@ -238,10 +250,11 @@ def build_slices(driver: str, node_name: str, pool: str, devices: Sequence[Devic
         if not device.healthy and not taint_unhealthy and not partitioned:
             continue
         consumes = layout.consumes.get(device.id) if layout is not None else None
-        entry = slice_device(device, taint=not device.healthy, consumes=consumes)
+        entry = slice_device(device, taint=not device.healthy, consumes=consumes,
+                             partitioned=partitioned and partition_taints)
         entries.setdefault(entry["name"], entry)  # replicas of one device share a name
     ordered = [entries[name] for name in sorted(entries)]
-    advanced = taint_unhealthy or any("consumesCounters" in e for e in ordered)
+    advanced = taint_unhealthy or any("consumesCounters" in e or "taints" in e for e in ordered)
     per_slice = MAX_DEVICES_WITH_TAINTS if advanced else MAX_DEVICES
     chunks: List[Dict[str, Any]] = [
         {"devices": ordered[i:i + per_slice]} for i in range(0, len(ordered), per_slice)]
@@ -276,13 +289,32 @@ def uses_counters(obj: Mapping[str, Any]) -> bool:
         d.get("consumesCounters") for d in spec.get("devices") or [])
 
 
+def has_taints(obj: Mapping[str, Any]) -> bool:
+    return any(d.get("taints") for d in (obj.get("spec") or {}).get("devices") or [])
+
+
+def _without_server_fields(devices: Any) -> Any:
+    """Stored devices less what the API server sets itself (a taint's ``timeAdded``)."""
+    if not devices or not any(d.get("taints") for d in devices):
+        return devices
+    out = []
+    for device in devices:
+        if device.get("taints"):
+            device = {**device, "taints": [{k: v for k, v in t.items() if k != "timeAdded"}
+                                           for t in device["taints"]]}
+        out.append(device)
+    return out
+
+
 def same_content(desired: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
     """Whether ``stored`` already says what ``desired`` says, the generation aside."""
     want = desired.get("spec") or {}
     have = stored.get("spec") or {}
-    for key in ("driver", "nodeName", "devices", "sharedCounters"):
+    for key in ("driver", "nodeName", "sharedCounters"):
         if (want.get(key) or None) != (have.get(key) or None):
             return False
+    if (want.get("devices") or None) != (_without_server_fields(have.get("devices")) or None):
+        return False
     want_pool, have_pool = want.get("pool") or {}, have.get("pool") or {}
     if want_pool.get("name") != have_pool.get("name") or \
             want_pool.get("resourceSliceCount") != have_pool.get("resourceSliceCount"):

@@ -5,6 +5,7 @@ drops the fields gets today's model, told once."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any, Dict, List
 
@@ -15,7 +16,7 @@ from drivers.gpu.nvml import NvmlMig, NvmlView
 from host.dra.kube import KubeClient
 from host.dra.naming import dra_device_name, driver_name, pool_name
 from host.dra.publisher import SlicePublisher
-from host.dra.slices import MAX_COUNTER_SETS, MAX_DEVICES_WITH_TAINTS, build_slices
+from host.dra.slices import MAX_COUNTER_SETS, MAX_DEVICES_WITH_TAINTS, build_slices, same_content
 from host.hostfs import HostFS
 from host.model import Device, Health, ResourceConfig
 from host.testing.apiserver import ApiServerStandIn, RealApiServer, kube_api, kubebuilder_assets
@@ -158,12 +159,13 @@ def test_the_parent_consumes_everything_and_each_partition_one():
     assert "devices" not in slices[1]["spec"]  # a counter slice holds no devices
     assert all(s["spec"]["pool"]["resourceSliceCount"] == 2 for s in slices)
     name = dra_device_name(GPU0)
-    assert _counter_sets(slices) == {name: {"partitions": {"value": "2"},
-                                            "whole": {"value": "0"}}}
+    assert _counter_sets(slices) == {name: {"partitions": {"value": "2"}}}
     by_name = _by_name(slices)
     assert by_name[name]["consumesCounters"] == [{"counterSet": name, "counters": {
-        "partitions": {"value": "2"}, "whole": {"value": "1"}}}]
+        "partitions": {"value": "2"}}}]
     assert by_name[name]["attributes"]["partitioned"] == {"bool": True}
+    assert by_name[name]["taints"] == [{"key": "device-plugin-host.io/partitioned",
+                                        "value": "true", "effect": "NoSchedule"}]
     assert by_name[name]["attributes"]["device_minor"] == {"int": 0}
     part = by_name[dra_device_name(f"{GPU0}-p1")]
     assert part["consumesCounters"] == [{"counterSet": name,
@@ -172,12 +174,39 @@ def test_the_parent_consumes_everything_and_each_partition_one():
     assert "consumesCounters" not in by_name[dra_device_name(GPU1)]  # not partitioned
 
 
-def test_a_partitioned_gpu_with_no_partitions_is_never_allocatable_whole():
+def test_a_partitioned_gpu_is_tainted_even_with_no_partitions():
     parent = _gpu(GPU0, partitioned="true")
     slices = build_slices("d.example.com", NODE, "p", [parent], 1)
-    assert _counter_sets(slices)[dra_device_name(GPU0)]["whole"] == {"value": "0"}
-    assert _by_name(slices)[dra_device_name(GPU0)]["consumesCounters"][0]["counters"][
-        "whole"] == {"value": "1"}
+    assert _counter_sets(slices)[dra_device_name(GPU0)] == {"partitions": {"value": "0"}}
+    assert _by_name(slices)[dra_device_name(GPU0)]["taints"][0]["effect"] == "NoSchedule"
+    untainted = build_slices("d.example.com", NODE, "p", [parent], 1, partition_taints=False)
+    assert "taints" not in _by_name(untainted)[dra_device_name(GPU0)]
+
+
+def test_no_consumption_exceeds_its_counter():
+    """The allocator checks every counter set of the pool on each allocation: one negative
+    counter (a parent allocated whole consuming more than there is) would block every
+    partition of the pool, of every GPU."""
+    devices = [_gpu(GPU0, partitioned="true"), _part(GPU0, 0), _part(GPU0, 1),
+               _gpu(GPU1, partitioned="true"), _part(GPU1, 0)]
+    slices = build_slices("d.example.com", NODE, "p", devices, 1)
+    sets = _counter_sets(slices)
+    for device in _by_name(slices).values():
+        for consumption in device["consumesCounters"]:
+            for counter, amount in consumption["counters"].items():
+                assert int(amount["value"]) <= int(sets[consumption["counterSet"]][counter]["value"])
+
+
+def test_server_set_taint_times_are_not_a_difference():
+    devices = [_gpu(GPU0, partitioned="true"), _part(GPU0, 0)]
+    desired = build_slices("d.example.com", NODE, "p", devices, 1)[0]
+    stored = copy.deepcopy(desired)
+    for device in stored["spec"]["devices"]:
+        for taint in device.get("taints") or []:
+            taint["timeAdded"] = "2026-12-05T13:00:00Z"
+    assert same_content(desired, stored)
+    stored["spec"]["devices"][0]["taints"][0]["effect"] = "NoExecute"
+    assert not same_content(desired, stored)
 
 
 def test_an_unhealthy_parent_stays_published_for_the_counts():
@@ -252,7 +281,10 @@ def test_the_api_server_keeps_the_counters_as_published(kube_api, run, tmp_path,
     wanted = build_slices(driver, NODE, pool_name(resource.name, NODE), devices, 1)
     assert len(stored) == len(wanted)
     assert _counter_sets(stored) == _counter_sets(wanted)
-    assert _by_name(stored) == _by_name(wanted)
+    assert _by_name(stored).keys() == _by_name(wanted).keys()
+    by_stored = {s["metadata"]["name"]: s for s in stored}
+    for want in wanted:  # as published, less the server's own taint timeAdded
+        assert same_content(want, by_stored[want["metadata"]["name"]])
     parents = [d for d in devices if d.attributes.get("partitioned") == "true"]
     assert parents and len(_counter_sets(stored)) == len(parents)
     for parent in parents:
