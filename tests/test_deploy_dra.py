@@ -159,7 +159,7 @@ def test_one_driver_name_per_vendor_and_classes_select_by_type_and_profile():
     for name, device_class in classes.items():
         expression = device_class["spec"]["selectors"][0]["cel"]["expression"]
         attrs = f'device.attributes["{_class_driver(device_class)}"]'
-        if "/mig-" in name or name.startswith("amd.com/") and name != "amd.com/gpu":
+        if "/mig-" in name or (name.startswith("amd.com/") and name != "amd.com/gpu"):
             profile = name.split("/", 1)[1].removeprefix("mig-")
             kind = "mig" if "/mig-" in name else "partition"
             # profile is tested for before it is read: a missing key would abort allocation.

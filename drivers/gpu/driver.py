@@ -243,9 +243,8 @@ class GpuDriver(Driver):
                             "gpu %s is in MIG mode (%d MIG devices): never served whole; its"
                             " MIG devices serve with mig_strategy = \"single\" or MIG"
                             " selectors (\"mixed\" for DRA)", fn.address, len(own))
-                    parent = replace(whole, attributes={**whole.attributes,
-                                                        "partitioned": "true"})
-                    entries.append(GpuEntry(fn, parent, False, parent=True))
+                    entries.append(GpuEntry(fn, replace(whole, attributes={
+                        **whole.attributes, "partitioned": "true"}), False, parent=True))
                     for mig in own:
                         device = _mig_device(host, whole, mig, nvml)
                         if not device.healthy:
@@ -259,10 +258,10 @@ class GpuDriver(Driver):
             else:
                 devices = [_drm_device(host, fn, "intel", required=())]
             for device in devices:
-                parent = device.attributes.get("partitioned") == "true"
-                if not device.healthy and not parent:
+                is_parent = device.attributes.get("partitioned") == "true"
+                if not device.healthy and not is_parent:
                     logger.warning("gpu %s: unhealthy: %s", device.id, device.health_reason)
-                entries.append(GpuEntry(fn, device, passthrough, parent=parent))
+                entries.append(GpuEntry(fn, device, passthrough, parent=is_parent))
         for address in sorted(set(self._mig_seen) - set(mig_now)):
             logger.info("gpu %s left MIG mode: served whole again", address)
         self._mig_seen = mig_now

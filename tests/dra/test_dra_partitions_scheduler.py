@@ -46,9 +46,9 @@ def control_plane() -> Iterator[RealApiServer]:
     assets = kubebuilder_assets()
     if not assets or not os.path.exists(os.path.join(assets, "kube-scheduler")):
         pytest.skip("needs KUBEBUILDER_ASSETS with kube-scheduler (see ../shared/k8s/README.md)")
-    with RealApiServer(assets) as api:
+    with RealApiServer(assets) as api, open(os.path.join(
+            os.path.dirname(api.kubeconfig_path), "kube-scheduler.log"), "ab") as log:
         kubeconfig = api.kubeconfig_path
-        log = open(os.path.join(os.path.dirname(kubeconfig), "kube-scheduler.log"), "ab")
         scheduler = subprocess.Popen(
             [os.path.join(assets, "kube-scheduler"), "--kubeconfig", kubeconfig,
              "--authentication-kubeconfig", kubeconfig, "--authorization-kubeconfig", kubeconfig,
@@ -73,7 +73,6 @@ def control_plane() -> Iterator[RealApiServer]:
             except subprocess.TimeoutExpired:
                 scheduler.kill()
                 scheduler.wait(5)
-            log.close()
 
 
 def _ok(answer: Any) -> Dict[str, Any]:
