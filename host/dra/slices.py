@@ -4,7 +4,7 @@ Shapes and limits are upstream's (staging/src/k8s.io/api/resource/v1/types.go,
 pkg/apis/resource/validation/validation.go): an attribute is ``{"int"|"bool"|"string"|
 "version": value}`` under a C-identifier key (<= 32) that may carry a domain; strings <= 64;
 at most 32 attributes + capacities a device; capacity ``{"value": <quantity>}``; at most 128
-devices a slice, 64 once any device has taints. Standard attributes
+devices a slice, 64 once any has taints or consumes counters. Standard attributes
 (kubernetes/dynamic-resource-allocation deviceattribute/): ``resource.kubernetes.io/pcieRoot``
 (string "pci<domain>:<bus>"), ``resource.kubernetes.io/pciBusID`` (string BDF), and
 ``resource.kubernetes.io/numaNode`` (int; standard from 1.37, already what the SR-IOV, CPU and
@@ -33,13 +33,13 @@ the pool on each allocation, and one negative counter would block every partitio
 pool. What keeps a partitioned parent from being allocated while nothing holds it is a
 ``NoSchedule`` taint (key ``device-plugin-host.io/partitioned``) and the DeviceClasses, which
 select ``type == "gpu"`` devices that are not ``partitioned``; a claim that tolerates the
-taint gets it only while none of its partitions is allocated. A slice whose devices consume
-counters holds at most 64 devices. With ``counters=False`` (a server that dropped the fields:
-gate off, older server) partitioned parents are left out and nothing consumes counters.
+taint gets it only while none of its partitions is allocated. With ``counters=False`` (a
+server that dropped the fields) partitioned parents are left out, nothing consumes counters.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
@@ -208,16 +208,12 @@ class Partitions:
         for parent in sorted(parents):
             name = dra_device_name(parent)
             count = len(children.get(parent, ()))
-            self.counter_sets.append({"name": name, "counters": {
-                COUNTER_PARTITIONS: {"value": str(count)}}})
-            self.consumes[parent] = [{"counterSet": name, "counters": {
-                COUNTER_PARTITIONS: {"value": str(count)}}}]
+            own = {COUNTER_PARTITIONS: {"value": str(count)}}
+            self.counter_sets.append({"name": name, "counters": own})
+            self.consumes[parent] = [{"counterSet": name, "counters": copy.deepcopy(own)}]
             for child in children.get(parent, ()):
                 self.consumes[child] = [{"counterSet": name, "counters": {
                     COUNTER_PARTITIONS: {"value": "1"}}}]
-
-    def __bool__(self) -> bool:
-        return bool(self.counter_sets)
 
 
 def slice_name(node_name: str, driver: str, pool: str, index: int) -> str:

@@ -337,3 +337,40 @@ def test_a_server_that_drops_counters_gets_todays_model_told_once(run, tmp_path,
     assert dra_device_name(f"{GPU0}-gi7-ci0") in names
     told = [r for r in caplog.records if "dropped shared counters" in r.getMessage()]
     assert len(told) == 1
+
+
+@pytest.mark.parametrize("machine,parents,per_parent", [("hgx-h100-mig", 2, {7, 2}),
+                                                         ("mi300x-cpx-nps4", 8, {8})])
+def test_discover_json_shows_the_counters_and_who_consumes_them(tmp_path, machine, parents,
+                                                                  per_parent):
+    """What docs/dra-partitions.md shows: ``discover --json`` with the dra overlay's config."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    load_machine(machine, tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "host", "discover", "--json", "--config",
+         str(repo / "deploy/kubernetes/overlays/dra/config.toml"), "--host-root", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=repo, check=False,
+        env={**os.environ, "NODE_NAME": NODE})
+    assert result.returncode == 0, result.stderr
+    rows = [r["dra"] for r in json.loads(result.stdout)]
+    owners = {r["device_name"]: r["shared_counters"] for r in rows if "shared_counters" in r}
+    assert len(owners) == parents
+    assert {int(s["counters"]["partitions"]["value"]) for s in owners.values()} == per_parent
+    for row in rows:
+        kind = row["attributes"]["type"]["string"]
+        consumes = row.get("consumes_counters")
+        if row["device_name"] in owners:  # the partitioned GPU consumes all of its set
+            assert row["attributes"]["partitioned"] == {"bool": True}
+            assert consumes == [{"counterSet": row["device_name"],
+                                 "counters": owners[row["device_name"]]["counters"]}]
+        elif kind in ("mig", "partition"):
+            assert consumes and consumes[0]["counterSet"] in owners
+            assert consumes[0]["counters"] == {"partitions": {"value": "1"}}
+        else:
+            assert kind == "gpu" and consumes is None
