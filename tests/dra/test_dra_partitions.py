@@ -5,6 +5,7 @@ drops the fields gets today's model, told once."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 from typing import Any, Dict, List
@@ -96,6 +97,13 @@ def test_a_dra_pool_holds_the_gpu_its_mig_devices_and_the_partitioned_parent(mig
     assert mig.attributes["type"] == "mig" and mig.attributes["parent"] == GPU0
     assert mig.attributes["profile"] == "3g.40gb"
     assert mig.attributes["parent_uuid"] == parent.attributes["uuid"]
+    published = _by_name(build_slices("d.example.com", NODE, "p", list(devices.values()), 1))
+    attributes = published[dra_device_name(mig.id)]["attributes"]
+    # Numbers CEL can compare as numbers (they were strings).
+    assert attributes["mig_gi"] == {"int": 1} and attributes["mig_ci"] == {"int": 0}
+    assert attributes["mig_parent_minor"] == {"int": 0}
+    assert attributes["profile"] == {"string": "3g.40gb"}
+    assert attributes["type"] == {"string": "mig"}
     # The device plugin side (same resource, api device-plugin) never sees the parent, nor
     # MIG devices under "mixed".
     plain = ResourceConfig("nvidia.com/gpu", "gpu", {"vendor": "0x10de"},
@@ -269,6 +277,13 @@ async def _publish(api: Any, pools: Dict[str, List[Device]], driver: str) -> Sli
     await publisher.start()
     try:
         assert await publisher.wait_synced(30)
+        # Read back and found in sync (server-set fields such as a taint's timeAdded are no
+        # difference): a republish lists each pool and writes nothing.
+        before = publisher.requests
+        publisher.republish()
+        await asyncio.sleep(0)
+        assert await publisher.wait_synced(30)
+        assert publisher.requests - before == len(pools)
     finally:
         await publisher.stop()
         await client.close()
