@@ -32,10 +32,12 @@ def discover(config: Config, registry: DriverRegistry, *, as_json: bool) -> int:
     inventory, empty = asyncio.run(scan_once(config, drivers))
     rows: List[Dict[str, Any]] = []
     for resource in config.resources:
-        for device in inventory.devices.get(resource.name, []):
+        devices = inventory.devices.get(resource.name, [])
+        layout = _partitions(devices) if resource.api == "dra" else None
+        for device in devices:
             rows.append(device_record(resource.name, resource.driver, device))
             if resource.api == "dra":
-                rows[-1]["dra"] = _dra_record(resource, device, config.host.node_name)
+                rows[-1]["dra"] = _dra_record(resource, device, config.host.node_name, layout)
     summary = _resource_summary(config, inventory, empty)
     if as_json:
         # stdout stays the documented array of devices; what has none is told on stderr.
@@ -168,21 +170,37 @@ def device_record(resource: str, driver: str, device: Device) -> Dict[str, Any]:
     }
 
 
-def _dra_record(resource: ResourceConfig, device: Device, node_name: str) -> Dict[str, Any]:
-    """How a DRA resource's device appears in its ResourceSlice (names, attributes)."""
+def _partitions(devices: List[Device]) -> Any:
+    from host.dra import slices
+
+    return slices.Partitions(devices)
+
+
+def _dra_record(resource: ResourceConfig, device: Device, node_name: str,
+                layout: Any = None) -> Dict[str, Any]:
+    """How a DRA resource's device appears in its ResourceSlice (names, attributes, and for
+    a GPU and its partitions the counter set it owns and the counters it consumes)."""
     from host.dra import naming, slices
 
     try:
         pool: Optional[str] = naming.pool_name(resource.name, node_name) if node_name else None
     except ValueError:
         pool = None
-    return {
-        "driver": naming.driver_name(resource.name, resource.dra_driver_name),
+    record = {
+        "driver": naming.driver_name(resource.name, resource.dra_driver_name, resource.driver),
         "pool": pool,
         "device_name": naming.dra_device_name(device.id),
         "attributes": slices.device_attributes(device),
         "capacity": slices.device_capacity(device),
     }
+    if layout is not None:
+        name = naming.dra_device_name(device.id)
+        owned = [s for s in layout.counter_sets if s["name"] == name]
+        if owned:
+            record["shared_counters"] = owned[0]
+        if device.id in layout.consumes:
+            record["consumes_counters"] = layout.consumes[device.id]
+    return record
 
 
 def _print_table(rows: List[Dict[str, Any]]) -> None:

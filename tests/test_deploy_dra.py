@@ -5,6 +5,7 @@ DeviceClass per DRA resource. Rendered with kubectl's kustomize, like tests/test
 from __future__ import annotations
 
 import functools
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -129,15 +130,60 @@ def test_the_kubelet_plugin_directories_and_cdi_are_mounted_where_the_config_poi
         "the claim checkpoint must survive pod restarts"
 
 
-def test_one_device_class_per_dra_resource_with_its_extended_resource_name():
+def _class_driver(device_class: Dict[str, Any]) -> str:
+    expressions = [s["cel"]["expression"] for s in device_class["spec"]["selectors"]]
+    assert len(expressions) == 1, device_class["metadata"]["name"]
+    match = re.match(r'device\.driver == "([^"]+)" && ', expressions[0])
+    assert match, expressions[0]
+    return match.group(1)
+
+
+def test_every_dra_resource_has_a_device_class_with_its_extended_resource_name():
     resources = [r for r in config().resources if r.api == "dra"]
     assert resources
     classes = {c["spec"]["extendedResourceName"]: c for c in of_kind("DeviceClass")}
-    assert set(classes) == {r.name for r in resources}
+    assert len(classes) == len(of_kind("DeviceClass"))  # one class per extended resource
+    drivers = {driver_name(r.name, r.dra_driver_name, r.driver) for r in resources}
     for resource in resources:
-        driver = driver_name(resource.name, resource.dra_driver_name)
-        expressions = [s["cel"]["expression"] for s in classes[resource.name]["spec"]["selectors"]]
-        assert expressions == [f'device.driver == "{driver}"']
+        assert _class_driver(classes[resource.name]) in drivers
+    # Every class selects devices of a driver the config serves, first by driver (so its
+    # attribute terms are never evaluated on another driver's devices).
+    assert {_class_driver(c) for c in classes.values()} == drivers
+
+
+def test_one_driver_name_per_vendor_and_classes_select_by_type_and_profile():
+    classes = {c["spec"]["extendedResourceName"]: c for c in of_kind("DeviceClass")}
+    nvidia = driver_name("nvidia.com/gpu", None, "gpu")
+    assert _class_driver(classes["nvidia.com/gpu"]) == nvidia
+    assert _class_driver(classes["nvidia.com/mig-1g.10gb"]) == nvidia
+    for name, device_class in classes.items():
+        expression = device_class["spec"]["selectors"][0]["cel"]["expression"]
+        attrs = f'device.attributes["{_class_driver(device_class)}"]'
+        if "/mig-" in name or (name.startswith("amd.com/") and name != "amd.com/gpu"):
+            profile = name.split("/", 1)[1].removeprefix("mig-")
+            kind = "mig" if "/mig-" in name else "partition"
+            # profile is tested for before it is read: a missing key would abort allocation.
+            assert expression.endswith(f'{attrs}.type == "{kind}" && "profile" in {attrs} && '
+                                       f'{attrs}.profile == "{profile}"'), expression
+        else:
+            assert expression.endswith(f'{attrs}.type == "gpu" && '
+                                       f'!("partitioned" in {attrs})'), expression
+
+
+def test_the_device_classes_are_accepted_by_the_real_api_server():
+    """CEL is compiled by the API server on create: a typo or a type error is a 422."""
+    from host.testing.apiserver import RealApiServer, kubebuilder_assets
+
+    assets = kubebuilder_assets()
+    if not assets:
+        pytest.skip("needs KUBEBUILDER_ASSETS (the real kube-apiserver compiles the CEL)")
+    with RealApiServer(assets) as api:
+        for device_class in of_kind("DeviceClass"):
+            status, body = api._request("POST", "/apis/resource.k8s.io/v1/deviceclasses",
+                                        device_class)
+            assert status == 201, body
+            assert body["spec"]["extendedResourceName"] == \
+                device_class["spec"]["extendedResourceName"]
 
 
 def test_no_resource_is_served_through_both_apis():

@@ -38,7 +38,16 @@ Rules, chosen so that every GPU the kubelet sees is either fully usable or visib
 * NVIDIA MIG (mig.py, nvml.py): a GPU in MIG mode is never served whole. Setting
   ``mig_strategy`` has NVIDIA's meaning: "none" (whole GPUs only), "single" (the MIG devices
   under the resource's own name), "mixed" (whole GPUs here; MIG devices under resources that
-  select them by ``mig_profile`` (NVML), ``mig_parent``, ``mig_gi``, ``mig_ci``).
+  select them by ``mig_profile`` (NVML), ``mig_parent``, ``mig_gi``, ``mig_ci``). For a
+  resource with ``api = "dra"``, "mixed" serves whole GPUs and MIG devices in the one pool,
+  told apart by attributes (DeviceClasses select them), as NVIDIA's DRA driver does.
+* Every GPU device says what it is: ``type`` "gpu", "mig", "partition" or "vfio"
+  (passthrough), so a DeviceClass's CEL never meets a device without it; a MIG device or
+  compute partition names its GPU in ``parent`` (the GPU's id, its PCI address) and its
+  ``profile`` (MIG profile from NVML, or the partition mode "cpx_nps4"). A GPU served as its
+  partitions is also listed, for DRA pools only, as a "parent" record with ``partitioned =
+  "true"``: the slices publish it with shared counters so the scheduler never hands out a GPU
+  and one of its partitions together (host/dra/slices.py). The device plugin never serves it.
 """
 
 from __future__ import annotations
@@ -119,6 +128,7 @@ class GpuEntry(NamedTuple):  # one per served device and scan: a tuple is cheape
     device: Device
     passthrough: bool
     mig: bool = False  # a MIG device (compute instance) of the function, not the function
+    parent: bool = False  # the function served as its partitions: for DRA pools only
 
 
 class GpuInventory(NamedTuple):
@@ -144,6 +154,7 @@ class GpuDriver(Driver):
         # NVML is asked only when a scan finds NVIDIA GPUs bound to nvidia (see nvml.py).
         self._nvml: NvmlSource = nvml if nvml is not None else PynvmlSource()
         self._kfd = TopologyCache()
+        self._mig_seen: Dict[str, int] = {}  # GPU address -> MIG devices at the last scan
 
     # -- configuration -------------------------------------------------------------------
     def check_selectors(self, selectors: Mapping[str, object]) -> None:
@@ -209,6 +220,7 @@ class GpuDriver(Driver):
         kfd, peers = (self._kfd.read(host, frozenset(fn.address for fn in amd_gpus))
                       if amd_gpus else ({}, {}))
         entries = []
+        mig_now: Dict[str, int] = {}
         for fn in gpus:
             passthrough = _is_passthrough(fn)
             if passthrough:
@@ -225,10 +237,14 @@ class GpuDriver(Driver):
                 own = migs.get(minor, []) if minor is not None else []
                 in_mig = nvml.mig_mode.get(fn.address, bool(own)) if nvml.available else bool(own)
                 if in_mig:
-                    logger.warning(
-                        "gpu %s is in MIG mode (%d MIG devices): never served whole; its MIG"
-                        " devices serve with mig_strategy = \"single\" or MIG selectors",
-                        fn.address, len(own))
+                    mig_now[fn.address] = len(own)
+                    if self._mig_seen.get(fn.address) != len(own):
+                        logger.warning(
+                            "gpu %s is in MIG mode (%d MIG devices): never served whole; its"
+                            " MIG devices serve with mig_strategy = \"single\" or MIG"
+                            " selectors (\"mixed\" for DRA)", fn.address, len(own))
+                    entries.append(GpuEntry(fn, replace(whole, attributes={
+                        **whole.attributes, "partitioned": "true"}), False, parent=True))
                     for mig in own:
                         device = _mig_device(host, whole, mig, nvml)
                         if not device.healthy:
@@ -242,9 +258,13 @@ class GpuDriver(Driver):
             else:
                 devices = [_drm_device(host, fn, "intel", required=())]
             for device in devices:
-                if not device.healthy:
+                is_parent = device.attributes.get("partitioned") == "true"
+                if not device.healthy and not is_parent:
                     logger.warning("gpu %s: unhealthy: %s", device.id, device.health_reason)
-                entries.append(GpuEntry(fn, device, passthrough))
+                entries.append(GpuEntry(fn, device, passthrough, parent=is_parent))
+        for address in sorted(set(self._mig_seen) - set(mig_now)):
+            logger.info("gpu %s left MIG mode: served whole again", address)
+        self._mig_seen = mig_now
         return GpuInventory(tuple(entries), nvml)
 
     def _nvml_view(self) -> NvmlView:
@@ -261,6 +281,8 @@ class GpuDriver(Driver):
         modes = [str(v) for v in selector_values(selectors, "partition_mode") or []]
         strategy = str(resource.settings.get("mig_strategy", "none"))
         mig_resource = any(key in selectors for key in MIG_SELECTORS)
+        dra = resource.api == "dra"
+        parents: Dict[str, Device] = {}
         if "mig_profile" in selectors and not inventory.nvml.available:
             logger.warning(
                 "resource %s selects mig_profile, which only NVML knows (%s): no MIG device"
@@ -283,17 +305,25 @@ class GpuDriver(Driver):
                 continue
             if modes and not amd.mode_matches(entry.device.attributes.get("partition_mode"), modes):
                 continue
+            if entry.parent:
+                if dra and not mig_resource:
+                    parents[fn.address] = entry.device
+                continue
             if entry.mig:
                 if mig_resource:
                     if not _mig_matches(entry.device, selectors):
                         continue
-                elif strategy != "single":
+                elif strategy != "single" and not (dra and strategy == "mixed"):
                     continue
             elif mig_resource:
                 continue  # a resource of MIG devices serves no whole GPU
             out.append(apply_modeset_setting(entry.device, resource.settings))
         if strategy == "single" and not mig_resource:
             out = _single_strategy(out)
+        if parents:
+            # A partitioned GPU goes with its partitions: the slices' counters need it.
+            wanted = {d.attributes.get("parent") for d in out}
+            out.extend(device for address, device in parents.items() if address in wanted)
         return out
 
     # -- allocation ----------------------------------------------------------------------
@@ -516,7 +546,7 @@ def _nvidia_device(
     shared_with: Sequence[str],
 ) -> Device:
     problems = _driver_problems(host, fn)
-    attributes = {**fn.attributes(), "gpu_vendor": "nvidia"}
+    attributes = {**fn.attributes(), "gpu_vendor": "nvidia", "type": "gpu"}
     paths: List[str] = []
     if minor is None:
         problems.append(note)
@@ -557,9 +587,11 @@ def _mig_device(host: HostFS, parent: Device, mig: MigDevice, nvml: NvmlView) ->
     nodes[1:1] = caps  # /dev/nvidiaN, its caps, then the control nodes
     attributes = {
         k: v for k, v in parent.attributes.items()
-        if k not in ("uuid", "device_minor_source", "nvlink_peers")
+        if k not in ("uuid", "device_minor_source", "nvlink_peers", "partitioned")
     }
     attributes.update({
+        "type": "mig",
+        "parent": address,
         "mig_parent_minor": str(mig.gpu_minor),
         "mig_gi": str(mig.gi),
         "mig_ci": str(mig.ci),
@@ -568,11 +600,14 @@ def _mig_device(host: HostFS, parent: Device, mig: MigDevice, nvml: NvmlView) ->
         attributes["mig_gi_cap"] = str(mig.gi_cap)
     if mig.ci_cap is not None:
         attributes["mig_ci_cap"] = str(mig.ci_cap)
+    if "uuid" in parent.attributes:
+        attributes["parent_uuid"] = parent.attributes["uuid"]
     env: Dict[str, str] = {}
     known = nvml.migs.get((address, mig.gi, mig.ci)) if nvml.available else None
     if known is not None:
         if known.profile:
             attributes["mig_profile"] = known.profile
+            attributes["profile"] = known.profile
         if known.uuid:
             attributes["mig_uuid"] = known.uuid
             env["NVIDIA_VISIBLE_DEVICES"] = known.uuid
@@ -599,7 +634,7 @@ def _mig_device(host: HostFS, parent: Device, mig: MigDevice, nvml: NvmlView) ->
 # -- AMD and Intel ------------------------------------------------------------------------------
 def _drm_device(host: HostFS, fn: PciFunction, vendor: str, required: Sequence[str]) -> Device:
     problems = _driver_problems(host, fn)
-    attributes = {**fn.attributes(), "gpu_vendor": vendor}
+    attributes = {**fn.attributes(), "gpu_vendor": vendor, "type": "gpu"}
     drm = drm_nodes(host, fn.path)
     paths = list(required) + [f"/dev/dri/{name}" for name in drm.names]
     if not drm.renders:
@@ -641,7 +676,7 @@ def _amd_devices(
         # Served as its partitions: the GPU's own card/render nodes and their health are
         # not handed out, so only its facts are read (what _drm_device would report).
         whole = None
-        facts = {**fn.attributes(), "gpu_vendor": "amd"}
+        facts = {**fn.attributes(), "gpu_vendor": "amd", "type": "gpu"}
         _add_amd_identity(host, fn, facts)
     extra: Dict[str, str] = {}
     if mode.name is not None:
@@ -670,6 +705,12 @@ def _amd_devices(
     # What every partition shares is worked out once: an MI300X node has 64 of them.
     shared = _driver_problems(host, fn) + _missing(host, [KFD])
     base = {**facts, **extra}
+    # The GPU itself, for DRA pools only (GpuEntry.parent): never served, only counted.
+    parent = _drm_device(host, fn, "amd", required=(KFD,))
+    parent = replace(parent, attributes={**base, "partitioned": "true"})
+    base.update({"type": "partition", "parent": fn.address})
+    if mode.name is not None:
+        base["profile"] = mode.name
     duplicates = amd.duplicate_indices(parts)
     count = len(parts)
     base["partition_count"] = str(count)
@@ -703,6 +744,7 @@ def _amd_devices(
             device_nodes=(kfd_node, _node(render)),
             attributes=attributes,
         ))
+    out.append(parent)
     return out
 
 
@@ -716,6 +758,7 @@ def _passthrough_device(host: HostFS, fn: PciFunction) -> Device:
     attributes = {
         **fn.attributes(),
         "gpu_vendor": VENDORS.get(fn.vendor or 0, "unknown"),
+        "type": "vfio",
         PASSTHROUGH_ATTRIBUTE: "true",
     }
     problems: List[str] = []

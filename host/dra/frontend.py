@@ -62,7 +62,7 @@ class DraFrontEnd:
         self.on_registered: Optional[Callable[[PluginWatcherEndpoint], None]] = None
 
     def driver_name(self, resource: ResourceConfig) -> str:
-        return naming.driver_name(resource.name, resource.dra_driver_name)
+        return naming.driver_name(resource.name, resource.dra_driver_name, resource.driver)
 
     def socket_path(self, driver_name: str) -> str:
         return os.path.join(self.plugins_dir, driver_name, DRA_SOCKET)

@@ -93,12 +93,23 @@ def driver_name_error(name: str) -> Optional[str]:
     return None
 
 
-def driver_name(resource: str, configured: Optional[str]) -> str:
+# Host drivers whose resources are one vendor's devices and their partitions: all of a vendor's
+# resources share one DRA driver name ("gpu.<vendor domain>.device-plugin-host.io"), so a GPU,
+# its MIG devices or compute partitions and one DeviceClass per profile all select by
+# attributes of one driver (as NVIDIA's gpu.nvidia.com does), and a GPU and its partitions can
+# be published in one pool with shared counters.
+VENDOR_DRIVERS = frozenset({"gpu"})
+
+
+def driver_name(resource: str, configured: Optional[str], host_driver: Optional[str] = None) -> str:
     """The DRA driver name for ``resource``: ``configured`` (validated) or one derived from it.
 
     "nvidia.com/gpu" -> "gpu.nvidia.com.device-plugin-host.io": the resource's own name and
     domain keep two vendors' "gpu" apart, under a domain we own as upstream asks ("should end
-    with a DNS domain owned by the vendor of the driver").
+    with a DNS domain owned by the vendor of the driver"). For a ``host_driver`` in
+    VENDOR_DRIVERS the name is the host driver's and the vendor domain's alone:
+    "nvidia.com/mig-1g.10gb" (driver "gpu") -> "gpu.nvidia.com.device-plugin-host.io" too, and
+    "gpu.intel.com/xe" -> "gpu.intel.com.device-plugin-host.io".
     """
     if configured:
         error = driver_name_error(configured)
@@ -106,6 +117,11 @@ def driver_name(resource: str, configured: Optional[str]) -> str:
             raise ValueError(f"dra_driver_name {configured!r} {error}")
         return configured
     domain, _, short = resource.rpartition("/")
+    if host_driver in VENDOR_DRIVERS and domain:
+        head = f"{host_driver}."
+        vendor = domain[len(head):] if domain.startswith(head) else domain
+        resource = f"{vendor}/{host_driver}"
+        domain, short = vendor, host_driver
     labels = [_label(short)] if short else []
     for part in domain.split(".") if domain else []:
         labels.append(_label(part))

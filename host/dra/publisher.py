@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from host.dra.kube import KubeClient, KubeError
-from host.dra.slices import build_slices, same_content
+from host.dra.slices import build_slices, has_taints, same_content, uses_counters
 from host.model import Device
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class _Pool:
     rejected_version: int = -1  # the version a 422 was answered for
     rejected_reasons: Set[str] = field(default_factory=set)
     taints_dropped: bool = False
+    counters_dropped: bool = False  # the server drops sharedCounters / consumesCounters
     # Bumped whenever ``observed`` is dropped: an answer that was in flight meanwhile is stale.
     epoch: int = 0
     # The newest resourceVersion known per slice name (reads, our writes, events): an event
@@ -222,6 +223,7 @@ class SlicePublisher:
         # Set by set_node_uid (a NodeWatch follows the Node): the uid is then always the
         # current one, never read here, and while it is None (no Node) nothing is written.
         self._node_followed = False
+        self._counters_warned = False
         self._metrics = _Metrics.of(metrics) if metrics is not None else None
         self.requests = 0  # API requests sent, for the benchmarks
         self.failures = 0  # reconcile rounds that ended in a retry
@@ -245,6 +247,7 @@ class SlicePublisher:
             self.taint_unhealthy = taint
             for state in self._pools.values():
                 state.taints_dropped = False
+                state.counters_dropped = False
                 state.version += 1
         self._poke()
 
@@ -585,9 +588,9 @@ class SlicePublisher:
         current = max((s["spec"]["pool"].get("generation", 0) for s in observed.values()),
                       default=0)
         desired = build_slices(driver, self.node_name, pool, devices, current, node_uid,
-                               taint_unhealthy=taint)
-        if taint:
-            copy_taint_times(desired, list(observed.values()))
+                               taint_unhealthy=taint, counters=not state.counters_dropped,
+                               partition_taints=not state.taints_dropped)
+        copy_taint_times(desired, list(observed.values()))
         names = {d["metadata"]["name"] for d in desired}
         in_sync = set(observed) == names and all(
             holds(d, observed[d["metadata"]["name"]]) for d in desired)
@@ -607,15 +610,26 @@ class SlicePublisher:
                     if state.epoch != epoch:
                         return  # the view was dropped meanwhile: read the pool again
                     observed[name] = stored
-                if taint and self._taints_lost(obj, stored):
+                if self._taints_lost(obj, stored):
                     state.taints_dropped = True
-                    log.warning("DRA: the API server dropped device taints (DRADeviceTaints "
-                                "is off); unhealthy devices of %s are left out instead", pool)
+                    if taint:
+                        log.warning("DRA: the API server dropped device taints "
+                                    "(DRADeviceTaints is off); unhealthy devices of %s are "
+                                    "left out instead", pool)
+                if uses_counters(obj) and not uses_counters(stored):
+                    state.counters_dropped = True
+                    if not self._counters_warned:
+                        self._counters_warned = True
+                        log.warning("DRA: the API server dropped shared counters "
+                                    "(DRAPartitionableDevices is off or not known); GPUs "
+                                    "served as their partitions are left out of the slices "
+                                    "instead")
             for name in [n for n in observed if n not in names]:
                 gone = observed.get(name)  # the watch may have taken it out meanwhile
                 if gone is not None and not await self._delete(state, epoch, name, gone):
                     return
-            if taint and state.taints_dropped:
+            if (state.taints_dropped and any(has_taints(d) for d in desired)) or (
+                    state.counters_dropped and any(uses_counters(d) for d in desired)):
                 # What we wrote shows unhealthy devices as usable: write it again without them.
                 await self._reconcile_once(key)
                 return

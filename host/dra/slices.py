@@ -4,7 +4,7 @@ Shapes and limits are upstream's (staging/src/k8s.io/api/resource/v1/types.go,
 pkg/apis/resource/validation/validation.go): an attribute is ``{"int"|"bool"|"string"|
 "version": value}`` under a C-identifier key (<= 32) that may carry a domain; strings <= 64;
 at most 32 attributes + capacities a device; capacity ``{"value": <quantity>}``; at most 128
-devices a slice, 64 once any device has taints. Standard attributes
+devices a slice, 64 once any has taints or consumes counters. Standard attributes
 (kubernetes/dynamic-resource-allocation deviceattribute/): ``resource.kubernetes.io/pcieRoot``
 (string "pci<domain>:<bus>"), ``resource.kubernetes.io/pciBusID`` (string BDF), and
 ``resource.kubernetes.io/numaNode`` (int; standard from 1.37, already what the SR-IOV, CPU and
@@ -17,13 +17,32 @@ the DRADeviceTaints gate: alpha and off by default in 1.33-1.35, beta and on onl
 is correct on every version we support. ``taint_unhealthy=True`` is there for clusters known
 to run the gate (1.36+): the taint is NoSchedule, key ``device-plugin-host.io/unhealthy``,
 value the health reason reduced to a label value (taint values must be label values).
+
+Partitions (KEP-4815, DRAPartitionableDevices: beta and on by default from 1.36). A device
+whose ``parent`` fact names another device of the same pool is a partition of it (a MIG device
+of its GPU, an AMD compute partition of its GPU); a device with ``partitioned = "true"`` is a
+GPU served as its partitions, never whole. Each such parent gets a counter set named after it
+(``sharedCounters``, in slices of their own with no devices: at most 8 sets a slice) with one
+counter, ``partitions``: how many partitions of it the pool holds. The parent consumes all of
+it, each partition one, so the scheduler never allocates a GPU and one of its partitions
+together. The scheduler counts what allocated devices consume from the devices it finds in the
+slices (structured allocator, checkAvailableCounters), so the parent stays published while
+partitioned: a whole GPU allocated before it was partitioned keeps its partitions from being
+allocated. No consumption ever exceeds a counter: the allocator compares every counter set of
+the pool on each allocation, and one negative counter would block every partition of the
+pool. What keeps a partitioned parent from being allocated while nothing holds it is a
+``NoSchedule`` taint (key ``device-plugin-host.io/partitioned``) and the DeviceClasses, which
+select ``type == "gpu"`` devices that are not ``partitioned``; a claim that tolerates the
+taint gets it only while none of its partitions is allocated. With ``counters=False`` (a
+server that dropped the fields) partitioned parents are left out, nothing consumes counters.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import re
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
 
 from host.dra.naming import DNS_LABEL_MAX, dra_device_name
 from host.model import Device
@@ -39,10 +58,18 @@ PCIE_ROOT = STANDARD + "pcieRoot"
 PCI_BUS_ID = STANDARD + "pciBusID"
 NUMA_NODE = STANDARD + "numaNode"
 TAINT_KEY = "device-plugin-host.io/unhealthy"
+MAX_COUNTER_SETS = 8
+PARENT = "parent"  # the fact naming the device a partition belongs to (its id)
+PARTITIONED = "partitioned"  # "true": a parent served as its partitions, never whole
+COUNTER_PARTITIONS = "partitions"
+PARTITIONED_TAINT_KEY = "device-plugin-host.io/partitioned"
 
 # Facts our drivers record as decimal strings that selectors compare as numbers.
 _INT_ATTRIBUTES = frozenset({"device_minor", "iommu_group", "port_id", "numa_node",
-                             "vf_index", "pf_index", "busnum", "devnum", "num_vfs"})
+                             "vf_index", "pf_index", "busnum", "devnum", "num_vfs",
+                             "mig_gi", "mig_ci", "mig_parent_minor", "mig_gi_cap",
+                             "mig_ci_cap", "partition_index", "partition_count"})
+_BOOL_ATTRIBUTES = frozenset({PARTITIONED})
 # Sizes in bytes that sysfs reports (amdgpu mem_info_vram_total; a driver's memory_bytes).
 _MEMORY_ATTRIBUTES = ("memory_bytes", "mem_info_vram_total", "vram_total_bytes")
 _C_IDENT_BAD = re.compile(r"[^A-Za-z0-9_]")
@@ -65,6 +92,8 @@ def _too_long(value: str) -> bool:
 
 
 def _value(name: str, raw: str) -> Optional[Dict[str, Any]]:
+    if name in _BOOL_ATTRIBUTES and raw in ("true", "false"):
+        return {"bool": raw == "true"}
     if name in _INT_ATTRIBUTES and _INT.match(raw) and -(2 ** 63) <= int(raw) < 2 ** 63:
         return {"int": int(raw)}
     if _too_long(raw):
@@ -136,7 +165,9 @@ def taint_value(reason: str) -> str:
     return value.rstrip("-_.") or "unhealthy"
 
 
-def slice_device(device: Device, taint: bool = False) -> Dict[str, Any]:
+def slice_device(device: Device, taint: bool = False,
+                 consumes: Optional[List[Dict[str, Any]]] = None,
+                 partitioned: bool = False) -> Dict[str, Any]:
     entry: Dict[str, Any] = {"name": dra_device_name(device.id)}
     attributes = device_attributes(device)
     if attributes:
@@ -144,10 +175,45 @@ def slice_device(device: Device, taint: bool = False) -> Dict[str, Any]:
     capacity = device_capacity(device)
     if capacity:
         entry["capacity"] = capacity
+    if consumes:
+        entry["consumesCounters"] = consumes
+    taints = []
+    if partitioned:
+        taints.append({"key": PARTITIONED_TAINT_KEY, "value": "true", "effect": "NoSchedule"})
     if taint:
-        entry["taints"] = [{"key": TAINT_KEY, "value": taint_value(device.health_reason),
-                            "effect": "NoSchedule"}]
+        taints.append({"key": TAINT_KEY, "value": taint_value(device.health_reason),
+                       "effect": "NoSchedule"})
+    if taints:
+        entry["taints"] = taints
     return entry
+
+
+def is_partitioned(device: Device) -> bool:
+    return device.attributes.get(PARTITIONED) == "true"
+
+
+class Partitions:
+    """The pool's counter sets and what each device consumes (see the module docstring)."""
+
+    def __init__(self, devices: Sequence[Device]) -> None:
+        ids = {device.id for device in devices}
+        children: Dict[str, Set[str]] = {}
+        for device in devices:
+            parent = device.attributes.get(PARENT)
+            if parent and parent in ids and parent != device.id:
+                children.setdefault(parent, set()).add(device.id)
+        parents = {d.id for d in devices if is_partitioned(d)} | set(children)
+        self.counter_sets: List[Dict[str, Any]] = []
+        self.consumes: Dict[str, List[Dict[str, Any]]] = {}  # by device id
+        for parent in sorted(parents):
+            name = dra_device_name(parent)
+            count = len(children.get(parent, ()))
+            own = {COUNTER_PARTITIONS: {"value": str(count)}}
+            self.counter_sets.append({"name": name, "counters": own})
+            self.consumes[parent] = [{"counterSet": name, "counters": copy.deepcopy(own)}]
+            for child in children.get(parent, ()):
+                self.consumes[child] = [{"counterSet": name, "counters": {
+                    COUNTER_PARTITIONS: {"value": "1"}}}]
 
 
 def slice_name(node_name: str, driver: str, pool: str, index: int) -> str:
@@ -163,21 +229,36 @@ def slice_name(node_name: str, driver: str, pool: str, index: int) -> str:
 
 def build_slices(driver: str, node_name: str, pool: str, devices: Sequence[Device],
                  generation: int, node_uid: Optional[str] = None,
-                 taint_unhealthy: bool = False) -> List[Dict[str, Any]]:
-    """The pool's ResourceSlices: devices sorted by name, chunked, one slice even when empty.
+                 taint_unhealthy: bool = False, counters: bool = True,
+                 partition_taints: bool = True) -> List[Dict[str, Any]]:
+    """The pool's ResourceSlices: devices sorted by name, chunked, then the counter sets
+    (partitions, see the module docstring) in slices of their own; one slice even when empty.
 
     An empty pool still gets a slice (resourceSliceCount 1, no devices): it tells the
     scheduler the driver runs on this node and has nothing, unlike a missing pool.
     """
+    layout = Partitions(devices) if counters else None
     entries: Dict[str, Dict[str, Any]] = {}
     for device in devices:
-        if not device.healthy and not taint_unhealthy:
+        partitioned = is_partitioned(device)
+        if partitioned and layout is None:
+            continue  # without counters nothing would keep it from being allocated
+        if not device.healthy and not taint_unhealthy and not partitioned:
             continue
-        entry = slice_device(device, taint=not device.healthy)
+        consumes = layout.consumes.get(device.id) if layout is not None else None
+        entry = slice_device(device, taint=not device.healthy, consumes=consumes,
+                             partitioned=partitioned and partition_taints)
         entries.setdefault(entry["name"], entry)  # replicas of one device share a name
     ordered = [entries[name] for name in sorted(entries)]
-    per_slice = MAX_DEVICES_WITH_TAINTS if taint_unhealthy else MAX_DEVICES
-    chunks = [ordered[i:i + per_slice] for i in range(0, len(ordered), per_slice)] or [[]]
+    advanced = taint_unhealthy or any("consumesCounters" in e or "taints" in e for e in ordered)
+    per_slice = MAX_DEVICES_WITH_TAINTS if advanced else MAX_DEVICES
+    chunks: List[Dict[str, Any]] = [
+        {"devices": ordered[i:i + per_slice]} for i in range(0, len(ordered), per_slice)]
+    sets = layout.counter_sets if layout is not None else []
+    chunks += [{"sharedCounters": sets[i:i + MAX_COUNTER_SETS]}
+               for i in range(0, len(sets), MAX_COUNTER_SETS)]
+    if not chunks:
+        chunks = [{"devices": []}]
     owner: List[Dict[str, Any]] = []
     if node_uid:
         owner = [{"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid,
@@ -192,8 +273,32 @@ def build_slices(driver: str, node_name: str, pool: str, devices: Sequence[Devic
             "spec": {"driver": driver, "nodeName": node_name,
                      "pool": {"name": pool, "generation": generation,
                               "resourceSliceCount": len(chunks)},
-                     "devices": chunk},
+                     **chunk},
         })
+    return out
+
+
+def uses_counters(obj: Mapping[str, Any]) -> bool:
+    """Whether a slice carries counter sets or devices that consume counters."""
+    spec = obj.get("spec") or {}
+    return bool(spec.get("sharedCounters")) or any(
+        d.get("consumesCounters") for d in spec.get("devices") or [])
+
+
+def has_taints(obj: Mapping[str, Any]) -> bool:
+    return any(d.get("taints") for d in (obj.get("spec") or {}).get("devices") or [])
+
+
+def _without_server_fields(devices: Any) -> Any:
+    """Stored devices less what the API server sets itself (a taint's ``timeAdded``)."""
+    if not devices or not any(d.get("taints") for d in devices):
+        return devices
+    out = []
+    for device in devices:
+        if device.get("taints"):
+            device = {**device, "taints": [{k: v for k, v in t.items() if k != "timeAdded"}
+                                           for t in device["taints"]]}
+        out.append(device)
     return out
 
 
@@ -201,9 +306,11 @@ def same_content(desired: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
     """Whether ``stored`` already says what ``desired`` says, the generation aside."""
     want = desired.get("spec") or {}
     have = stored.get("spec") or {}
-    for key in ("driver", "nodeName", "devices"):
+    for key in ("driver", "nodeName", "sharedCounters"):
         if (want.get(key) or None) != (have.get(key) or None):
             return False
+    if (want.get("devices") or None) != (_without_server_fields(have.get("devices")) or None):
+        return False
     want_pool, have_pool = want.get("pool") or {}, have.get("pool") or {}
     if want_pool.get("name") != have_pool.get("name") or \
             want_pool.get("resourceSliceCount") != have_pool.get("resourceSliceCount"):

@@ -46,7 +46,7 @@ def check_settings(config: Config) -> None:
     owners: Dict[str, str] = {}
     for resource in dra_resources(config):
         try:
-            driver = naming.driver_name(resource.name, resource.dra_driver_name)
+            driver = naming.driver_name(resource.name, resource.dra_driver_name, resource.driver)
             naming.pool_name(resource.name, config.host.node_name)
         except ValueError as error:
             raise DraStartError(f"resource {resource.name}: {error}") from None

@@ -193,8 +193,10 @@ class ApiServerStandIn:
 
     def __init__(self, device_taints: bool = False, latency_s: float = 0.0,
                  tls: bool = False, events_before_answers: bool = True,
-                 answer_jitter_s: float = 0.0, seed: Optional[int] = None) -> None:
+                 answer_jitter_s: float = 0.0, seed: Optional[int] = None,
+                 partitionable_devices: bool = True) -> None:
         self.device_taints = device_taints
+        self.partitionable_devices = partitionable_devices
         self.latency_s = latency_s
         self.events_before_answers = events_before_answers
         self.answer_jitter_s = answer_jitter_s
@@ -857,10 +859,18 @@ class ApiServerStandIn:
                      "items": items}
 
     def _drop_disabled(self, obj: Dict[str, Any], old: Optional[Dict[str, Any]]) -> None:
-        """dropDisabledFields: taints go unless the gate is on or the old object had them;
-        a kept taint without ``timeAdded`` gets the time of this write (defaulting)."""
-        if self.device_taints or any(
-                d.get("taints") for d in ((old or {}).get("spec") or {}).get("devices") or []):
+        """dropDisabledFields: taints go unless the gate is on or the old object had them (a
+        kept taint without ``timeAdded`` gets the time of this write, as defaulting does); so
+        do sharedCounters and consumesCounters without DRAPartitionableDevices."""
+        old_spec = (old or {}).get("spec") or {}
+        if not self.partitionable_devices and not old_spec.get("sharedCounters") and not any(
+                d.get("consumesCounters") for d in old_spec.get("devices") or []):
+            spec = obj.get("spec") or {}
+            spec.pop("sharedCounters", None)
+            for device in spec.get("devices") or []:
+                if isinstance(device, dict):
+                    device.pop("consumesCounters", None)
+        if self.device_taints or any(d.get("taints") for d in old_spec.get("devices") or []):
             for device in (obj.get("spec") or {}).get("devices") or []:
                 for taint in (device.get("taints") or []) if isinstance(device, dict) else []:
                     if isinstance(taint, dict) and not taint.get("timeAdded"):
@@ -1005,9 +1015,11 @@ class RealApiServer:
 
     TOKEN = "dph-envtest-token"
 
-    def __init__(self, assets: str, device_taints: bool = False) -> None:
+    def __init__(self, assets: str, device_taints: bool = False,
+                 partitionable_devices: bool = True) -> None:
         self.assets = assets
         self.device_taints = device_taints
+        self.partitionable_devices = partitionable_devices
         self._dir = tempfile.mkdtemp(prefix="dph-envtest-")
         self.kubeconfig_path = os.path.join(self._dir, "kubeconfig")
         self.port = _free_port()
@@ -1062,7 +1074,9 @@ class RealApiServer:
         tokens = os.path.join(self._dir, "tokens.csv")
         with open(tokens, "w", encoding="utf-8") as handle:
             handle.write(f'{self.TOKEN},admin,admin-uid,"system:masters"\n')
-        gates = "DRADeviceTaints=true" if self.device_taints else ""
+        gates = ",".join(g for g in (
+            "DRADeviceTaints=true" if self.device_taints else "",
+            "" if self.partitionable_devices else "DRAPartitionableDevices=false") if g)
         args = [os.path.join(self.assets, "kube-apiserver"),
                 "--etcd-servers", f"http://127.0.0.1:{self._etcd_port}",
                 "--secure-port", str(self.port), "--bind-address", "127.0.0.1",

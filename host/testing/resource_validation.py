@@ -30,6 +30,9 @@ C_IDENTIFIER_MAX = 32
 ATTRIBUTE_VALUE_MAX = 64
 ATTRIBUTES_AND_CAPACITIES_MAX = 32
 TAINTS_MAX = 16
+COUNTER_SETS_MAX = 8
+COUNTERS_MAX = 32
+CONSUMPTIONS_MAX = 2
 TAINT_EFFECTS = ("NoExecute", "NoSchedule", "None")
 
 _LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
@@ -340,6 +343,44 @@ def _taint_errors(taint: Any, field: str) -> List[FieldError]:
     return errs
 
 
+def _counters_errors(counters: Any, field: str) -> List[FieldError]:
+    if not isinstance(counters, dict):
+        raise DecodeError(f"{field}: expected an object")
+    errs: List[FieldError] = []
+    if len(counters) > COUNTERS_MAX:
+        errs.append(FieldError("FieldValueTooMany", field,
+                               f"{len(counters)}: must have at most {COUNTERS_MAX} items"))
+    for name, counter in counters.items():
+        errs.extend(dns_label_errors(str(name), f"{field}[{name}]"))
+        value = counter.get("value") if isinstance(counter, dict) else None
+        if value is None or not _QUANTITY.match(str(value)):
+            errs.append(_required(f"{field}[{name}].value"))
+    return errs
+
+
+def _counter_set_errors(sets: Any) -> List[FieldError]:
+    """spec.sharedCounters (validateCounterSet): at most 8 sets of at most 32 counters, names
+    DNS labels, unique."""
+    if not isinstance(sets, list):
+        raise DecodeError("spec.sharedCounters: expected an array")
+    errs: List[FieldError] = []
+    if len(sets) > COUNTER_SETS_MAX:
+        errs.append(FieldError("FieldValueTooMany", "spec.sharedCounters",
+                               f"{len(sets)}: must have at most {COUNTER_SETS_MAX} items"))
+    seen = set()
+    for i, counter_set in enumerate(sets):
+        field = f"spec.sharedCounters[{i}]"
+        name = str((counter_set or {}).get("name") or "")
+        errs.extend(dns_label_errors(name, f"{field}.name") if name
+                    else [_required(f"{field}.name")])
+        if name in seen:
+            errs.append(FieldError("FieldValueDuplicate", field, "", name))
+        seen.add(name)
+        errs.extend(_counters_errors((counter_set or {}).get("counters") or {},
+                                     f"{field}.counters"))
+    return errs
+
+
 def _device_errors(device: Dict[str, Any], old: Optional[Dict[str, Any]],
                    field: str) -> List[FieldError]:
     errs = dns_label_errors(str(device.get("name") or ""), f"{field}.name") \
@@ -369,6 +410,17 @@ def _device_errors(device: Dict[str, Any], old: Optional[Dict[str, Any]],
         else:
             for i, taint in enumerate(taints):
                 errs.extend(_taint_errors(taint, f"{field}.taints[{i}]"))
+    consumes = device.get("consumesCounters") or []
+    if len(consumes) > CONSUMPTIONS_MAX:
+        errs.append(FieldError("FieldValueTooMany", f"{field}.consumesCounters",
+                               f"{len(consumes)}: must have at most {CONSUMPTIONS_MAX} items"))
+    for i, consumption in enumerate(consumes):
+        where = f"{field}.consumesCounters[{i}]"
+        set_name = str((consumption or {}).get("counterSet") or "")
+        errs.extend(dns_label_errors(set_name, f"{where}.counterSet") if set_name
+                    else [_required(f"{where}.counterSet")])
+        errs.extend(_counters_errors((consumption or {}).get("counters") or {},
+                                     f"{where}.counters"))
     for key in ("nodeName", "nodeSelector", "allNodes"):
         if device.get(key) is not None:
             errs.append(_invalid(field, None, "`nodeName`, `nodeSelector` and `allNodes` can "
@@ -466,6 +518,7 @@ def resource_slice_errors(obj: Dict[str, Any],
         raise DecodeError("spec.devices: expected an array")
     if spec.get("sharedCounters") is not None and spec.get("devices") is not None:
         errs.append(_invalid("spec", "", "only one of `sharedCounters` or `devices` is allowed"))
+    errs.extend(_counter_set_errors(spec.get("sharedCounters") or []))
     advanced = any(d.get("taints") or d.get("consumesCounters") for d in devices
                    if isinstance(d, dict))
     limit = MAX_DEVICES_ADVANCED if advanced else MAX_DEVICES
