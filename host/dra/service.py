@@ -297,9 +297,13 @@ class DraService:
         try:
             for pool_name, items in by_pool.items():
                 pool = self.pools[pool_name]
-                devices = [device for _, device in items]
-                merged = await self._hooks(pool, devices)
-                spec, ids = claim_cdi.build_claim_spec(uid, pool.resource.name, devices, merged)
+                by_request: Dict[str, List[Device]] = {}
+                for result, device in items:
+                    by_request.setdefault(str(result.get("request", "")), []).append(device)
+                groups = [claim_cdi.RequestGroup(request, devices,
+                                                 await self._hooks(pool, devices))
+                          for request, devices in by_request.items()]
+                spec, ids = claim_cdi.build_claim_spec(uid, pool.resource.name, groups)
                 path = claim_cdi.spec_path(self.cdi_dir, uid, pool.resource.name)
                 try:  # fsynced: off the loop, which serves every other resource meanwhile
                     await asyncio.get_running_loop().run_in_executor(
@@ -307,12 +311,11 @@ class DraService:
                 except OSError as error:
                     raise ClaimError(f"cannot write the CDI spec {path}: {error}") from None
                 files.append(path)
-                extra = list(merged.cdi_devices)
                 for result, device in items:
                     prepared.append(PreparedDevice(
                         request_names=_request_names(str(result.get("request", ""))),
                         pool_name=pool_name, device_name=str(result["device"]),
-                        cdi_device_ids=tuple(dict.fromkeys([ids[device.id], *extra])),
+                        cdi_device_ids=ids[device.id],
                         resource=pool.resource.name, device_id=device.id,
                     ))
             record = PreparedClaim(uid=uid, namespace=namespace, name=name,

@@ -19,6 +19,7 @@ from host.dra.kube import KubeClient
 from host.isolation import DriverCalls
 from host.model import Health, ResourceConfig
 from host.testing.apiserver import kube_api
+from host.testing.cdi_runtime import CdiCache, container_cdi_ids
 from host.testing.drivers import MemoryDriver, SlowAllocateDriver, make_devices
 from host.testing.kubelet_dra import DraKubeletSimulator, PrepareError
 
@@ -68,15 +69,32 @@ class Node:
 
     def claim(self, devices, pod_uid: str, name: str = "claim-1", request: str = "gpu",
               reserved: bool = True, driver: str = DRIVER, pool: str = POOL):
-        results = [{"request": request, "driver": driver, "pool": pool, "device": d}
-                   for d in devices]
+        return self.claim_of({request: devices}, pod_uid, name=name, reserved=reserved,
+                             driver=driver, pool=pool)
+
+    def claim_of(self, requests, pod_uid: str, name: str = "claim-1", reserved: bool = True,
+                 driver: str = DRIVER, pool: str = POOL, tolerations=None):
+        """A claim allocated with {request: [device, ...]}; ``tolerations`` on every result
+        (and its request), as the scheduler copies them into the allocation."""
+        results = []
+        for request, devices in requests.items():
+            for d in devices:
+                result = {"request": request, "driver": driver, "pool": pool, "device": d}
+                if tolerations:
+                    result["tolerations"] = tolerations
+                results.append(result)
         status = {"allocation": {"devices": {"results": results}}}
         if reserved:
             status["reservedFor"] = [{"resource": "pods", "name": "pod-a", "uid": pod_uid}]
+        spec_requests = []
+        for request, devices in requests.items():
+            exactly = {"deviceClassName": "gpu", "count": len(devices)}
+            if tolerations:
+                exactly["tolerations"] = tolerations
+            spec_requests.append({"name": request, "exactly": exactly})
         return self.api.put_resource_claim({
             "metadata": {"name": name, "namespace": "default"},
-            "spec": {"devices": {"requests": [
-                {"name": request, "exactly": {"deviceClassName": "gpu", "count": len(devices)}}]}},
+            "spec": {"devices": {"requests": spec_requests}},
             "status": status,
         })
 
@@ -119,11 +137,14 @@ def test_prepare_writes_a_cdi_spec_and_unprepare_removes_it(short_dir, run, kube
                 spec = json.load(stream)
             names = {f"{spec['kind']}={d['name']}": d for d in spec["devices"]}
             for device in devices:  # every returned CDI id exists in a spec on disk
-                [cdi_id] = device.cdi_device_ids
-                assert cdi_id in names
-            nodes = [e["containerEdits"]["deviceNodes"][0]["path"] for e in names.values()]
+                assert len(device.cdi_device_ids) == 2
+                assert set(device.cdi_device_ids) <= set(names)
+            nodes = [n["path"] for e in names.values()
+                     for n in e["containerEdits"].get("deviceNodes", ())]
             assert sorted(nodes) == ["/dev/gpu1", "/dev/gpu2"]
-            assert spec["containerEdits"]["env"] == ["VISIBLE=gpu1,gpu2"]
+            assert "containerEdits" not in spec  # nothing reaches containers of other requests
+            [last] = {d.cdi_device_ids[-1] for d in devices}  # the request's joined env
+            assert names[last]["containerEdits"] == {"env": ["VISIBLE=gpu1,gpu2"]}
             assert info.cdi_devices("gpu") == info.cdi_devices() and info.cdi_devices("x") == []
             assert uid in n.front.checkpoint.claims
             await n.kubelet.unprepare(pod)
@@ -369,5 +390,62 @@ def test_health_is_advertised_for_kubelets_that_watch_only_advertised_services(s
             await kubelet.watcher.wait_for(lambda w: kubelet.health_messages > before,
                                            what="the health stream of a newer kubelet")
             assert kubelet.health(DRIVER, POOL, "gpu0") == ("Healthy", "")
+
+    run(body())
+
+
+def _containers(n, pod_claims, containers):
+    """Each container's OCI edits after the runtime injected the CDI ids the kubelet gives it:
+    ``pod_claims`` are (pod claim name, prepared ClaimInfo) in pod order, ``containers`` map a
+    container name to its (claim, request) references."""
+    cache = CdiCache(n.cdi)
+    assert cache.errors == {}
+    return {name: cache.inject(container_cdi_ids(pod_claims, refs))
+            for name, refs in containers.items()}
+
+
+def test_each_container_of_a_two_request_claim_sees_only_its_own_devices(short_dir, run,
+                                                                          kube_api):
+    async def body():
+        async with node(short_dir, kube_api, _driver(4)) as n:
+            pod = str(uuid.uuid4())
+            n.claim_of({"train": ["gpu0", "gpu2"], "serve": ["gpu1"]}, pod, name="gpus")
+            [info] = await n.kubelet.prepare(pod, [("default", "gpus")])
+            seen = _containers(n, [("gpus", info)], {
+                "trainer": [("gpus", "train")], "server": [("gpus", "serve")],
+            })
+            assert seen["trainer"].device_paths() == ["/dev/gpu0", "/dev/gpu2"]
+            assert seen["trainer"].environ() == {"VISIBLE": "gpu0,gpu2"}
+            assert seen["server"].device_paths() == ["/dev/gpu1"]
+            assert seen["server"].environ() == {"VISIBLE": "gpu1"}
+
+    run(body())
+
+
+def test_two_claims_in_one_container_name_no_device_of_another_container(short_dir, run,
+                                                                         kube_api):
+    """CDI merges env by replacing: a variable two claims set is the later claim's in that
+    container (what no plugin can merge, since the kubelet gives each claim's ids to every
+    container that references it). Every device node arrives, and no container is told about a
+    device it did not receive."""
+    async def body():
+        async with node(short_dir, kube_api, _driver(4)) as n:
+            pod = str(uuid.uuid4())
+            n.claim_of({"a": ["gpu0"], "b": ["gpu1"]}, pod, name="pair")
+            n.claim_of({"gpu": ["gpu2", "gpu3"]}, pod, name="more")
+            infos = await n.kubelet.prepare(pod, [("default", "pair"), ("default", "more")])
+            pair, more = infos
+            seen = _containers(n, [("pair", pair), ("more", more)], {
+                "both": [("pair", "a"), ("more", "")], "other": [("pair", "b")],
+                "more-first": [("more", ""), ("pair", "a")],
+            })
+            assert seen["both"].device_paths() == ["/dev/gpu0", "/dev/gpu2", "/dev/gpu3"]
+            assert seen["both"].environ() == {"VISIBLE": "gpu2,gpu3"}
+            assert seen["more-first"].environ() == {"VISIBLE": "gpu2,gpu3"}  # pod order
+            assert seen["other"].device_paths() == ["/dev/gpu1"]
+            assert seen["other"].environ() == {"VISIBLE": "gpu1"}
+            for container in seen.values():
+                visible = set(container.environ()["VISIBLE"].split(","))
+                assert {f"/dev/{d}" for d in visible} <= set(container.device_paths())
 
     run(body())
