@@ -53,7 +53,7 @@ async def start_dra(app: HostApp) -> None:
         registry_dir=host.plugins_registry_dir, plugins_dir=host.dra_plugins_dir,
         state_dir=host.dra_state_dir, cdi_dir=host.cdi_dir,
         allocate_timeout_s=host.allocate_timeout_s, publisher=app.publisher,
-        metrics=DraMetrics(app.metrics.registry))
+        metrics=DraMetrics(app.metrics.registry), host=app.host)
     app.dra.on_registered = app._dra_registered
     if app.publisher is not None:
         await app.publisher.start()

@@ -15,7 +15,8 @@ the DRADeviceTaints gate: alpha and off by default in 1.33-1.35, beta and on onl
 (pkg/features/kube_features.go). A 1.34 or 1.35 API server drops ``devices[].taints`` on write
 (dropDisabledFields), so a tainted device would be published as schedulable; leaving it out
 is correct on every version we support. ``taint_unhealthy=True`` is there for clusters known
-to run the gate (1.36+): the taint is NoSchedule, key ``device-plugin-host.io/unhealthy``,
+to run the gate (1.36+): the taint's effect is ``host.dra.taints.effect`` (NoExecute for hard
+failures, NoSchedule for drains and soft ones), key ``device-plugin-host.io/unhealthy``,
 value the health reason reduced to a label value (taint values must be label values).
 """
 
@@ -25,6 +26,7 @@ import hashlib
 import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+from host.dra import taints
 from host.dra.naming import DNS_LABEL_MAX, dra_device_name
 from host.model import Device
 
@@ -146,7 +148,7 @@ def slice_device(device: Device, taint: bool = False) -> Dict[str, Any]:
         entry["capacity"] = capacity
     if taint:
         entry["taints"] = [{"key": TAINT_KEY, "value": taint_value(device.health_reason),
-                            "effect": "NoSchedule"}]
+                            "effect": taints.effect(device.health_reason)}]
     return entry
 
 

@@ -1009,6 +1009,12 @@ class RealApiServer:
                 raise RuntimeError(f"put_resource_claim status: {code} {created}")
         return created
 
+    def delete_resource_claim(self, namespace: str, name: str) -> None:
+        code, body = self._request(
+            "DELETE", f"{RESOURCE_PREFIX}/namespaces/{namespace}/resourceclaims/{name}")
+        if code >= 300 and code != 404:
+            raise RuntimeError(f"delete_resource_claim: {code} {body}")
+
     def resource_slices(self, driver: Optional[str] = None,
                         node: Optional[str] = None) -> List[Dict[str, Any]]:
         terms = []

@@ -16,8 +16,10 @@ from host.dra import naming
 from host.dra.checkpoint import FILE_NAME
 from host.dra.frontend import DraFrontEnd
 from host.dra.kube import KubeClient
+from host.dra.taints import TAINT_KEY
+from host.hostfs import HostFS
 from host.isolation import DriverCalls
-from host.model import Health, ResourceConfig
+from host.model import Device, DeviceNode, Health, ResourceConfig
 from host.testing.apiserver import kube_api
 from host.testing.cdi_runtime import CdiCache, container_cdi_ids
 from host.testing.drivers import MemoryDriver, SlowAllocateDriver, make_devices
@@ -34,26 +36,38 @@ POOL = naming.pool_name(RESOURCE.name, NODE)
 class Node:
     """One node: the front end (what HostApp builds for DRA resources) and a kubelet."""
 
-    def __init__(self, root: str, api, driver: MemoryDriver) -> None:
+    def __init__(self, root: str, api, driver: MemoryDriver, resources=(RESOURCE,)) -> None:
         self.root = root
+        self.resources = resources
         self.api = api
         self.driver = driver
         self.registry = os.path.join(root, "registry")
         self.plugins = os.path.join(root, "plugins")
         self.state = os.path.join(root, "state")
         self.cdi = os.path.join(root, "cdi")
+        self.hostroot = os.path.join(root, "hostroot")  # what --host-root shows the host
+        self.boot("boot-1")
         self.client = None
         self.front = None
         self.kubelet = None
         self.calls = None
+
+    def boot(self, boot_id: str) -> None:
+        """The kernel's boot id the host reads (a reboot changes it)."""
+        path = os.path.join(self.hostroot, "proc/sys/kernel/random/boot_id")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as stream:
+            stream.write(boot_id + "\n")
 
     async def start_host(self) -> None:
         self.calls = DriverCalls()
         self.client = KubeClient.from_settings(self.api.kubeconfig_path)
         self.front = DraFrontEnd(node_name=NODE, claims=self.client, calls=self.calls,
                                  registry_dir=self.registry, plugins_dir=self.plugins,
-                                 state_dir=self.state, cdi_dir=self.cdi, allocate_timeout_s=2)
-        self.front.sync(RESOURCE, self.driver, self.driver.devices[RESOURCE.name])
+                                 state_dir=self.state, cdi_dir=self.cdi, allocate_timeout_s=2,
+                                 host=HostFS(self.hostroot))
+        for resource in self.resources:
+            self.front.sync(resource, self.driver, self.driver.devices[resource.name])
 
     async def stop_host(self) -> None:
         await self.front.close()
@@ -62,7 +76,8 @@ class Node:
 
     async def start_kubelet(self) -> None:
         self.kubelet = DraKubeletSimulator(
-            self.registry, get_claim=self.client.get_resource_claim, node_name=NODE,
+            self.registry, node_name=NODE,
+            get_claim=lambda ns, name: self.client.get_resource_claim(ns, name),  # the current
             wipe_slices=self.api.delete_slices_of_node, plugins_dir=self.plugins)
         await self.kubelet.start()
         await self.kubelet.wait_registered(DRIVER)
@@ -100,12 +115,14 @@ class Node:
 
 
 @contextlib.asynccontextmanager
-async def node(root, api, driver):
+async def node(root, api, driver, resources=(RESOURCE,)):
     api.add_node(NODE)
-    n = Node(root, api, driver)
+    n = Node(root, api, driver, resources)
     await n.start_host()
     try:
         await n.start_kubelet()
+        for resource in resources[1:]:
+            await n.kubelet.wait_registered(naming.driver_name(resource.name, None))
         yield n
     finally:
         if n.kubelet is not None:
@@ -447,5 +464,226 @@ def test_two_claims_in_one_container_name_no_device_of_another_container(short_d
             for container in seen.values():
                 visible = set(container.environ()["VISIBLE"].split(","))
                 assert {f"/dev/{d}" for d in visible} <= set(container.device_paths())
+
+    run(body())
+
+
+MIG = ResourceConfig(name="example.com/mig", driver="memory", api="dra")
+MIG_DRIVER = naming.driver_name(MIG.name, None)
+MIG_POOL = naming.pool_name(MIG.name, NODE)
+GPU_ADDRESS = "0000:3b:00.0"
+
+
+def _gpu():
+    return Device(id=GPU_ADDRESS, attributes={"pci_address": GPU_ADDRESS},
+                  device_nodes=(DeviceNode("/dev/nvidia6"), DeviceNode("/dev/nvidiactl")),
+                  env={"NVIDIA_VISIBLE_DEVICES": "GPU-6"})
+
+
+def _migs():
+    return [Device(id=f"{GPU_ADDRESS}-gi{gi}-ci0",
+                   attributes={"pci_address": GPU_ADDRESS, "mig_gi": str(gi), "mig_ci": "0"},
+                   device_nodes=(DeviceNode("/dev/nvidia6"),
+                                 DeviceNode(f"/dev/nvidia-caps/nvidia-cap{gi}"),
+                                 DeviceNode("/dev/nvidiactl")),
+                   env={"NVIDIA_VISIBLE_DEVICES": f"MIG-6/{gi}/0"})
+            for gi in (1, 2)]
+
+
+def test_a_gpu_and_its_own_mig_device_are_never_prepared_for_two_claims(short_dir, run,
+                                                                        kube_api):
+    """The whole GPU is prepared; the GPU goes into MIG mode (the whole device leaves its
+    pool, MIG devices appear in another driver's pool); a claim for a MIG device is refused
+    while the whole GPU's claim is prepared, across a host restart, and prepared once that
+    claim is unprepared. Two MIG devices of the GPU are no conflict."""
+    async def body():
+        driver = MemoryDriver(devices={RESOURCE.name: [_gpu()], MIG.name: []})
+        async with node(short_dir, kube_api, driver, (RESOURCE, MIG)) as n:
+            pod, other = str(uuid.uuid4()), str(uuid.uuid4())
+            whole = n.claim([naming.dra_device_name(GPU_ADDRESS)], pod,
+                            name="whole")
+            await n.kubelet.prepare(pod, [("default", "whole")])
+            driver.devices = {RESOURCE.name: [], MIG.name: _migs()}
+            n.front.sync(RESOURCE, driver, [])
+            n.front.sync(MIG, driver, _migs())
+            names = sorted(n.front.pools[MIG.name].by_name)
+            n.claim_of({"mig": [names[0]]}, other, name="slice-1", driver=MIG_DRIVER,
+                       pool=MIG_POOL)
+            n.claim_of({"mig": [names[1]]}, other, name="slice-2", driver=MIG_DRIVER,
+                       pool=MIG_POOL)
+            with pytest.raises(PrepareError, match=(
+                    rf"overlaps .* of claim default/whole \({whole['metadata']['uid']}\), "
+                    rf"prepared on this node and not unprepared: PCI function {GPU_ADDRESS} "
+                    rf"and its partition mig:1/0")):
+                await n.kubelet.prepare(other, [("default", "slice-1")])
+            await n.stop_host()  # the knowledge is in the checkpoint
+            await n.start_host()
+            await n.kubelet.wait_registered(MIG_DRIVER)
+            with pytest.raises(PrepareError, match="overlaps"):
+                await n.kubelet.prepare(other, [("default", "slice-1")])
+            assert not any("mig" in f for f in _specs(n.cdi))
+            await n.kubelet.unprepare(pod)
+            infos = await n.kubelet.prepare(other, [("default", "slice-1"),
+                                                    ("default", "slice-2")])
+            assert all(i.prepared for i in infos)
+            # and now the whole GPU cannot be prepared for a third claim
+            driver.devices = {RESOURCE.name: [_gpu()], MIG.name: _migs()}
+            n.front.sync(RESOURCE, driver, [_gpu()])
+            third = str(uuid.uuid4())
+            n.claim([naming.dra_device_name(GPU_ADDRESS)], third, name="again")
+            with pytest.raises(PrepareError, match=r"overlaps .* of claim default/slice-[12]"):
+                await n.kubelet.prepare(third, [("default", "again")])
+
+    run(body())
+
+
+def test_overlapping_claims_in_one_call_get_one_device_not_two(short_dir, run, kube_api):
+    """Two claims for one device in one NodePrepareResources call are prepared at once: the
+    hold taken before the first await makes the second one see the first."""
+    async def body():
+        async with node(short_dir, kube_api, _driver(2)) as n:
+            pod = str(uuid.uuid4())
+            uids = [n.claim(["gpu1"], pod, name=f"twin-{i}")["metadata"]["uid"]
+                    for i in range(2)]
+            response = await n.kubelet.node_prepare(
+                DRIVER, [("default", f"twin-{i}", uids[i]) for i in range(2)])
+            errors = sorted(response.claims[u].error for u in uids)
+            assert errors[0] == ""
+            assert "the same device node /dev/gpu1" in errors[1]
+            assert len(_specs(n.cdi)) == 1 and n.front.checkpoint.reserved == {}
+
+    run(body())
+
+
+def test_a_claim_that_tolerates_a_devices_taint_is_prepared(short_dir, run, kube_api, caplog):
+    """dra_unhealthy = "taint": a drained device carries a NoSchedule taint; a claim allocated
+    with a toleration for it is prepared (with a warning naming the taint), one without is
+    refused, and a device that cannot work is refused whatever the claim tolerates."""
+    async def body():
+        driver = _driver(4)
+        async with node(short_dir, kube_api, driver) as n:
+            n.front.taint_unhealthy = True
+            sick = make_devices("gpu", 4)
+            sick[0] = sick[0].with_health(Health.UNHEALTHY, "drained by an operator: burn-in")
+            sick[1] = sick[1].with_health(Health.UNHEALTHY, "drained by an operator: burn-in")
+            sick[2] = sick[2].with_health(Health.UNHEALTHY, "gone from the host")
+            sick[3] = sick[3].with_health(Health.UNHEALTHY, "no kernel driver bound")
+            n.front.sync(RESOURCE, driver, sick)
+            pod = str(uuid.uuid4())
+            everything = [{"operator": "Exists"}]
+            n.claim_of({"gpu": ["gpu0"]}, pod, name="diagnostic",
+                       tolerations=[{"key": TAINT_KEY, "operator": "Exists",
+                                     "effect": "NoSchedule"}])
+            n.claim_of({"gpu": ["gpu1"]}, pod, name="plain")
+            n.claim_of({"gpu": ["gpu2"]}, pod, name="gone", tolerations=everything)
+            n.claim_of({"gpu": ["gpu3"]}, pod, name="unbound",
+                       tolerations=[{"operator": "Exists", "effect": "NoSchedule"}])
+            uids = {name: (await n.client.get_resource_claim("default", name))["metadata"]["uid"]
+                    for name in ("diagnostic", "plain", "gone", "unbound")}
+            with caplog.at_level("WARNING", logger="host.dra.service"):
+                response = await n.kubelet.node_prepare(
+                    DRIVER, [("default", k, v) for k, v in uids.items()])
+            errors = {k: response.claims[v].error for k, v in uids.items()}
+            assert errors["diagnostic"] == ""
+            assert [d.device_name for d in response.claims[uids["diagnostic"]].devices] == \
+                ["gpu0"]
+            assert any("tolerates the taint device-plugin-host.io/unhealthy=drained-by-an-"
+                       "operator-burn-in:NoSchedule" in r.getMessage() for r in caplog.records)
+            assert "does not tolerate its taint device-plugin-host.io/unhealthy=" \
+                   "drained-by-an-operator-burn-in:NoSchedule" in errors["plain"]
+            assert "cannot work: gone from the host" in errors["gone"]
+            assert "does not tolerate its taint device-plugin-host.io/unhealthy=" \
+                   "no-kernel-driver-bound:NoExecute" in errors["unbound"]
+            n.front.taint_unhealthy = False  # dra_unhealthy = "omit": never published
+            n.claim_of({"gpu": ["gpu1"]}, pod, name="late", tolerations=everything)
+            with pytest.raises(PrepareError, match="is Unhealthy: drained by an operator"):
+                await n.kubelet.prepare(pod, [("default", "late")])
+
+    run(body())
+
+
+def _spec_texts(cdi_dir):
+    out = {}
+    for name in _specs(cdi_dir):
+        with open(os.path.join(cdi_dir, name)) as stream:
+            out[name] = stream.read()
+    return out
+
+
+def test_a_reboot_drops_the_old_boots_claims_and_a_lost_spec_is_written_at_start(
+        short_dir, run, kube_api, caplog):
+    async def body():
+        async with node(short_dir, kube_api, _driver()) as n:
+            pod = str(uuid.uuid4())
+            n.claim(["gpu1"], pod)
+            [first] = await n.kubelet.prepare(pod, [("default", "claim-1")])
+            written = _spec_texts(n.cdi)
+            # Same boot: the host restarts and finds its spec gone (/var/run/cdi emptied).
+            await n.stop_host()
+            for name in written:
+                os.unlink(os.path.join(n.cdi, name))
+            await n.start_host()
+            assert _spec_texts(n.cdi) == written  # before any prepare call
+            assert first.uid in n.front.checkpoint.claims
+            # A reboot: new boot id, /var/run/cdi empty; the claim of the old boot is gone,
+            # so it neither blocks its device for another claim nor stays listed.
+            await n.stop_host()
+            for name in written:
+                os.unlink(os.path.join(n.cdi, name))
+            n.boot("boot-2")
+            with caplog.at_level("WARNING", logger="host.dra.checkpoint"):
+                await n.start_host()
+            assert n.front.checkpoint.claims == {} and _specs(n.cdi) == []
+            assert any("dropped 1 claim prepared before the last reboot (boot boot-1)"
+                       in r.getMessage() for r in caplog.records)
+            with open(os.path.join(n.state, FILE_NAME)) as stream:
+                assert json.load(stream)["boot_id"] == "boot-2"
+            await n.kubelet.restart(wipe_sockets=True)  # the kubelet starts after the boot
+            await n.kubelet.wait_registered(DRIVER)
+            other = str(uuid.uuid4())
+            n.claim(["gpu1"], other, name="after-reboot")
+            [again] = await n.kubelet.prepare(other, [("default", "after-reboot")])
+            assert again.prepared
+
+    run(body())
+
+
+@pytest.mark.parametrize("damage", ["garbage", "binary", "directory", "wrong-shape"])
+def test_a_damaged_checkpoint_is_moved_aside_with_one_error_line(short_dir, run, kube_api,
+                                                                 caplog, damage):
+    async def body():
+        n = Node(short_dir, kube_api, _driver())
+        kube_api.add_node(NODE)
+        os.makedirs(n.state, exist_ok=True)
+        path = os.path.join(n.state, FILE_NAME)
+        if damage == "directory":
+            os.makedirs(path)
+        else:
+            content = {"garbage": b'{"version": 1, "claims": [{"uid"',
+                       "binary": b"\xff\xfe\x00\x01",
+                       "wrong-shape": b'{"version": 1, "claims": {"a": 1}}'}[damage]
+            with open(path, "wb") as stream:
+                stream.write(content)
+        with caplog.at_level("INFO"):
+            await n.start_host()
+        try:
+            errors = [r for r in caplog.records if r.levelname == "ERROR"]
+            assert len(errors) == 1 and errors[0].exc_info is None
+            message = errors[0].getMessage()
+            assert "\n" not in message and "is damaged or unreadable" in message
+            assert "moved to" in message and "starting with no prepared claims" in message
+            assert [f for f in os.listdir(n.state) if f.startswith(FILE_NAME + ".corrupt-")]
+            assert n.front.checkpoint.claims == {}
+            await n.start_kubelet()  # and it serves
+            pod = str(uuid.uuid4())
+            n.claim(["gpu0"], pod)
+            [info] = await n.kubelet.prepare(pod, [("default", "claim-1")])
+            assert info.prepared
+            with open(path) as stream:
+                assert json.load(stream)["claims"][0]["uid"] == info.uid
+        finally:
+            if n.kubelet is not None:
+                await n.kubelet.stop()
+            await n.stop_host()
 
     run(body())
