@@ -23,13 +23,20 @@ replica is handed out twice. Partitions of one function with different indexes d
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence, Tuple
+from collections import Counter
+from typing import Iterable, Mapping, Optional, Sequence, Tuple
 
 from host.model import Device
 
 
-def footprint(device: Device, pool: Iterable[Device] = ()) -> Tuple[str, ...]:
-    """The keys of ``device``; ``pool``: the devices served with it (to tell control nodes)."""
+def node_counts(pool: Iterable[Device]) -> Mapping[str, int]:
+    """How many devices of a pool have each device node (once per pool, not per device)."""
+    return Counter(n.host_path for d in pool for n in d.device_nodes)
+
+
+def footprint(device: Device, counts: Mapping[str, int]) -> Tuple[str, ...]:
+    """The keys of ``device``; ``counts``: ``node_counts`` of the devices served with it
+    (a node more than one of them has is a control node)."""
     attributes = device.attributes
     if attributes.get("replica_of"):
         return (f"replica:{device.id}",)
@@ -42,9 +49,8 @@ def footprint(device: Device, pool: Iterable[Device] = ()) -> Tuple[str, ...]:
         if index is not None:
             return (f"pci:{address}#part:{index}",)
         return (f"pci:{address}",)
-    others = [d for d in pool if d.id != device.id]
-    shared = {n.host_path for d in others for n in d.device_nodes}
-    keys = [f"node:{n.host_path}" for n in device.device_nodes if n.host_path not in shared]
+    keys = [f"node:{n.host_path}" for n in device.device_nodes
+            if counts.get(n.host_path, 1) <= 1]
     return tuple(keys) if keys else (f"device:{device.id}",)
 
 

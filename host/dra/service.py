@@ -10,8 +10,10 @@ calls again after its restart): a checkpointed claim gets the same answer withou
 Unprepare of a claim we do not know succeeds, since the kubelet unprepares claims whose
 prepare failed.
 
-It is a little over 400 lines because the per-claim steps (read, map, hooks, CDI, checkpoint)
-and their per-claim errors are read in order against the kubelet's DRA manager.
+Prepare is the last line of defense: a device whose hardware overlaps one that another claim
+holds (host.dra.hardware) is refused, and an unhealthy device is prepared only where
+unhealthy devices are published with taints and the claim tolerates its taint
+(host.dra.taints).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import (
     Callable,
     Dict,
     List,
+    Mapping,
     Optional,
     Protocol,
     Sequence,
@@ -75,9 +78,17 @@ class DraPool:
     pool_name: str
     naming: Callable[[str], str]  # Device.id -> the DNS-label device name in the slice
     by_name: Dict[str, Device] = field(default_factory=dict)
+    _node_counts: Optional[Mapping[str, int]] = None
 
     def set_devices(self, devices: Sequence[Device]) -> None:
         self.by_name = {self.naming(device.id): device for device in devices}
+        self._node_counts = None
+
+    def footprint(self, device: Device) -> Tuple[str, ...]:
+        """host.dra.hardware.footprint among this pool's devices (counted once per change)."""
+        if self._node_counts is None:
+            self._node_counts = hardware.node_counts(self.by_name.values())
+        return hardware.footprint(device, self._node_counts)
 
 
 class DraService:
@@ -292,9 +303,8 @@ class DraService:
         results = [r for r in ((allocation_.get("devices") or {}).get("results") or ())
                    if isinstance(r, dict) and r.get("driver") == self.driver_name]
         picked = [self._resolve(r, claim, f"{namespace}/{name}") for r in results]
-        footprints = {device.id: hardware.footprint(
-            device, self.pools[str(result["pool"])].by_name.values())
-            for result, device in picked}
+        footprints = {device.id: self.pools[str(result["pool"])].footprint(device)
+                      for result, device in picked}
         self._reserve(uid, picked, footprints)
         try:
             return await self._prepare_devices(namespace, name, uid, pods, picked, footprints)
@@ -333,7 +343,7 @@ class DraService:
             if pool.resource.name == held.resource:
                 device = pool.by_name.get(held.device_name)
                 if device is not None and device.id == held.device_id:
-                    return hardware.footprint(device, pool.by_name.values())
+                    return pool.footprint(device)
         return ()
 
     async def _prepare_devices(

@@ -22,32 +22,33 @@ def _amd(index=None):
 
 
 def test_amd_spx_overlaps_each_cpx_partition_and_partitions_do_not_overlap_each_other():
-    spx, p0, p1 = hardware.footprint(_amd()), hardware.footprint(_amd(0)), \
-        hardware.footprint(_amd(1))
+    spx, p0, p1 = (hardware.footprint(d, {}) for d in (_amd(), _amd(0), _amd(1)))
     assert hardware.conflict(spx, p1) == "PCI function 0000:0c:00.0 and its partition part:1"
     assert hardware.conflict(p0, spx) == "PCI function 0000:0c:00.0 and its partition part:0"
     assert hardware.conflict(p0, p1) is None
     assert hardware.conflict(p0, p0) == "the same PCI function 0000:0c:00.0#part:0"
-    other_gpu = hardware.footprint(Device(id="b", attributes={"pci_address": "0000:0d:00.0"}))
+    other_gpu = hardware.footprint(Device(id="b", attributes={"pci_address": "0000:0d:00.0"}),
+                                   {})
     assert hardware.conflict(spx, other_gpu) is None
 
 
 def test_non_pci_devices_overlap_on_their_own_nodes_not_on_control_nodes():
     pool = [Device(id=f"npu{i}", device_nodes=(DeviceNode(f"/dev/accel/accel{i}"),
                                                DeviceNode("/dev/npu-ctl"))) for i in range(2)]
-    a, b = (hardware.footprint(d, pool) for d in pool)
+    counts = hardware.node_counts(pool)
+    a, b = (hardware.footprint(d, counts) for d in pool)
     assert a == ("node:/dev/accel/accel0",) and hardware.conflict(a, b) is None
     # another resource exposing the same character device (a second pool)
     usb = Device(id="serial-x", device_nodes=(DeviceNode("/dev/accel/accel0"),))
-    assert hardware.conflict(hardware.footprint(usb, [usb]), a) == \
+    assert hardware.conflict(hardware.footprint(usb, hardware.node_counts([usb])), a) == \
         "the same device node /dev/accel/accel0"
 
 
 def test_replicas_are_shared_by_design():
     r0 = Device(id="g0::0", attributes={"replica_of": "g0", "pci_address": "0000:01:00.0"})
     r1 = Device(id="g0::1", attributes={"replica_of": "g0", "pci_address": "0000:01:00.0"})
-    assert hardware.conflict(hardware.footprint(r0), hardware.footprint(r1)) is None
-    assert hardware.conflict(hardware.footprint(r0), hardware.footprint(r0))
+    assert hardware.conflict(hardware.footprint(r0, {}), hardware.footprint(r1, {})) is None
+    assert hardware.conflict(hardware.footprint(r0, {}), hardware.footprint(r0, {}))
 
 
 def test_taint_effects_and_what_cannot_work():
