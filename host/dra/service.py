@@ -14,6 +14,10 @@ Prepare is the last line of defense: a device whose hardware overlaps one that a
 holds (host.dra.hardware) is refused, and an unhealthy device is prepared only where
 unhealthy devices are published with taints and the claim tolerates its taint
 (host.dra.taints).
+
+It runs to about 540 lines because the per-claim steps (read, map, taints, overlap hold,
+hooks, CDI, checkpoint) and their per-claim errors are read in order against the kubelet's
+DRA manager.
 """
 
 from __future__ import annotations
