@@ -15,7 +15,7 @@ holds (host.dra.hardware) is refused, and an unhealthy device is prepared only w
 unhealthy devices are published with taints and the claim tolerates its taint
 (host.dra.taints).
 
-It runs to about 540 lines because the per-claim steps (read, map, taints, overlap hold,
+It runs to about 520 lines because the per-claim steps (read, map, taints, overlap hold,
 hooks, CDI, checkpoint) and their per-claim errors are read in order against the kubelet's
 DRA manager.
 """
