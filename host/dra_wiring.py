@@ -55,7 +55,7 @@ async def start_dra(app: HostApp) -> None:
         registry_dir=host.plugins_registry_dir, plugins_dir=host.dra_plugins_dir,
         state_dir=host.dra_state_dir, cdi_dir=host.cdi_dir,
         allocate_timeout_s=host.allocate_timeout_s, publisher=app.publisher,
-        metrics=metrics)
+        metrics=metrics, host=app.host)
     app.dra.on_registered = app._dra_registered
     # The Node may not exist yet (the kubelet registers it after it starts) or be registered
     # again later with a new uid: the publisher writes nothing without one (nor while the

@@ -47,8 +47,9 @@ class HostSettings:
     dra_plugins_dir: str = "/var/lib/kubelet/plugins"
     dra_state_dir: str = "/var/lib/device-plugin-host/dra"  # the prepared-claims checkpoint
     # Unhealthy DRA devices: "omit" (left out of the slice; safe on every version) or "taint"
-    # (published with a NoSchedule taint; needs the DRADeviceTaints gate, on by default from
-    # 1.36; where the server drops the taint the host falls back to leaving devices out).
+    # (published with a NoSchedule or NoExecute taint, docs/dra.md; needs the DRADeviceTaints
+    # gate, on by default from 1.36; where the server drops the taint the host falls back to
+    # leaving devices out).
     dra_unhealthy: str = "omit"
     # Installed driver packages the host must not load (a broken third-party driver, a kind
     # of device this node must not advertise); resources naming one are a config error.

@@ -4,9 +4,17 @@ The kubelet calls NodeUnprepareResources for a claim long after it was prepared,
 a host process started since; and it calls NodePrepareResources again after its own restart,
 expecting the same devices (facts §3). So every prepared claim is recorded with what was
 returned and which CDI spec files it owns, and the file is replaced atomically before a
-prepare is answered. A damaged checkpoint is moved aside (never silently reused) and the host
-starts with no prepared claims: unprepare of an unknown claim succeeds, so the kubelet is not
-blocked, and the moved file keeps the evidence.
+prepare is answered. A damaged or unreadable checkpoint is moved aside (never silently
+reused) with one error line and the host starts with no prepared claims: unprepare of an
+unknown claim succeeds, so the kubelet is not blocked, and the moved file keeps the evidence.
+
+Each prepared device also records its hardware footprint (host.dra.hardware), so a restarted
+host still refuses to hand out what a prepared claim holds, and each claim records the CDI
+specs it wrote: ``/var/run/cdi`` is a tmpfs, and a spec lost while the claim stays prepared
+(the directory emptied by hand, a host restart into a fresh mount namespace) is written again
+at start. The file records the boot it was written in (the kernel's boot id): after a reboot
+no container of the old boot holds anything, so its claims are dropped (the kubelet prepares
+them again for the pods it restarts).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from host.dra.atomic import write_atomic
 
@@ -26,6 +34,12 @@ log = logging.getLogger(__name__)
 
 FILE_NAME = "prepared-claims.json"
 FORMAT_VERSION = 1
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def read_boot_id(host: Any) -> str:
+    """The kernel's boot id through a HostFS (host.hostfs), "" where it cannot be read."""
+    return host.read(BOOT_ID) or ""
 
 
 @dataclass(frozen=True)
@@ -38,6 +52,7 @@ class PreparedDevice:
     cdi_device_ids: Tuple[str, ...]
     resource: str  # the configured resource name the pool belongs to
     device_id: str  # Device.id
+    hardware: Tuple[str, ...] = ()  # host.dra.hardware.footprint at prepare time
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,7 @@ class PreparedClaim:
     cdi_files: Tuple[str, ...] = ()
     pod_uids: Tuple[str, ...] = ()
     prepared_at: float = field(default_factory=time.time)
+    cdi_specs: Mapping[str, Any] = field(default_factory=dict)  # path -> the spec written
 
 
 class Checkpoint:
@@ -59,9 +75,13 @@ class Checkpoint:
     (every other resource's gRPC traffic) never waits on the disk and writes never race.
     """
 
-    def __init__(self, state_dir: str) -> None:
+    def __init__(self, state_dir: str, boot_id: str = "") -> None:
         self.path = os.path.join(state_dir, FILE_NAME)
+        self.boot_id = boot_id  # "" where the kernel does not say: no reboot is detected
         self.claims: Dict[str, PreparedClaim] = {}
+        # Footprints of claims being prepared right now, by claim uid: checked and taken in
+        # one step on the event loop, so two concurrent prepares cannot both pass the check.
+        self.reserved: Dict[str, Tuple[str, ...]] = {}
         self._io: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     async def aput(self, claim: PreparedClaim) -> None:
@@ -82,22 +102,69 @@ class Checkpoint:
             self._io = None
 
     def load(self) -> None:
+        """Read the file; never raises. A damaged or unreadable file is moved aside and a
+        file from an earlier boot is emptied (its CDI spec files removed, where left)."""
         try:
-            with open(self.path, encoding="utf-8") as stream:
-                text = stream.read()
+            with open(self.path, "rb") as stream:
+                text = stream.read().decode("utf-8")
+            document = json.loads(text)
+            self.claims = decode_claims(text)
         except FileNotFoundError:
             return
-        try:
-            self.claims = decode_claims(text)
-        except (ValueError, KeyError, TypeError) as error:
-            aside = f"{self.path}.corrupt-{int(time.time())}"
-            log.error("DRA checkpoint %s is damaged (%s); moved to %s, starting with no "
-                      "prepared claims", self.path, error, aside)
-            try:
-                os.replace(self.path, aside)
-            except OSError:
-                pass
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            self._move_aside(error)
+            return
+        booted = str(document.get("boot_id") or "")
+        if booted and self.boot_id and booted != self.boot_id and self.claims:
+            count = len(self.claims)
+            for claim in self.claims.values():
+                for path in claim.cdi_files:
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
             self.claims = {}
+            log.warning("DRA checkpoint %s: dropped %d claim%s prepared before the last reboot"
+                        " (boot %s); the kubelet prepares them again", self.path, count,
+                        "" if count == 1 else "s", booted)
+            try:
+                self._save(self.claims)
+            except OSError as error:
+                log.error("DRA checkpoint %s cannot be saved: %s", self.path, error)
+
+    def _move_aside(self, error: BaseException) -> None:
+        aside = f"{self.path}.corrupt-{int(time.time())}"
+        what = getattr(error, "strerror", None) or str(error) or type(error).__name__
+        try:
+            os.replace(self.path, aside)
+            where = f"moved to {aside}"
+        except OSError as move_error:
+            where = f"and cannot be moved aside ({move_error.strerror or move_error})"
+        log.error("DRA checkpoint %s is damaged or unreadable (%s); %s, starting with no "
+                  "prepared claims", self.path, what, where)
+        self.claims = {}
+
+    def restore_specs(self) -> int:
+        """Write again every recorded CDI spec that is missing; returns how many. A spec that
+        cannot be written is logged (its claim's next prepare tries again)."""
+        from host.dra.claim_cdi import write_claim_spec
+
+        restored = 0
+        for claim in self.claims.values():
+            for path, spec in claim.cdi_specs.items():
+                if os.path.exists(path):
+                    continue
+                try:
+                    write_claim_spec(path, spec)
+                except OSError as error:
+                    log.error("DRA claim %s/%s: cannot write its CDI spec %s again: %s",
+                              claim.namespace, claim.name, path, error.strerror or error)
+                    continue
+                restored += 1
+        if restored:
+            log.info("DRA: wrote %d missing CDI spec%s of prepared claims again", restored,
+                     "" if restored == 1 else "s")
+        return restored
 
     def get(self, uid: str) -> Optional[PreparedClaim]:
         return self.claims.get(uid)
@@ -118,7 +185,7 @@ class Checkpoint:
         self.claims = claims
 
     def _save(self, claims: Dict[str, PreparedClaim]) -> None:
-        document = {"version": FORMAT_VERSION,
+        document = {"version": FORMAT_VERSION, "boot_id": self.boot_id,
                     "claims": [asdict(claim) for claim in claims.values()]}
         write_atomic(self.path, json.dumps(document, indent=1, sort_keys=True) + "\n", 0o600)
 
@@ -135,6 +202,7 @@ def decode_claims(text: str) -> Dict[str, PreparedClaim]:
                 pool_name=str(d["pool_name"]), device_name=str(d["device_name"]),
                 cdi_device_ids=tuple(str(i) for i in d["cdi_device_ids"]),
                 resource=str(d["resource"]), device_id=str(d["device_id"]),
+                hardware=tuple(str(k) for k in d.get("hardware", ())),
             )
             for d in raw["devices"]
         ]
@@ -143,6 +211,7 @@ def decode_claims(text: str) -> Dict[str, PreparedClaim]:
             devices=tuple(devices), cdi_files=tuple(str(f) for f in raw.get("cdi_files", ())),
             pod_uids=tuple(str(p) for p in raw.get("pod_uids", ())),
             prepared_at=float(raw.get("prepared_at", 0.0)),
+            cdi_specs={str(k): v for k, v in dict(raw.get("cdi_specs") or {}).items()},
         )
         out[claim.uid] = claim
     return out

@@ -16,11 +16,12 @@ import os
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from host.dra import naming
-from host.dra.checkpoint import Checkpoint
+from host.dra.checkpoint import Checkpoint, read_boot_id
 from host.dra.protocol import DRA_HEALTH_SERVICE, DRA_SERVICES
 from host.dra.registrar import PluginWatcherEndpoint, dra_plugin_info
 from host.dra.service import ClaimReader, DraPool, DraService
 from host.driver import Driver
+from host.hostfs import HostFS
 from host.isolation import DriverCalls
 from host.model import Device, ResourceConfig
 
@@ -43,6 +44,7 @@ class DraFrontEnd:
         allocate_timeout_s: float,
         publisher: Optional[Any] = None,
         metrics: Optional[Any] = None,
+        host: Optional[HostFS] = None,
     ) -> None:
         self.node_name = node_name
         self.claims = claims
@@ -53,13 +55,17 @@ class DraFrontEnd:
         self.allocate_timeout_s = allocate_timeout_s
         self.publisher = publisher  # SlicePublisher: set_pool / remove_pool / republish
         self.metrics = metrics  # DraMetrics, or None (tests)
-        self.checkpoint = Checkpoint(state_dir)
+        self.checkpoint = Checkpoint(state_dir, read_boot_id(host or HostFS("/")))
         self.checkpoint.load()
+        self.checkpoint.restore_specs()
         self.services: Dict[str, DraService] = {}  # by DRA driver name
         self.endpoints: Dict[str, PluginWatcherEndpoint] = {}
         self.pools: Dict[str, DraPool] = {}  # by resource name
         self._driver_of: Dict[str, str] = {}  # resource name -> DRA driver name
         self.on_registered: Optional[Callable[[PluginWatcherEndpoint], None]] = None
+        # Unhealthy devices published with taints: the publisher's setting where there is
+        # one (it follows reloads), else this.
+        self.taint_unhealthy = False
 
     def driver_name(self, resource: ResourceConfig) -> str:
         return naming.driver_name(resource.name, resource.dra_driver_name, resource.driver)
@@ -94,6 +100,7 @@ class DraFrontEnd:
             service = DraService(dra_driver, {}, self.claims, self.checkpoint, self.calls,
                                  self.cdi_dir, allocate_timeout_s=self.allocate_timeout_s)
             service.metrics = self.metrics
+            service.tainted = self._tainted
             self.services[dra_driver] = service
             # The health service is advertised too: newer DRA managers open the health
             # stream only for plugins that list it (pickHealthService); the kubelet picks
@@ -106,6 +113,11 @@ class DraFrontEnd:
             self.endpoints[dra_driver] = endpoint
             endpoint.start()
         return service
+
+    def _tainted(self) -> bool:
+        if self.publisher is not None:
+            return bool(getattr(self.publisher, "taint_unhealthy", False))
+        return self.taint_unhealthy
 
     def _forget(self, resource_name: str) -> Optional[str]:
         pool = self.pools.pop(resource_name, None)

@@ -10,8 +10,14 @@ calls again after its restart): a checkpointed claim gets the same answer withou
 Unprepare of a claim we do not know succeeds, since the kubelet unprepares claims whose
 prepare failed.
 
-It is a little over 400 lines because the per-claim steps (read, map, hooks, CDI, checkpoint)
-and their per-claim errors are read in order against the kubelet's DRA manager.
+Prepare is the last line of defense: a device whose hardware overlaps one that another claim
+holds (host.dra.hardware) is refused, and an unhealthy device is prepared only where
+unhealthy devices are published with taints and the claim tolerates its taint
+(host.dra.taints).
+
+It runs to about 520 lines because the per-claim steps (read, map, taints, overlap hold,
+hooks, CDI, checkpoint) and their per-claim errors are read in order against the kubelet's
+DRA manager.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import (
     Callable,
     Dict,
     List,
+    Mapping,
     Optional,
     Protocol,
     Sequence,
@@ -37,7 +44,7 @@ from typing import (
 import grpc
 
 from host import allocation
-from host.dra import claim_cdi
+from host.dra import claim_cdi, hardware, taints
 from host.dra.atomic import remove_file
 from host.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from host.dra.protocol import DRA_HEALTH_SERVICE, DRA_WIRE_SERVICES, dra_health, dra_v1, dra_v1beta1
@@ -75,9 +82,17 @@ class DraPool:
     pool_name: str
     naming: Callable[[str], str]  # Device.id -> the DNS-label device name in the slice
     by_name: Dict[str, Device] = field(default_factory=dict)
+    _node_counts: Optional[Mapping[str, int]] = None
 
     def set_devices(self, devices: Sequence[Device]) -> None:
         self.by_name = {self.naming(device.id): device for device in devices}
+        self._node_counts = None
+
+    def footprint(self, device: Device) -> Tuple[str, ...]:
+        """host.dra.hardware.footprint among this pool's devices (counted once per change)."""
+        if self._node_counts is None:
+            self._node_counts = hardware.node_counts(self.by_name.values())
+        return hardware.footprint(device, self._node_counts)
 
 
 class DraService:
@@ -109,6 +124,9 @@ class DraService:
         self._health_version = 0
         self._health_wake: Optional[asyncio.Future] = None
         self.health_streams = 0  # open NodeWatchResources streams
+        # Whether unhealthy devices are published with taints (dra_unhealthy = "taint"): then
+        # a claim that tolerates a device's taint may use it.
+        self.tainted: Callable[[], bool] = lambda: False
 
     # -- gRPC plumbing --------------------------------------------------------------------
     def handlers(self, tag: object = None) -> List[grpc.GenericRpcHandler]:
@@ -288,18 +306,70 @@ class DraService:
             raise ClaimError("the ResourceClaim is not allocated")
         results = [r for r in ((allocation_.get("devices") or {}).get("results") or ())
                    if isinstance(r, dict) and r.get("driver") == self.driver_name]
-        picked = [self._resolve(r) for r in results]
+        picked = [self._resolve(r, claim, f"{namespace}/{name}") for r in results]
+        footprints = {device.id: self.pools[str(result["pool"])].footprint(device)
+                      for result, device in picked}
+        self._reserve(uid, picked, footprints)
+        try:
+            return await self._prepare_devices(namespace, name, uid, pods, picked, footprints)
+        finally:
+            self.checkpoint.reserved.pop(uid, None)
+
+    def _reserve(self, uid: str, picked: Sequence[Tuple[Dict[str, Any], Device]],
+                 footprints: Dict[str, Tuple[str, ...]]) -> None:
+        """Refuse a device whose hardware overlaps one that another claim holds (prepared and
+        not unprepared, or being prepared now), else hold this claim's hardware. No await
+        between the check and the hold: concurrent prepares see each other."""
+        for result, device in picked:
+            mine = footprints[device.id]
+            for other in self.checkpoint.claims.values():
+                if other.uid == uid:
+                    continue
+                for held in other.devices:
+                    why = hardware.conflict(mine, held.hardware or self._footprint_now(held))
+                    if why:
+                        raise ClaimError(
+                            f"allocated device {result.get('device')!r} ({device.id}) overlaps "
+                            f"{held.device_name!r} ({held.device_id}) of claim {other.namespace}/"
+                            f"{other.name} ({other.uid}), prepared on this node and not "
+                            f"unprepared: {why}")
+            for other_uid, held_keys in self.checkpoint.reserved.items():
+                why = hardware.conflict(mine, held_keys) if other_uid != uid else None
+                if why:
+                    raise ClaimError(
+                        f"allocated device {result.get('device')!r} ({device.id}) overlaps a "
+                        f"device of claim {other_uid}, being prepared on this node: {why}")
+        self.checkpoint.reserved[uid] = tuple(k for keys in footprints.values() for k in keys)
+
+    def _footprint_now(self, held: PreparedDevice) -> Tuple[str, ...]:
+        """For a device checkpointed without its footprint: from its record in the pool now."""
+        for pool in self.pools.values():
+            if pool.resource.name == held.resource:
+                device = pool.by_name.get(held.device_name)
+                if device is not None and device.id == held.device_id:
+                    return pool.footprint(device)
+        return ()
+
+    async def _prepare_devices(
+        self, namespace: str, name: str, uid: str, pods: List[Dict[str, Any]],
+        picked: List[Tuple[Dict[str, Any], Device]], footprints: Dict[str, Tuple[str, ...]],
+    ) -> PreparedClaim:
         by_pool: Dict[str, List[Tuple[Dict[str, Any], Device]]] = {}
         for result, device in picked:
             by_pool.setdefault(result["pool"], []).append((result, device))
         prepared: List[PreparedDevice] = []
         files: List[str] = []
+        specs: Dict[str, Any] = {}
         try:
             for pool_name, items in by_pool.items():
                 pool = self.pools[pool_name]
-                devices = [device for _, device in items]
-                merged = await self._hooks(pool, devices)
-                spec, ids = claim_cdi.build_claim_spec(uid, pool.resource.name, devices, merged)
+                by_request: Dict[str, List[Device]] = {}
+                for result, device in items:
+                    by_request.setdefault(str(result.get("request", "")), []).append(device)
+                groups = [claim_cdi.RequestGroup(request, devices,
+                                                 await self._hooks(pool, devices))
+                          for request, devices in by_request.items()]
+                spec, ids = claim_cdi.build_claim_spec(uid, pool.resource.name, groups)
                 path = claim_cdi.spec_path(self.cdi_dir, uid, pool.resource.name)
                 try:  # fsynced: off the loop, which serves every other resource meanwhile
                     await asyncio.get_running_loop().run_in_executor(
@@ -307,17 +377,19 @@ class DraService:
                 except OSError as error:
                     raise ClaimError(f"cannot write the CDI spec {path}: {error}") from None
                 files.append(path)
-                extra = list(merged.cdi_devices)
+                specs[path] = spec
                 for result, device in items:
                     prepared.append(PreparedDevice(
                         request_names=_request_names(str(result.get("request", ""))),
                         pool_name=pool_name, device_name=str(result["device"]),
-                        cdi_device_ids=tuple(dict.fromkeys([ids[device.id], *extra])),
+                        cdi_device_ids=ids[device.id],
                         resource=pool.resource.name, device_id=device.id,
+                        hardware=footprints[device.id],
                     ))
             record = PreparedClaim(uid=uid, namespace=namespace, name=name,
                                    devices=tuple(prepared), cdi_files=tuple(files),
-                                   pod_uids=tuple(str(p.get("uid", "")) for p in pods))
+                                   pod_uids=tuple(str(p.get("uid", "")) for p in pods),
+                                   cdi_specs=specs)
             try:
                 await self.checkpoint.aput(record)
             except OSError as error:
@@ -331,7 +403,8 @@ class DraService:
                  uid, ", ".join(f"{d.pool_name}/{d.device_name}" for d in prepared) or "none")
         return record
 
-    def _resolve(self, result: Dict[str, Any]) -> Tuple[Dict[str, Any], Device]:
+    def _resolve(self, result: Dict[str, Any], claim: Dict[str, Any], label: str
+                 ) -> Tuple[Dict[str, Any], Device]:
         pool_name = result.get("pool")
         device_name = result.get("device")
         pool = self.pools.get(str(pool_name))
@@ -345,8 +418,23 @@ class DraService:
                              f"any more (removed since the allocation?)")
         if not device.healthy:
             reason = f": {device.health_reason}" if device.health_reason else ""
-            raise ClaimError(f"allocated device {device_name!r} ({device.id}) is "
-                             f"Unhealthy{reason}")
+            if not self.tainted():
+                raise ClaimError(f"allocated device {device_name!r} ({device.id}) is "
+                                 f"Unhealthy{reason}")
+            taint = taints.device_taint(device)
+            shown = f"{taint['key']}={taint['value']}:{taint['effect']}"
+            broken = taints.unusable(device.health_reason)
+            if broken:
+                raise ClaimError(f"allocated device {device_name!r} ({device.id}) cannot "
+                                 f"work: {broken} (taint {shown})")
+            if not any(taints.tolerates(t, taint)
+                       for t in taints.tolerations_of(result, claim)):
+                raise ClaimError(f"allocated device {device_name!r} ({device.id}) is "
+                                 f"Unhealthy{reason}, and the claim does not tolerate its "
+                                 f"taint {shown}")
+            log.warning("driver %s: claim %s uses device %s (%s) that is Unhealthy%s: it "
+                        "tolerates the taint %s", self.driver_name, label, device_name,
+                        device.id, reason, shown)
         return result, device
 
     async def _hooks(self, pool: DraPool, devices: List[Device]) -> ContainerAllocation:

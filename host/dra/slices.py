@@ -15,7 +15,8 @@ the DRADeviceTaints gate: alpha and off by default in 1.33-1.35, beta and on onl
 (pkg/features/kube_features.go). A 1.34 or 1.35 API server drops ``devices[].taints`` on write
 (dropDisabledFields), so a tainted device would be published as schedulable; leaving it out
 is correct on every version we support. ``taint_unhealthy=True`` is there for clusters known
-to run the gate (1.36+): the taint is NoSchedule, key ``device-plugin-host.io/unhealthy``,
+to run the gate (1.36+): the taint's effect is ``host.dra.taints.effect`` (NoExecute for hard
+failures, NoSchedule for drains and soft ones), key ``device-plugin-host.io/unhealthy``,
 value the health reason reduced to a label value (taint values must be label values).
 
 Partitions (KEP-4815, DRAPartitionableDevices: beta and on by default from 1.36). A device
@@ -44,6 +45,7 @@ import hashlib
 import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
 
+from host.dra import taints
 from host.dra.naming import DNS_LABEL_MAX, dra_device_name
 from host.model import Device
 
@@ -177,14 +179,14 @@ def slice_device(device: Device, taint: bool = False,
         entry["capacity"] = capacity
     if consumes:
         entry["consumesCounters"] = consumes
-    taints = []
+    marks = []
     if partitioned:
-        taints.append({"key": PARTITIONED_TAINT_KEY, "value": "true", "effect": "NoSchedule"})
+        marks.append({"key": PARTITIONED_TAINT_KEY, "value": "true", "effect": "NoSchedule"})
     if taint:
-        taints.append({"key": TAINT_KEY, "value": taint_value(device.health_reason),
-                       "effect": "NoSchedule"})
-    if taints:
-        entry["taints"] = taints
+        marks.append({"key": TAINT_KEY, "value": taint_value(device.health_reason),
+                      "effect": taints.effect(device.health_reason)})
+    if marks:
+        entry["taints"] = marks
     return entry
 
 

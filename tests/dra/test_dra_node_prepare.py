@@ -16,9 +16,12 @@ from host.dra import naming
 from host.dra.checkpoint import FILE_NAME
 from host.dra.frontend import DraFrontEnd
 from host.dra.kube import KubeClient
+from host.dra.taints import TAINT_KEY
+from host.hostfs import HostFS
 from host.isolation import DriverCalls
-from host.model import Health, ResourceConfig
+from host.model import Device, DeviceNode, Health, ResourceConfig
 from host.testing.apiserver import kube_api
+from host.testing.cdi_runtime import CdiCache, container_cdi_ids
 from host.testing.drivers import MemoryDriver, SlowAllocateDriver, make_devices
 from host.testing.kubelet_dra import DraKubeletSimulator, PrepareError
 
@@ -33,26 +36,38 @@ POOL = naming.pool_name(RESOURCE.name, NODE)
 class Node:
     """One node: the front end (what HostApp builds for DRA resources) and a kubelet."""
 
-    def __init__(self, root: str, api, driver: MemoryDriver) -> None:
+    def __init__(self, root: str, api, driver: MemoryDriver, resources=(RESOURCE,)) -> None:
         self.root = root
+        self.resources = resources
         self.api = api
         self.driver = driver
         self.registry = os.path.join(root, "registry")
         self.plugins = os.path.join(root, "plugins")
         self.state = os.path.join(root, "state")
         self.cdi = os.path.join(root, "cdi")
+        self.hostroot = os.path.join(root, "hostroot")  # what --host-root shows the host
+        self.boot("boot-1")
         self.client = None
         self.front = None
         self.kubelet = None
         self.calls = None
+
+    def boot(self, boot_id: str) -> None:
+        """The kernel's boot id the host reads (a reboot changes it)."""
+        path = os.path.join(self.hostroot, "proc/sys/kernel/random/boot_id")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as stream:
+            stream.write(boot_id + "\n")
 
     async def start_host(self) -> None:
         self.calls = DriverCalls()
         self.client = KubeClient.from_settings(self.api.kubeconfig_path)
         self.front = DraFrontEnd(node_name=NODE, claims=self.client, calls=self.calls,
                                  registry_dir=self.registry, plugins_dir=self.plugins,
-                                 state_dir=self.state, cdi_dir=self.cdi, allocate_timeout_s=2)
-        self.front.sync(RESOURCE, self.driver, self.driver.devices[RESOURCE.name])
+                                 state_dir=self.state, cdi_dir=self.cdi, allocate_timeout_s=2,
+                                 host=HostFS(self.hostroot))
+        for resource in self.resources:
+            self.front.sync(resource, self.driver, self.driver.devices[resource.name])
 
     async def stop_host(self) -> None:
         await self.front.close()
@@ -61,33 +76,53 @@ class Node:
 
     async def start_kubelet(self) -> None:
         self.kubelet = DraKubeletSimulator(
-            self.registry, get_claim=self.client.get_resource_claim, node_name=NODE,
+            self.registry, node_name=NODE,
+            get_claim=lambda ns, name: self.client.get_resource_claim(ns, name),  # the current
             wipe_slices=self.api.delete_slices_of_node, plugins_dir=self.plugins)
         await self.kubelet.start()
         await self.kubelet.wait_registered(DRIVER)
 
     def claim(self, devices, pod_uid: str, name: str = "claim-1", request: str = "gpu",
               reserved: bool = True, driver: str = DRIVER, pool: str = POOL):
-        results = [{"request": request, "driver": driver, "pool": pool, "device": d}
-                   for d in devices]
+        return self.claim_of({request: devices}, pod_uid, name=name, reserved=reserved,
+                             driver=driver, pool=pool)
+
+    def claim_of(self, requests, pod_uid: str, name: str = "claim-1", reserved: bool = True,
+                 driver: str = DRIVER, pool: str = POOL, tolerations=None):
+        """A claim allocated with {request: [device, ...]}; ``tolerations`` on every result
+        (and its request), as the scheduler copies them into the allocation."""
+        results = []
+        for request, devices in requests.items():
+            for d in devices:
+                result = {"request": request, "driver": driver, "pool": pool, "device": d}
+                if tolerations:
+                    result["tolerations"] = tolerations
+                results.append(result)
         status = {"allocation": {"devices": {"results": results}}}
         if reserved:
             status["reservedFor"] = [{"resource": "pods", "name": "pod-a", "uid": pod_uid}]
+        spec_requests = []
+        for request, devices in requests.items():
+            exactly = {"deviceClassName": "gpu", "count": len(devices)}
+            if tolerations:
+                exactly["tolerations"] = tolerations
+            spec_requests.append({"name": request, "exactly": exactly})
         return self.api.put_resource_claim({
             "metadata": {"name": name, "namespace": "default"},
-            "spec": {"devices": {"requests": [
-                {"name": request, "exactly": {"deviceClassName": "gpu", "count": len(devices)}}]}},
+            "spec": {"devices": {"requests": spec_requests}},
             "status": status,
         })
 
 
 @contextlib.asynccontextmanager
-async def node(root, api, driver):
+async def node(root, api, driver, resources=(RESOURCE,)):
     api.add_node(NODE)
-    n = Node(root, api, driver)
+    n = Node(root, api, driver, resources)
     await n.start_host()
     try:
         await n.start_kubelet()
+        for resource in resources[1:]:
+            await n.kubelet.wait_registered(naming.driver_name(resource.name, None))
         yield n
     finally:
         if n.kubelet is not None:
@@ -119,11 +154,14 @@ def test_prepare_writes_a_cdi_spec_and_unprepare_removes_it(short_dir, run, kube
                 spec = json.load(stream)
             names = {f"{spec['kind']}={d['name']}": d for d in spec["devices"]}
             for device in devices:  # every returned CDI id exists in a spec on disk
-                [cdi_id] = device.cdi_device_ids
-                assert cdi_id in names
-            nodes = [e["containerEdits"]["deviceNodes"][0]["path"] for e in names.values()]
+                assert len(device.cdi_device_ids) == 2
+                assert set(device.cdi_device_ids) <= set(names)
+            nodes = [n["path"] for e in names.values()
+                     for n in e["containerEdits"].get("deviceNodes", ())]
             assert sorted(nodes) == ["/dev/gpu1", "/dev/gpu2"]
-            assert spec["containerEdits"]["env"] == ["VISIBLE=gpu1,gpu2"]
+            assert "containerEdits" not in spec  # nothing reaches containers of other requests
+            [last] = {d.cdi_device_ids[-1] for d in devices}  # the request's joined env
+            assert names[last]["containerEdits"] == {"env": ["VISIBLE=gpu1,gpu2"]}
             assert info.cdi_devices("gpu") == info.cdi_devices() and info.cdi_devices("x") == []
             assert uid in n.front.checkpoint.claims
             await n.kubelet.unprepare(pod)
@@ -369,5 +407,283 @@ def test_health_is_advertised_for_kubelets_that_watch_only_advertised_services(s
             await kubelet.watcher.wait_for(lambda w: kubelet.health_messages > before,
                                            what="the health stream of a newer kubelet")
             assert kubelet.health(DRIVER, POOL, "gpu0") == ("Healthy", "")
+
+    run(body())
+
+
+def _containers(n, pod_claims, containers):
+    """Each container's OCI edits after the runtime injected the CDI ids the kubelet gives it:
+    ``pod_claims`` are (pod claim name, prepared ClaimInfo) in pod order, ``containers`` map a
+    container name to its (claim, request) references."""
+    cache = CdiCache(n.cdi)
+    assert cache.errors == {}
+    return {name: cache.inject(container_cdi_ids(pod_claims, refs))
+            for name, refs in containers.items()}
+
+
+def test_each_container_of_a_two_request_claim_sees_only_its_own_devices(short_dir, run,
+                                                                          kube_api):
+    async def body():
+        async with node(short_dir, kube_api, _driver(4)) as n:
+            pod = str(uuid.uuid4())
+            n.claim_of({"train": ["gpu0", "gpu2"], "serve": ["gpu1"]}, pod, name="gpus")
+            [info] = await n.kubelet.prepare(pod, [("default", "gpus")])
+            seen = _containers(n, [("gpus", info)], {
+                "trainer": [("gpus", "train")], "server": [("gpus", "serve")],
+            })
+            assert seen["trainer"].device_paths() == ["/dev/gpu0", "/dev/gpu2"]
+            assert seen["trainer"].environ() == {"VISIBLE": "gpu0,gpu2"}
+            assert seen["server"].device_paths() == ["/dev/gpu1"]
+            assert seen["server"].environ() == {"VISIBLE": "gpu1"}
+
+    run(body())
+
+
+def test_two_claims_in_one_container_name_no_device_of_another_container(short_dir, run,
+                                                                         kube_api):
+    """CDI merges env by replacing: a variable two claims set is the later claim's in that
+    container (what no plugin can merge, since the kubelet gives each claim's ids to every
+    container that references it). Every device node arrives, and no container is told about a
+    device it did not receive."""
+    async def body():
+        async with node(short_dir, kube_api, _driver(4)) as n:
+            pod = str(uuid.uuid4())
+            n.claim_of({"a": ["gpu0"], "b": ["gpu1"]}, pod, name="pair")
+            n.claim_of({"gpu": ["gpu2", "gpu3"]}, pod, name="more")
+            infos = await n.kubelet.prepare(pod, [("default", "pair"), ("default", "more")])
+            pair, more = infos
+            seen = _containers(n, [("pair", pair), ("more", more)], {
+                "both": [("pair", "a"), ("more", "")], "other": [("pair", "b")],
+                "more-first": [("more", ""), ("pair", "a")],
+            })
+            assert seen["both"].device_paths() == ["/dev/gpu0", "/dev/gpu2", "/dev/gpu3"]
+            assert seen["both"].environ() == {"VISIBLE": "gpu2,gpu3"}
+            assert seen["more-first"].environ() == {"VISIBLE": "gpu2,gpu3"}  # pod order
+            assert seen["other"].device_paths() == ["/dev/gpu1"]
+            assert seen["other"].environ() == {"VISIBLE": "gpu1"}
+            for container in seen.values():
+                visible = set(container.environ()["VISIBLE"].split(","))
+                assert {f"/dev/{d}" for d in visible} <= set(container.device_paths())
+
+    run(body())
+
+
+MIG = ResourceConfig(name="example.com/mig", driver="memory", api="dra")
+MIG_DRIVER = naming.driver_name(MIG.name, None)
+MIG_POOL = naming.pool_name(MIG.name, NODE)
+GPU_ADDRESS = "0000:3b:00.0"
+
+
+def _gpu():
+    return Device(id=GPU_ADDRESS, attributes={"pci_address": GPU_ADDRESS},
+                  device_nodes=(DeviceNode("/dev/nvidia6"), DeviceNode("/dev/nvidiactl")),
+                  env={"NVIDIA_VISIBLE_DEVICES": "GPU-6"})
+
+
+def _migs():
+    return [Device(id=f"{GPU_ADDRESS}-gi{gi}-ci0",
+                   attributes={"pci_address": GPU_ADDRESS, "mig_gi": str(gi), "mig_ci": "0"},
+                   device_nodes=(DeviceNode("/dev/nvidia6"),
+                                 DeviceNode(f"/dev/nvidia-caps/nvidia-cap{gi}"),
+                                 DeviceNode("/dev/nvidiactl")),
+                   env={"NVIDIA_VISIBLE_DEVICES": f"MIG-6/{gi}/0"})
+            for gi in (1, 2)]
+
+
+def test_a_gpu_and_its_own_mig_device_are_never_prepared_for_two_claims(short_dir, run,
+                                                                        kube_api):
+    """The whole GPU is prepared; the GPU goes into MIG mode (the whole device leaves its
+    pool, MIG devices appear in another driver's pool); a claim for a MIG device is refused
+    while the whole GPU's claim is prepared, across a host restart, and prepared once that
+    claim is unprepared. Two MIG devices of the GPU are no conflict."""
+    async def body():
+        driver = MemoryDriver(devices={RESOURCE.name: [_gpu()], MIG.name: []})
+        async with node(short_dir, kube_api, driver, (RESOURCE, MIG)) as n:
+            pod, other = str(uuid.uuid4()), str(uuid.uuid4())
+            whole = n.claim([naming.dra_device_name(GPU_ADDRESS)], pod,
+                            name="whole")
+            await n.kubelet.prepare(pod, [("default", "whole")])
+            driver.devices = {RESOURCE.name: [], MIG.name: _migs()}
+            n.front.sync(RESOURCE, driver, [])
+            n.front.sync(MIG, driver, _migs())
+            names = sorted(n.front.pools[MIG.name].by_name)
+            n.claim_of({"mig": [names[0]]}, other, name="slice-1", driver=MIG_DRIVER,
+                       pool=MIG_POOL)
+            n.claim_of({"mig": [names[1]]}, other, name="slice-2", driver=MIG_DRIVER,
+                       pool=MIG_POOL)
+            with pytest.raises(PrepareError, match=(
+                    rf"overlaps .* of claim default/whole \({whole['metadata']['uid']}\), "
+                    rf"prepared on this node and not unprepared: PCI function {GPU_ADDRESS} "
+                    rf"and its partition mig:1/0")):
+                await n.kubelet.prepare(other, [("default", "slice-1")])
+            await n.stop_host()  # the knowledge is in the checkpoint
+            await n.start_host()
+            await n.kubelet.wait_registered(MIG_DRIVER)
+            with pytest.raises(PrepareError, match="overlaps"):
+                await n.kubelet.prepare(other, [("default", "slice-1")])
+            assert not any("mig" in f for f in _specs(n.cdi))
+            await n.kubelet.unprepare(pod)
+            infos = await n.kubelet.prepare(other, [("default", "slice-1"),
+                                                    ("default", "slice-2")])
+            assert all(i.prepared for i in infos)
+            # and now the whole GPU cannot be prepared for a third claim
+            driver.devices = {RESOURCE.name: [_gpu()], MIG.name: _migs()}
+            n.front.sync(RESOURCE, driver, [_gpu()])
+            third = str(uuid.uuid4())
+            n.claim([naming.dra_device_name(GPU_ADDRESS)], third, name="again")
+            with pytest.raises(PrepareError, match=r"overlaps .* of claim default/slice-[12]"):
+                await n.kubelet.prepare(third, [("default", "again")])
+
+    run(body())
+
+
+def test_overlapping_claims_in_one_call_get_one_device_not_two(short_dir, run, kube_api):
+    """Two claims for one device in one NodePrepareResources call are prepared at once: the
+    hold taken before the first await makes the second one see the first."""
+    async def body():
+        async with node(short_dir, kube_api, _driver(2)) as n:
+            pod = str(uuid.uuid4())
+            uids = [n.claim(["gpu1"], pod, name=f"twin-{i}")["metadata"]["uid"]
+                    for i in range(2)]
+            response = await n.kubelet.node_prepare(
+                DRIVER, [("default", f"twin-{i}", uids[i]) for i in range(2)])
+            errors = sorted(response.claims[u].error for u in uids)
+            assert errors[0] == ""
+            assert "the same device node /dev/gpu1" in errors[1]
+            assert len(_specs(n.cdi)) == 1 and n.front.checkpoint.reserved == {}
+
+    run(body())
+
+
+def test_a_claim_that_tolerates_a_devices_taint_is_prepared(short_dir, run, kube_api, caplog):
+    """dra_unhealthy = "taint": a drained device carries a NoSchedule taint; a claim allocated
+    with a toleration for it is prepared (with a warning naming the taint), one without is
+    refused, and a device that cannot work is refused whatever the claim tolerates."""
+    async def body():
+        driver = _driver(4)
+        async with node(short_dir, kube_api, driver) as n:
+            n.front.taint_unhealthy = True
+            sick = make_devices("gpu", 4)
+            sick[0] = sick[0].with_health(Health.UNHEALTHY, "drained by an operator: burn-in")
+            sick[1] = sick[1].with_health(Health.UNHEALTHY, "drained by an operator: burn-in")
+            sick[2] = sick[2].with_health(Health.UNHEALTHY, "gone from the host")
+            sick[3] = sick[3].with_health(Health.UNHEALTHY, "no kernel driver bound")
+            n.front.sync(RESOURCE, driver, sick)
+            pod = str(uuid.uuid4())
+            everything = [{"operator": "Exists"}]
+            n.claim_of({"gpu": ["gpu0"]}, pod, name="diagnostic",
+                       tolerations=[{"key": TAINT_KEY, "operator": "Exists",
+                                     "effect": "NoSchedule"}])
+            n.claim_of({"gpu": ["gpu1"]}, pod, name="plain")
+            n.claim_of({"gpu": ["gpu2"]}, pod, name="gone", tolerations=everything)
+            n.claim_of({"gpu": ["gpu3"]}, pod, name="unbound",
+                       tolerations=[{"operator": "Exists", "effect": "NoSchedule"}])
+            uids = {name: (await n.client.get_resource_claim("default", name))["metadata"]["uid"]
+                    for name in ("diagnostic", "plain", "gone", "unbound")}
+            with caplog.at_level("WARNING", logger="host.dra.service"):
+                response = await n.kubelet.node_prepare(
+                    DRIVER, [("default", k, v) for k, v in uids.items()])
+            errors = {k: response.claims[v].error for k, v in uids.items()}
+            assert errors["diagnostic"] == ""
+            assert [d.device_name for d in response.claims[uids["diagnostic"]].devices] == \
+                ["gpu0"]
+            assert any("tolerates the taint device-plugin-host.io/unhealthy=drained-by-an-"
+                       "operator-burn-in:NoSchedule" in r.getMessage() for r in caplog.records)
+            assert "does not tolerate its taint device-plugin-host.io/unhealthy=" \
+                   "drained-by-an-operator-burn-in:NoSchedule" in errors["plain"]
+            assert "cannot work: gone from the host" in errors["gone"]
+            assert "does not tolerate its taint device-plugin-host.io/unhealthy=" \
+                   "no-kernel-driver-bound:NoExecute" in errors["unbound"]
+            n.front.taint_unhealthy = False  # dra_unhealthy = "omit": never published
+            n.claim_of({"gpu": ["gpu1"]}, pod, name="late", tolerations=everything)
+            with pytest.raises(PrepareError, match="is Unhealthy: drained by an operator"):
+                await n.kubelet.prepare(pod, [("default", "late")])
+
+    run(body())
+
+
+def _spec_texts(cdi_dir):
+    out = {}
+    for name in _specs(cdi_dir):
+        with open(os.path.join(cdi_dir, name)) as stream:
+            out[name] = stream.read()
+    return out
+
+
+def test_a_reboot_drops_the_old_boots_claims_and_a_lost_spec_is_written_at_start(
+        short_dir, run, kube_api, caplog):
+    async def body():
+        async with node(short_dir, kube_api, _driver()) as n:
+            pod = str(uuid.uuid4())
+            n.claim(["gpu1"], pod)
+            [first] = await n.kubelet.prepare(pod, [("default", "claim-1")])
+            written = _spec_texts(n.cdi)
+            # Same boot: the host restarts and finds its spec gone (/var/run/cdi emptied).
+            await n.stop_host()
+            for name in written:
+                os.unlink(os.path.join(n.cdi, name))
+            await n.start_host()
+            assert _spec_texts(n.cdi) == written  # before any prepare call
+            assert first.uid in n.front.checkpoint.claims
+            # A reboot: new boot id, /var/run/cdi empty; the claim of the old boot is gone,
+            # so it neither blocks its device for another claim nor stays listed.
+            await n.stop_host()
+            for name in written:
+                os.unlink(os.path.join(n.cdi, name))
+            n.boot("boot-2")
+            with caplog.at_level("WARNING", logger="host.dra.checkpoint"):
+                await n.start_host()
+            assert n.front.checkpoint.claims == {} and _specs(n.cdi) == []
+            assert any("dropped 1 claim prepared before the last reboot (boot boot-1)"
+                       in r.getMessage() for r in caplog.records)
+            with open(os.path.join(n.state, FILE_NAME)) as stream:
+                assert json.load(stream)["boot_id"] == "boot-2"
+            await n.kubelet.restart(wipe_sockets=True)  # the kubelet starts after the boot
+            await n.kubelet.wait_registered(DRIVER)
+            other = str(uuid.uuid4())
+            n.claim(["gpu1"], other, name="after-reboot")
+            [again] = await n.kubelet.prepare(other, [("default", "after-reboot")])
+            assert again.prepared
+
+    run(body())
+
+
+@pytest.mark.parametrize("damage", ["garbage", "binary", "directory", "wrong-shape"])
+def test_a_damaged_checkpoint_is_moved_aside_with_one_error_line(short_dir, run, kube_api,
+                                                                 caplog, damage):
+    async def body():
+        n = Node(short_dir, kube_api, _driver())
+        kube_api.add_node(NODE)
+        os.makedirs(n.state, exist_ok=True)
+        path = os.path.join(n.state, FILE_NAME)
+        if damage == "directory":
+            os.makedirs(path)
+        else:
+            content = {"garbage": b'{"version": 1, "claims": [{"uid"',
+                       "binary": b"\xff\xfe\x00\x01",
+                       "wrong-shape": b'{"version": 1, "claims": {"a": 1}}'}[damage]
+            with open(path, "wb") as stream:
+                stream.write(content)
+        with caplog.at_level("INFO"):
+            await n.start_host()
+        try:
+            errors = [r for r in caplog.records if r.levelname == "ERROR"]
+            assert len(errors) == 1 and errors[0].exc_info is None
+            message = errors[0].getMessage()
+            assert "\n" not in message and "is damaged or unreadable" in message
+            assert "moved to" in message and "starting with no prepared claims" in message
+            assert [f for f in os.listdir(n.state) if f.startswith(FILE_NAME + ".corrupt-")]
+            assert n.front.checkpoint.claims == {}
+            await n.start_kubelet()  # and it serves
+            pod = str(uuid.uuid4())
+            n.claim(["gpu0"], pod)
+            [info] = await n.kubelet.prepare(pod, [("default", "claim-1")])
+            assert info.prepared
+            with open(path) as stream:
+                assert json.load(stream)["claims"][0]["uid"] == info.uid
+        finally:
+            if n.kubelet is not None:
+                await n.kubelet.stop()
+            await n.stop_host()
 
     run(body())
