@@ -47,6 +47,7 @@ BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 5.0
 SERVER_STOP_GRACE_S = 0.05  # streams run forever: grace only lets a unary call finish
 STREAM_END_GRACE_S = 0.05
+NO_KUBELET_RECHECK_S = 10.0  # while kubelet.sock is missing, besides the directory watch
 
 class Endpoint:
     """One resource's server generations and its registration state."""
@@ -177,7 +178,13 @@ class Endpoint:
         kid = self.link.identity()
         if kid is None:
             self.registered_with = None
-            return  # no kubelet yet: a new kubelet.sock will poke us
+            # No kubelet yet: a new kubelet.sock pokes us through the directory watch; the
+            # slow recheck covers an event that never comes (a directory replaced under a
+            # watch the kernel could not move).
+            if self._retry is None or self._retry.cancelled() or \
+                    self._retry.when() <= asyncio.get_running_loop().time():
+                self._arm_retry(NO_KUBELET_RECHECK_S)
+            return
         if kid != self._last_kid:
             # A new kubelet deserves a prompt first try: the only thing that cuts a backoff.
             self._last_kid = kid
