@@ -162,9 +162,10 @@ class HostApp:
         self._check_ready()
 
     async def stop(self) -> None:
-        """Stop serving and remove every socket and file of ours; hung driver threads are
-        abandoned. Every task and timer has ended before the first file is removed: nothing
-        started by the host writes a CDI spec (or anything else) after stop() returns."""
+        """Stop serving and remove our sockets and files; hung driver threads are abandoned.
+        CDI specs stay: pods still hold their devices (CdiWriter). Every task and timer has
+        ended before the first file is removed: nothing started by the host writes a CDI
+        spec (or anything else) after stop() returns."""
         self._stopped = True
         if self._drain_watch is not None:
             self._drain_watch.close()
@@ -179,7 +180,7 @@ class HostApp:
             await endpoint.close()
         self.watched.clear()
         await self._stop_dra()
-        self.cdi.remove_all()  # waits for a write in progress; none starts after it
+        self.cdi.close()  # waits for a write in progress; none starts after it
         if self._cdi_thread is not None:
             self._cdi_thread.shutdown(wait=False)
         await self.devinfo.stop()

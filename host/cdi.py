@@ -111,8 +111,14 @@ class CdiWriter:
     really holds is tracked too, so the host can tell which devices a runtime could resolve.
 
     The host writes specs from a worker thread (JSON and fsync stay off the event loop) and
-    reads the state on the loop: one lock keeps them consistent, and once ``remove_all`` has
-    run (stop) nothing is written again, whichever thread asks.
+    reads the state on the loop: one lock keeps them consistent, and once ``close`` (stop)
+    or ``remove_all`` has run nothing is written again, whichever thread asks.
+
+    Specs outlive the process: pods hold devices across a host's stop, restart or upgrade,
+    and a container restarting in one of them resolves its CDI names from the file. A spec
+    is removed only when its resource has no device left (past the vanished grace) or the
+    resource leaves the config; a restart replaces each file in place (write and rename),
+    so it is never absent.
     """
 
     def __init__(self, directory: str) -> None:
@@ -250,6 +256,12 @@ class CdiWriter:
             pass
         except OSError as error:
             log.error("resource %s: cannot remove CDI spec %s: %s", resource, path, error)
+
+    def close(self) -> None:
+        """Stop writing (the host stopped); every spec stays on disk for the pods that hold
+        its devices. Waits for a write in progress."""
+        with self._lock:
+            self.closed = True
 
     def remove_all(self) -> None:
         """Remove every spec of ours; nothing is written after this (the host stopped)."""

@@ -31,7 +31,7 @@ from host.drain import (
     update_drains,
 )
 from host.exit import EXIT_CONFIG, CommandError
-from host.lock import running_host
+from host.lock import running_host, state_dir_of
 from host.logs import setup_logging
 from host.plugins import DriverRegistry, configured_drivers, disabled_in_config, load_drivers
 from host.process import collect_again
@@ -338,7 +338,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _note_running_host(config: Config) -> None:
     """check-config and discover say when a host already serves the plugin directory: its
     view is what the kubelet sees, and `run` would refuse to start beside it."""
-    holder = running_host(config.host.plugin_dir)
+    holder = running_host(config.host.plugin_dir, state_dir_of(config.host.drain_file))
     if holder is not None:
         print(f"note: a device-plugin-host already serves {config.host.plugin_dir}: "
               f"{holder.describe()}", file=sys.stderr)

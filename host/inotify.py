@@ -12,7 +12,7 @@ import ctypes
 import errno
 import os
 import struct
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 IN_MODIFY = 0x00000002
 IN_ATTRIB = 0x00000004
@@ -115,18 +115,27 @@ class DirectoryWatch:
 
     While the directory is missing, the nearest existing ancestor is watched for the next path
     component to appear, so a host started before the kubelet (or whose plugin dir was deleted)
-    picks the directory up the moment it exists. ``on_change(names)`` gets the entry names that
-    changed; ``None`` means "the directory itself appeared or vanished: re-check everything".
+    picks the directory up the moment it exists. While it is there, its parent is watched for
+    the directory's own name too: a directory deleted while some process keeps a file in it
+    open sends no IN_DELETE_SELF (the open file pins the inode), so only the parent's
+    IN_DELETE / IN_CREATE tells that the path now names another directory; the watch then
+    moves to the directory the path names (compared by st_dev and st_ino).
+    ``on_change(names)`` gets the entry names that changed; ``None`` means "the directory
+    itself appeared, vanished or was replaced: re-check everything".
     """
 
     ENTRY_MASK = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_ATTRIB | IN_CLOSE_WRITE
     SELF_MASK = IN_DELETE_SELF | IN_MOVE_SELF
+    PARENT_MASK = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | SELF_MASK
 
     def __init__(self, path: str, on_change: Callable[[Optional[List[str]]], None]) -> None:
         self.path = os.path.abspath(path)
         self._on_change = on_change
         self._inotify = Inotify(self._on_events)
         self._watches: Dict[int, str] = {}
+        self._parent = os.path.dirname(self.path)
+        self._name = os.path.basename(self.path)
+        self._identity: Optional[Tuple[int, int]] = None  # (st_dev, st_ino) being watched
         self.present = False
 
     def start(self) -> None:
@@ -142,10 +151,18 @@ class DirectoryWatch:
         for wd in list(self._watches):
             self._inotify.remove_watch(wd)
         self._watches.clear()
+        self._identity = None
         try:
             wd = self._inotify.add_watch(self.path, self.ENTRY_MASK | self.SELF_MASK | IN_ONLYDIR)
             self._watches[wd] = self.path
             self.present = True
+            self._identity = _identity(self.path)
+            if self._parent != self.path:
+                try:
+                    wd = self._inotify.add_watch(self._parent, self.PARENT_MASK | IN_ONLYDIR)
+                    self._watches[wd] = self._parent
+                except OSError:
+                    pass  # the directory's own events still come; only replacement is missed
             return
         except OSError:
             self.present = False
@@ -177,6 +194,10 @@ class DirectoryWatch:
                     rearm = True
                 elif event.name:
                     names.append(event.name)
+            elif self.present and watched == self._parent and event.name:
+                # The parent, for our directory's name: deleted, renamed or made anew.
+                if event.name == self._name and _identity(self.path) != self._identity:
+                    rearm = True
             else:
                 rearm = True  # something appeared along the path, or the ancestor went away
         was_present = self.present
@@ -186,3 +207,12 @@ class DirectoryWatch:
             self._on_change(None)
         elif names:
             self._on_change(names)
+
+
+def _identity(path: str) -> Optional[Tuple[int, int]]:
+    """(st_dev, st_ino) of the directory at ``path`` now; None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino

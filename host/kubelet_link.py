@@ -93,6 +93,16 @@ class KubeletLink:
             f"plugin directory {self.plugin_dir} is usable again",
         )
 
+    def short_of(self, problem: str) -> None:
+        """The process ran out of file descriptors or memory serving or registering (problem
+        "" = a socket could be made again); told once per change, for every resource."""
+        self.dir_log.update(
+            "short_of", problem,
+            f"cannot serve or register every resource: {problem} (the process's fd limit, "
+            "RLIMIT_NOFILE / LimitNOFILE=, or memory); each is retried with backoff",
+            "resources can be served again: the ones that could not are being retried",
+        )
+
     def kubelet_state(self, problem: str) -> None:
         self.dir_log.update(
             "kubelet", problem,

@@ -4,13 +4,24 @@ Two hosts on one kubelet plugin directory (a DaemonSet rolled out on a node that
 Debian package running, or a second `run` by hand) each see the other's sockets as stale and
 re-register over each other: the kubelet's allocatable flaps to 0. So `run` takes an exclusive
 flock first and a second process stops with exit 2, naming the holder's PID and how it was
-started. The lock is a file in a subdirectory of the plugin directory: the directory both
-installations share by definition (the DaemonSet mounts it), while the kubelet's start-up
-cleanup deletes only files directly in it (1.33+: only sockets), never a subdirectory's.
+started.
 
-The lock file is never deleted: unlinking a lock file while another process may have it open
-lets two processes hold "the" lock on two different inodes. Its contents (JSON: pid, how,
-since) are only a description; the flock is the truth.
+The lock file lives in the host's state directory (the drain file's directory,
+``/var/lib/device-plugin-host`` by default; the DaemonSet mounts it from the node, as the
+Debian package's service uses it), named after the plugin directory it guards
+(``host-<path>-<crc>.lock``). Not in the plugin directory: the kubelet and operators wipe and
+re-create that directory (``kubeadm reset``, a re-mounted kubelet root), which dropped the lock
+with it and let a second host start beside the first, and a file held open in it pins the
+deleted directory's inode, which hid its deletion from the host's own watch. Versions before
+this one locked ``<plugin_dir>/.device-plugin-host/host.lock``; a host still running such a
+version is found there at start (``legacy_lock_path``) and refused the same way, but the old
+file is only probed, never held.
+
+The file is opened without following a symlink, created 0600, and must be a regular file of
+ours. It is never deleted: unlinking a lock file while another process may have it open lets
+two processes hold "the" lock on two different inodes. The holder checks now and then that
+the path still names the inode it locked (``still_held``). Its contents (JSON: pid, how,
+since, plugin_dir) are only a description; the flock is the truth.
 """
 
 from __future__ import annotations
@@ -19,14 +30,32 @@ import errno
 import fcntl
 import json
 import os
+import stat
 import time
-from typing import Dict, Mapping, NamedTuple, Optional
+import zlib
+from typing import Dict, Mapping, NamedTuple, Optional, Tuple
 
-LOCK_DIR = ".device-plugin-host"
+LOCK_DIR = ".device-plugin-host"  # the legacy location, in the plugin directory
 LOCK_FILE = "host.lock"
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._")
 
 
-def lock_path(plugin_dir: str) -> str:
+def state_dir_of(drain_file: str) -> str:
+    """The host's state directory: where the drain marks (and the host lock) live."""
+    return os.path.dirname(drain_file) or "."
+
+
+def lock_path(plugin_dir: str, state_dir: str) -> str:
+    """The lock guarding ``plugin_dir``, in the state directory: a readable name with a
+    CRC-32 of the whole path (two plugin directories never share one lock)."""
+    path = os.path.abspath(plugin_dir)
+    readable = "".join(c if c in _NAME_CHARS else "-" for c in path.strip("/"))[-80:]
+    digest = f"{zlib.crc32(os.fsencode(path)):08x}"
+    return os.path.join(state_dir, f"host-{readable or 'root'}-{digest}.lock")
+
+
+def legacy_lock_path(plugin_dir: str) -> str:
+    """Where versions before the state-directory lock kept it."""
     return os.path.join(plugin_dir, LOCK_DIR, LOCK_FILE)
 
 
@@ -107,45 +136,68 @@ def _stop_hint(how: str) -> str:
 class HostLock:
     """The exclusive lock on a plugin directory, held while the process runs."""
 
-    def __init__(self, plugin_dir: str) -> None:
+    def __init__(self, plugin_dir: str, state_dir: str) -> None:
         self.plugin_dir = plugin_dir
-        self.path = lock_path(plugin_dir)
+        self.state_dir = state_dir
+        self.path = lock_path(plugin_dir, state_dir)
         self._fd: Optional[int] = None
+        self._inode: Optional[Tuple[int, int]] = None
 
     def acquire(self, environ: Mapping[str, str] = os.environ) -> None:
-        """Take the lock or raise LockHeld; OSError when the directory cannot hold one
-        (missing, read-only, a file). The plugin directory itself is never created here:
-        it is the kubelet's, and serving reports its problems."""
+        """Take the lock or raise LockHeld (also when an older version holds the legacy lock
+        in the plugin directory); OSError when the state directory cannot hold one
+        (read-only, a file, a lock path that is not a regular file of ours). The state
+        directory is created 0700 when missing; the plugin directory is never touched."""
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | os.O_CLOEXEC, 0o600)
         try:
-            os.mkdir(os.path.dirname(self.path), 0o700)
-        except FileExistsError:
-            pass
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise OSError(errno.EPERM, f"{self.path} is not a regular file owned by us")
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
             os.close(fd)
             if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise LockHeld(self.plugin_dir, read_holder_file(self.path)) from None
             raise
+        legacy = _held_by_another(legacy_lock_path(self.plugin_dir))
+        if legacy is not None:
+            os.close(fd)  # an older version serves this directory: it keeps it
+            raise LockHeld(self.plugin_dir, legacy)
         record: Dict[str, object] = {
             "pid": os.getpid(), "how": started_by(environ),
             "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "plugin_dir": os.path.abspath(self.plugin_dir),
         }
         data = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
         # Overwrite in place, then cut: never an empty file for a reader to find.
         os.pwrite(fd, data, 0)
         os.ftruncate(fd, len(data))
+        self.release()  # a lock taken again (still_held said it was lost): the old fd goes
         self._fd = fd
+        self._inode = (st.st_dev, st.st_ino)
 
     @property
     def held(self) -> bool:
         return self._fd is not None
 
+    def still_held(self) -> bool:
+        """Whether the lock path still names the file this process locked (someone may have
+        deleted or replaced it: then a second host could lock the new file)."""
+        if self._fd is None:
+            return False
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._inode
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing drops the flock; the file stays (see above)
             self._fd = None
+            self._inode = None
 
 
 def read_holder_file(path: str, wait_s: float = 0.5) -> Holder:
@@ -155,8 +207,9 @@ def read_holder_file(path: str, wait_s: float = 0.5) -> Holder:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            with open(path, encoding="utf-8", errors="replace") as handle:
-                record = json.loads(handle.read() or "{}")
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd, encoding="utf-8", errors="replace") as handle:
+                record = json.loads(handle.read(65536) or "{}")
         except (OSError, ValueError):
             record = {}
         if not isinstance(record, dict):
@@ -170,14 +223,17 @@ def read_holder_file(path: str, wait_s: float = 0.5) -> Holder:
                   since=str(record.get("since") or ""))
 
 
-def running_host(plugin_dir: str) -> Optional[Holder]:
-    """The host holding ``plugin_dir``, if one does (for check-config and discover)."""
-    path = lock_path(plugin_dir)
+def _held_by_another(path: str) -> Optional[Holder]:
+    """The holder of the lock file at ``path`` when some process holds it; None when nobody
+    does or there is no such file. Opened read-only without following a symlink, and only
+    probed: a shared flock taken and dropped at once."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as error:
@@ -188,3 +244,9 @@ def running_host(plugin_dir: str) -> Optional[Holder]:
         return None
     finally:
         os.close(fd)
+
+
+def running_host(plugin_dir: str, state_dir: str) -> Optional[Holder]:
+    """The host holding ``plugin_dir``, if one does (for check-config and discover)."""
+    return (_held_by_another(lock_path(plugin_dir, state_dir))
+            or _held_by_another(legacy_lock_path(plugin_dir)))

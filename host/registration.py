@@ -23,6 +23,7 @@ could no longer be read against the kubelet's behaviour (facts §3, §8).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import stat
@@ -47,6 +48,19 @@ BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 5.0
 SERVER_STOP_GRACE_S = 0.05  # streams run forever: grace only lets a unary call finish
 STREAM_END_GRACE_S = 0.05
+#: errno values that say the process (not the directory or the kubelet) is short of something
+SHORT_OF = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS))
+NO_KUBELET_RECHECK_S = 10.0  # while kubelet.sock is missing, besides the directory watch
+
+def _jitter(salt: int) -> float:
+    """A number in [0, 1) that spreads retries: the clock's nanoseconds and ``salt`` through
+    a multiplicative hash. No import and no fd: the retry path runs when fds are exhausted,
+    where importing ``random`` there failed (EMFILE), and ``random`` at load costs every
+    start ~0.7 ms."""
+    return (((time.monotonic_ns() ^ salt) * 2654435761) & 0xFFFFFFFF) / 4294967296.0
+
+
+
 
 class Endpoint:
     """One resource's server generations and its registration state."""
@@ -73,6 +87,7 @@ class Endpoint:
         self._task: Optional[asyncio.Task] = None
         self._retry: Optional[asyncio.TimerHandle] = None
         self._backoff = BACKOFF_START_S
+        self._salt = hash(self.name)  # differs per resource and per process
         self._not_before = 0.0  # monotonic: no Register to the same kubelet before this
         self._closing = False
         self._server_kid: Optional[KubeletId] = None  # the kubelet this server registered with
@@ -143,8 +158,18 @@ class Endpoint:
                 self.link.dir_state(why, f" (creating socket {name}); retrying with backoff")
                 self._schedule_retry(f"cannot create socket {name}: {why}", quiet=True)
             except Exception as error:  # keep the loop alive whatever happens
-                log.exception("resource %s: reconcile failed", self.name)
-                self._schedule_retry(f"{type(error).__name__}: {error}")
+                try:
+                    if isinstance(error, OSError) and error.errno in SHORT_OF:
+                        # The process ran out of fds or memory: one line for all resources
+                        # (the link's), and every resource retries until it works.
+                        why = error.strerror or str(error)
+                        self.link.short_of(why)
+                        self._schedule_retry(why, quiet=True)
+                    else:
+                        log.exception("resource %s: reconcile failed", self.name)
+                        self._schedule_retry(f"{type(error).__name__}: {error}")
+                except Exception:  # logging itself failed (EMFILE, ENOMEM): retry anyway
+                    self._arm_retry(BACKOFF_MAX_S)
 
     def _socket_alive(self) -> bool:
         path = self.socket_path
@@ -177,7 +202,13 @@ class Endpoint:
         kid = self.link.identity()
         if kid is None:
             self.registered_with = None
-            return  # no kubelet yet: a new kubelet.sock will poke us
+            # No kubelet yet: a new kubelet.sock pokes us through the directory watch; the
+            # slow recheck covers an event that never comes (a directory replaced under a
+            # watch the kernel could not move).
+            if self._retry is None or self._retry.cancelled() or \
+                    self._retry.when() <= asyncio.get_running_loop().time():
+                self._arm_retry(NO_KUBELET_RECHECK_S)
+            return
         if kid != self._last_kid:
             # A new kubelet deserves a prompt first try: the only thing that cuts a backoff.
             self._last_kid = kid
@@ -294,6 +325,7 @@ class Endpoint:
         self.registered_with = kid
         self.last_error = None
         self.link.kubelet_state("")  # a "kubelet is down" line is followed by one "back" line
+        self.link.short_of("")
         if self._retry is not None:  # an earlier failure's retry has nothing left to do
             self._retry.cancel()
             self._retry = None
@@ -306,10 +338,11 @@ class Endpoint:
             self._on_registered(self)
 
     def _schedule_retry(self, reason: str, quiet: bool = False) -> None:
+        """Retry after a jittered, doubling backoff. Runs when resources are short (no fd
+        left, no memory for a new socket): it allocates nothing that can run out (no
+        import, no file, no socket), and a failure here still arms a retry (``_run``)."""
         self.last_error = reason
-        import random  # only a failure needs jitter: its import is ~0.7 ms of every start
-
-        delay = self._backoff * (0.5 + random.random())
+        delay = self._backoff * (0.5 + _jitter(self._salt))
         self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
         self._not_before = time.monotonic() + delay
         # quiet: the cause is logged once for all resources by the link; details at DEBUG.

@@ -19,7 +19,7 @@ from host import __version__
 from host.config import DEFAULT_CONFIG_PATH, Config, ConfigError
 from host.exit import EXIT_CONFIG
 from host.isolation import DriverCalls
-from host.lock import HostLock, LockHeld
+from host.lock import HostLock, LockHeld, state_dir_of
 from host.plugins import DriverRegistry
 from host.process import collect_again, return_freed_heap
 from host.reload import ConfigReloader
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from host.app import HostApp
 
 log = logging.getLogger("host")
+LOCK_CHECK_S = 2.0  # how often the host checks the lock file is still the one it holds
 
 
 async def announce_ready(app: HostApp, notifier: Notifier, config: Config) -> None:
@@ -84,10 +85,12 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
             loop.add_signal_handler(signum, stop.set)
         warned: List[OSError] = []
 
-        def take_lock() -> None:
-            """The plugin directory was missing or unwritable at start: lock it as soon as
-            we could bind a socket there; another host that got there first stops us."""
-            if lock.held or lost_lock:
+        def take_lock(again: bool = False) -> None:
+            """The lock could not be taken at start (the state directory read-only, say):
+            take it as soon as it can be (when a socket of ours was bound, and at every
+            check); another host that got there first stops us. ``again``: the file we
+            held is gone or replaced, lock the one at the path now."""
+            if (lock.held and not again) or lost_lock:
                 return
             try:
                 lock.acquire()
@@ -99,6 +102,19 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
                     warned.append(error)
                     log.warning("cannot lock %s (%s): a second host on this plugin directory "
                                 "would not be stopped", lock.path, error.strerror or error)
+
+        def check_lock() -> None:
+            """Still ours? The lock file deleted or replaced (a cleanup of the state
+            directory) would let a second host lock the new file: take it again, or stop
+            if another host got there first."""
+            if not lock.held:
+                take_lock()
+            elif not lock.still_held():
+                log.warning("the host lock %s was removed or replaced; taking it again",
+                            lock.path)
+                take_lock(again=True)
+            if not stop.is_set():
+                app.background.later("host lock check", LOCK_CHECK_S, check_lock)
 
         if not lock.held:
             app.registrar.link.on_dir_usable = take_lock
@@ -124,6 +140,7 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
             app.on_ready.append(lambda: app.background.later(
                 "load other drivers", 0.5, _after_start, registry, app))
             app.background.later("load other drivers (fallback)", 5.0, _load_rest, registry, app)
+            app.background.later("host lock check", LOCK_CHECK_S, check_lock)
             announce = app.background.spawn(announce_ready(app, notifier, config), "readiness")
             await stop.wait()
             if announce is not None:
@@ -136,7 +153,7 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
             await app.stop()
             await app.metrics.stop()
 
-    lock = HostLock(config.host.plugin_dir)
+    lock = HostLock(config.host.plugin_dir, state_dir_of(config.host.drain_file))
     lost_lock: List[LockHeld] = []
     try:
         lock.acquire()
@@ -144,8 +161,8 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
         print(f"device-plugin-host: {error}", file=sys.stderr)
         return EXIT_CONFIG
     except OSError as error:
-        # A missing or read-only plugin dir: serving says so in one line and waits for it,
-        # and the lock is taken the moment a socket of ours could be bound (take_lock).
+        # A read-only or unusable state directory: the lock is taken once it can be
+        # (take_lock: when a socket of ours was bound, and at every lock check).
         log.debug("cannot lock %s yet: %s", lock.path, error.strerror or error)
     try:
         asyncio.run(serve())

@@ -12,15 +12,16 @@ reason; nothing a request contains can raise out of a handler.
 from __future__ import annotations
 
 import logging
+import os
 import time
-from typing import Callable, List, Optional, Sequence, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import grpc
 
 from host import allocation
 from host.driver import Driver, implements
 from host.isolation import DriverCallError, DriverCalls
-from host.model import ContainerAllocation, Device, PreferredRequest, ResourceConfig
+from host.model import ContainerAllocation, Device, Health, PreferredRequest, ResourceConfig
 from host.protocol import api
 from host.protocol.convert import allocate_response
 from host.service_rules import RequestError, preferred_allocation_useful, refuse, with_cdi
@@ -29,6 +30,9 @@ from host.snapshot import Snapshot
 log = logging.getLogger(__name__)
 
 PRE_START_TIMEOUT_S = 28.0  # inside the kubelet's 30 s PreStartContainer deadline
+# A snapshot sent this recently may still be on its way to the kubelet (or unread by it):
+# an Allocate it admitted from the snapshot before is judged by that one too.
+TOLD_GRACE_S = 1.0
 MAX_IDS_PER_REQUEST = 100_000
 SERVICE_NAME = "v1beta1.DevicePlugin"
 
@@ -71,6 +75,11 @@ class DevicePluginService:
         self.served_options: Optional[bytes] = None
         self._has_allocate = implements(driver, "allocate")
         self._has_preferred = implements(driver, "preferred")
+        # What ListAndWatch last told each server's clients: tag -> (the payload before,
+        # the latest payload, when the latest was sent). Read only when Allocate asks for a
+        # device that is Unhealthy now (_told_healthy).
+        self._told: Dict[object, Tuple[bytes, bytes, float]] = {}
+        self._told_health: Dict[int, Tuple[bytes, Dict[str, str]]] = {}
 
     def needs_options_change(self, resource: ResourceConfig, driver: Driver) -> bool:
         """Would this resource config advertise different options? Options are read by the
@@ -119,12 +128,19 @@ class DevicePluginService:
 
     # -- gRPC plumbing -----------------------------------------------------------------
     def handler(self, tag: object) -> grpc.GenericRpcHandler:
-        """A generic handler for one server generation; ``tag`` identifies that server."""
+        """A generic handler for one server generation; ``tag`` identifies that server (a new
+        one replaces the one before: what older servers told is forgotten)."""
         identity: Callable[[bytes], bytes] = lambda data: data  # noqa: E731
+        self._told.clear()
+        self._told_health.clear()
 
         async def list_and_watch(request: bytes, context: grpc.aio.ServicerContext):
             async for payload in self._list_and_watch(tag, context):
                 yield payload
+
+        async def allocate(request: api.AllocateRequest,
+                           context: grpc.aio.ServicerContext) -> api.AllocateResponse:
+            return await self._allocate(request, context, tag)
 
         methods = {
             "GetDevicePluginOptions": grpc.unary_unary_rpc_method_handler(
@@ -139,7 +155,7 @@ class DevicePluginService:
                 response_serializer=api.PreferredAllocationResponse.SerializeToString,
             ),
             "Allocate": grpc.unary_unary_rpc_method_handler(
-                self._allocate,
+                allocate,
                 request_deserializer=api.AllocateRequest.FromString,
                 response_serializer=api.AllocateResponse.SerializeToString,
             ),
@@ -165,6 +181,11 @@ class DevicePluginService:
         try:
             while True:
                 seen, payload = await self.snapshot.next_payload(seen)
+                told = self._told.get(tag)
+                if told is None:
+                    self._told[tag] = (payload, payload, time.monotonic())
+                elif told[1] is not payload:  # another stream may have sent this one
+                    self._told[tag] = (told[1], payload, time.monotonic())
                 yield payload
         finally:
             # Whether this was the kubelet going away, another client hanging up or our own
@@ -175,8 +196,14 @@ class DevicePluginService:
 
     # -- Allocate --------------------------------------------------------------------------
     async def _allocate(
-        self, request: api.AllocateRequest, context: grpc.aio.ServicerContext
+        self, request: api.AllocateRequest, context: grpc.aio.ServicerContext,
+        tag: object = None,
     ) -> api.AllocateResponse:
+        """Refuses only what cannot work: an unknown id, a device Unhealthy in what the
+        kubelet was last told (its admission saw it so), or one whose device nodes or CDI
+        spec are gone. A device the kubelet was last told is Healthy and drained (or marked
+        Unhealthy) since is still allocated when it works: the kubelet admitted the pod from
+        that snapshot, and the change applies from the next ListAndWatch message on."""
         started = time.perf_counter()
         try:
             if not request.container_requests:
@@ -185,7 +212,7 @@ class DevicePluginService:
             response = api.AllocateResponse()
             for index, container in enumerate(request.container_requests):
                 devices = self._resolve(container.devices_ids, f"container_requests[{index}]",
-                                        require_healthy=True)
+                                        require_healthy=True, tag=tag)
                 merged = allocation.merge(devices)
                 if self._has_allocate:
                     merged = await self._driver_allocate(devices, merged)
@@ -215,7 +242,7 @@ class DevicePluginService:
         return result
 
     def _resolve(self, ids: Sequence[str], where: str, *, require_healthy: bool,
-                 allow_empty: bool = False) -> List[Device]:
+                 allow_empty: bool = False, tag: object = None) -> List[Device]:
         if not ids and not allow_empty:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: no device ids")
         if len(ids) > MAX_IDS_PER_REQUEST:
@@ -236,7 +263,8 @@ class DevicePluginService:
                     f"{where}: unknown device id {_show(device_id)} for resource "
                     f"{self.resource.name} ({len(known)} devices known)",
                 )
-            if require_healthy and not device.healthy:
+            if require_healthy and not device.healthy and not self._still_usable(
+                    tag, device):
                 reason = f": {device.health_reason}" if device.health_reason else ""
                 raise RequestError(
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -245,6 +273,40 @@ class DevicePluginService:
                 )
             devices.append(device)
         return devices
+
+    def _still_usable(self, tag: object, device: Device) -> bool:
+        """An Unhealthy device the kubelet was last told is Healthy on this server, whose
+        device nodes are all still there (the CDI spec is checked with the answer)."""
+        if not self._told_healthy(tag, device.id):
+            return False
+        if not all(os.path.exists(node.host_path) for node in device.device_nodes):
+            return False
+        log.info("resource %s: allocating %s, which the kubelet was last told is Healthy "
+                 "(now: %s); the change applies from the next ListAndWatch message",
+                 self.resource.name, _show(device.id), device.health_reason or "Unhealthy")
+        return True
+
+    def _told_healthy(self, tag: object, device_id: str) -> bool:
+        told = self._told.get(tag)
+        if told is None:
+            return False
+        before, latest, sent_at = told
+        if self._health_in(latest).get(device_id) == Health.HEALTHY.value:
+            return True
+        return (time.monotonic() - sent_at < TOLD_GRACE_S
+                and self._health_in(before).get(device_id) == Health.HEALTHY.value)
+
+    def _health_in(self, payload: bytes) -> Dict[str, str]:
+        """Device id -> health in a sent ListAndWatch message (parsed once per message)."""
+        cached = self._told_health.get(id(payload))
+        if cached is not None and cached[0] is payload:
+            return cached[1]
+        message = api.ListAndWatchResponse.FromString(payload)
+        health = {d.ID: d.health for d in message.devices}
+        if len(self._told_health) >= 2:
+            self._told_health.clear()
+        self._told_health[id(payload)] = (payload, health)
+        return health
 
     # -- GetPreferredAllocation ----------------------------------------------------------
     async def _get_preferred(

@@ -1,8 +1,9 @@
 """The host owns its background work: nothing it started writes a file after stop() returns.
 
 Each test holds a driver's discover in its worker thread across stop(), lets it return
-afterwards, and checks that the CDI directory stays empty: a rescan, a reload or the first
-scan still running when stop() returned used to write a spec after ``remove_all`` (issue 12.1).
+afterwards, and checks that the CDI directory stays as stop() left it (specs stay on disk for
+the pods holding their devices, unchanged): a rescan, a reload or the first scan still running
+when stop() returned used to write a spec after the host stopped.
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ class GatedDriver(MemoryDriver):
                 self.loop.call_soon_threadsafe(self.returned.set)
 
 
+def _specs(cdi_dir: Path) -> Dict[str, bytes]:
+    """Every file in the CDI directory with its contents."""
+    if not cdi_dir.exists():
+        return {}
+    return {name: (cdi_dir / name).read_bytes() for name in sorted(os.listdir(cdi_dir))}
+
+
 def _setup(tmp_path: Path, short_dir: str, driver: GatedDriver):
     cdi_dir = tmp_path / "cdi"
     config = make_config(short_dir, [ResourceConfig(RESOURCE, "m", cdi=True)],
@@ -81,15 +89,16 @@ def test_a_rescan_held_in_discover_across_stop_writes_no_cdi_spec(tmp_path, shor
     async def scenario() -> None:
         driver.loop = asyncio.get_running_loop()
         async with running_host(config, {"m": driver}) as app:
-            assert os.listdir(cdi_dir)
+            before = _specs(cdi_dir)
+            assert len(before) == 1
             driver.hang.set()
             driver.devices[RESOURCE] = make_devices("g", 3)
             app.request_rescan()
             await asyncio.wait_for(driver.entered.wait(), 10)
-        assert os.listdir(cdi_dir) == []  # removed by stop()
+        assert _specs(cdi_dir) == before  # kept by stop(): pods may hold the devices
         assert not app.background.tasks() and not app.background.timer_keys()
         await _release_and_settle(driver)
-        assert os.listdir(cdi_dir) == []
+        assert _specs(cdi_dir) == before  # the rescan's 3 devices were never written
 
     run(scenario())
 
@@ -150,9 +159,10 @@ def test_a_reload_held_in_discover_across_stop_writes_no_cdi_spec(tmp_path, shor
             driver.release.clear()
             driver.hang.set()
             await asyncio.wait_for(driver.entered.wait(), 10)
-        assert os.listdir(cdi_dir) == []
+            before = _specs(cdi_dir)
+        assert _specs(cdi_dir) == before
         await _release_and_settle(driver)
-        assert os.listdir(cdi_dir) == []
+        assert _specs(cdi_dir) == before
 
     run(scenario())
 

@@ -6,7 +6,9 @@ import asyncio
 import json
 import os
 import re
+import threading
 from pathlib import Path
+from typing import List
 
 import pytest
 
@@ -127,7 +129,11 @@ def test_cdi_write_failure_is_logged_and_allocation_still_works(tmp_path, short_
     run(scenario())
 
 
-def test_allocate_returns_cdi_names_and_specs_vanish_on_stop(tmp_path, short_dir, run):
+def test_allocate_returns_cdi_names_and_specs_outlive_stop_and_restart(
+        tmp_path, short_dir, run):
+    """Pods keep their devices across a host's stop, restart or upgrade: a container that
+    restarts in one resolves its CDI names from the spec, so stop() leaves every spec as it
+    was and a restart replaces each in place (never absent, even for a moment)."""
     devices = make_devices("g", 3)
     devices[2] = devices[2].with_health(Health.UNHEALTHY, "x")
     driver = MemoryDriver("m", {"example.com/gpu": devices,
@@ -162,7 +168,39 @@ def test_allocate_returns_cdi_names_and_specs_vanish_on_stop(tmp_path, short_dir
                 await app.rescan()
                 spec = json.loads((cdi_dir / files[0]).read_text())
                 assert [d["name"] for d in spec["devices"]] == ["g0", "g1", "g2", "g3"]
-            assert os.listdir(cdi_dir) == []  # removed on shutdown
+                kept = {name: (cdi_dir / name).read_bytes() for name in files}
+            # Stopped: every spec stays, byte for byte (pods still hold g0.., n0).
+            assert {name: (cdi_dir / name).read_bytes() for name in os.listdir(cdi_dir)} == kept
+            missing: List[str] = []
+            watching = threading.Event()
+            done = threading.Event()
+
+            def watch() -> None:  # as a runtime resolving names during the restart would
+                watching.set()
+                while not done.is_set():
+                    missing.extend(name for name in files if not (cdi_dir / name).exists())
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            watching.wait(5)
+            try:
+                async with running_host(config, {"m": driver}) as again:
+                    await sim.wait_for(lambda s: all(
+                        s.resources[n].connected and s.resources[n].live
+                        and s.resources[n].endpoint == again.endpoint(n).socket_name
+                        for n in again.served()), what="registered by the restarted host")
+            finally:
+                done.set()
+                watcher.join(10)
+            assert missing == []
+            # Gone for good (no device left past the grace): only then is the spec removed.
+            driver.devices["example.com/nic"] = []
+            gone = make_config(short_dir, resources, cdi_dir=str(cdi_dir), vanished_grace_s=0)
+            async with running_host(gone, {"m": driver}) as last:
+                await sim.wait_for(lambda s: s.resources["example.com/gpu"].endpoint
+                                   == last.endpoint("example.com/gpu").socket_name
+                                   and s.resources["example.com/gpu"].live)
+            assert sorted(os.listdir(cdi_dir)) == [files[0]]
         finally:
             await sim.stop()
 

@@ -119,3 +119,68 @@ def test_a_state_directory_that_is_a_file(tmp_path):
     with pytest.raises(DrainError, match=r"marks in .*state: it exists and is not a directory"):
         update_drains(str(tmp_path / "state" / "drained"), ("example.com/x", "x1"), "r")
     assert os.listdir(tmp_path) == ["state"]
+
+
+def test_a_drain_racing_admission_fails_no_pod_and_applies_from_the_next_snapshot(
+        tmp_path, short_dir, run):
+    """The kubelet admits a pod from the last ListAndWatch snapshot it got; a device drained
+    after that snapshot was sent is still allocated (it works: its device nodes are there),
+    and refused once the kubelet had time to read the Unhealthy snapshot. A device whose
+    nodes are gone is refused whatever the kubelet was told."""
+    import asyncio
+    from dataclasses import replace
+
+    import grpc
+
+    from host import scheduling
+    from host.model import DeviceNode, ResourceConfig
+    from host.testing.drivers import MemoryDriver, make_devices
+    from host.testing.harness import kubelet_and_host, make_config
+
+    name = "example.com/gpu"
+    nodes = tmp_path / "dev"
+    nodes.mkdir()
+    devices = []
+    for device in make_devices("g", 3):
+        (nodes / device.id).write_text("")
+        devices.append(replace(device, device_nodes=(
+            DeviceNode(str(nodes / device.id), f"/dev/{device.id}"),)))
+    driver = MemoryDriver("m", {name: devices})
+    config = make_config(short_dir, [ResourceConfig(name, "m")], rescan_interval_s=0)
+
+    async def scenario() -> None:
+        async with kubelet_and_host(config, {"m": driver}) as (sim, app):
+            state = sim.resources[name]
+            assert state.healthy == {"g0", "g1", "g2"}
+            snapshots = state.snapshots
+            # The operator's drain lands between the snapshot the kubelet admitted from and
+            # its Allocate: the host updates its snapshot at once, the kubelet has not read it.
+            update_drains(config.host.drain_file, (name, "g0"), "replacing the fan")
+            scheduling.apply_drains(app)
+            assert not app.snapshots[name].device("g0").healthy
+            answer = await sim.call_allocate(name, [["g0"]])
+            assert [d.host_path for d in answer.container_responses[0].devices] == \
+                [str(nodes / "g0")]
+            # The drain applies from the next snapshot on: once the kubelet has it (and the
+            # message is no longer in flight), g0 is refused.
+            await sim.wait_for(lambda s: s.resources[name].snapshots > snapshots
+                               and "g0" in s.resources[name].unhealthy)
+            await asyncio.sleep(1.1)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await sim.call_allocate(name, [["g0"]])
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "drained by an operator: replacing the fan" in refused.value.details()
+            # Told Healthy, but its device node is gone: it cannot work, refused at once.
+            os.unlink(nodes / "g1")
+            update_drains(config.host.drain_file, (name, "g1"), "gone")
+            scheduling.apply_drains(app)
+            with pytest.raises(grpc.aio.AioRpcError) as gone:
+                await sim.call_allocate(name, [["g1"]])
+            assert gone.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            # An unknown id is refused as before; a Healthy device is allocated as before.
+            with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                await sim.call_allocate(name, [["g9"]])
+            assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            await sim.call_allocate(name, [["g2"]])
+
+    run(scenario(), timeout=60)

@@ -1,14 +1,24 @@
-"""One host per plugin directory: a second `run` exits 2 naming the first (issue 11 item 4)."""
+"""One host per plugin directory: a second `run` exits 2 naming the first; the lock lives in
+the state directory, so wiping the plugin directory does not drop it."""
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
-from host.lock import HostLock, LockHeld, lock_path, running_host, started_by
+from host.lock import (
+    HostLock,
+    LockHeld,
+    legacy_lock_path,
+    lock_path,
+    running_host,
+    started_by,
+)
 from host.testing.kubelet import KubeletSimulator
 from host.testing.tree import FakeTree
 
@@ -44,18 +54,20 @@ def test_started_by_names_the_systemd_unit_or_the_pod(tmp_path):
     assert started_by({}, str(proc)) == "hand: python3 -m host run"
 
 
-def test_the_lock_survives_the_kubelets_cleanup_and_is_released_on_close(tmp_path):
+def test_the_lock_survives_the_plugin_dir_wiped_and_is_released_on_close(tmp_path):
     plugin_dir = tmp_path / "device-plugins"
     plugin_dir.mkdir()
-    first = HostLock(str(plugin_dir))
+    state = str(tmp_path / "state")
+    first = HostLock(str(plugin_dir), state)
     first.acquire({"INVOCATION_ID": "x"})
     try:
-        # kubelet 1.32 deletes every non-directory file directly in the plugin dir at start
-        # (dm/manager.go CleanupPluginDirectory); the lock is one level down.
-        for entry in plugin_dir.iterdir():
-            if not entry.is_dir():
-                entry.unlink()
-        second = HostLock(str(plugin_dir))
+        assert os.path.dirname(first.path) == state
+        assert os.stat(first.path).st_mode & 0o777 == 0o600
+        assert os.stat(state).st_mode & 0o777 == 0o700
+        # kubeadm reset / a re-mounted kubelet root: the whole directory goes and comes back.
+        shutil.rmtree(plugin_dir)
+        plugin_dir.mkdir()
+        second = HostLock(str(plugin_dir), state)
         try:
             second.acquire({})
         except LockHeld as error:
@@ -63,20 +75,78 @@ def test_the_lock_survives_the_kubelets_cleanup_and_is_released_on_close(tmp_pat
             assert "a systemd unit" in str(error) or "systemd unit " in str(error)
         else:
             raise AssertionError("two locks on one plugin directory")
-        holder = running_host(str(plugin_dir))
+        holder = running_host(str(plugin_dir), state)
         assert holder is not None and holder.pid == os.getpid()
+        assert first.still_held()
+        # Another plugin directory has a lock of its own in the same state directory.
+        other = HostLock(str(tmp_path / "other-plugins"), state)
+        other.acquire({})
+        other.release()
     finally:
         first.release()
-    assert running_host(str(plugin_dir)) is None
-    record = json.loads(Path(lock_path(str(plugin_dir))).read_text())
-    assert set(record) == {"pid", "how", "since"}
+    assert running_host(str(plugin_dir), state) is None
+    record = json.loads(Path(lock_path(str(plugin_dir), state)).read_text())
+    assert set(record) == {"pid", "how", "since", "plugin_dir"}
+    assert record["plugin_dir"] == str(plugin_dir)
+
+
+def test_the_lock_is_never_opened_through_a_planted_symlink_and_loss_is_noticed(tmp_path):
+    plugin_dir, state = str(tmp_path / "dp"), tmp_path / "state"
+    state.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    path = lock_path(plugin_dir, str(state))
+    os.symlink(victim, path)
+    try:
+        HostLock(plugin_dir, str(state)).acquire({})
+    except OSError as error:
+        assert not isinstance(error, LockHeld)
+    else:
+        raise AssertionError("locked through a symlink")
+    assert victim.read_text() == "precious\n"
+    os.unlink(path)
+    held = HostLock(plugin_dir, str(state))
+    held.acquire({})
+    try:
+        assert held.still_held()
+        os.unlink(path)  # a cleanup of the state directory
+        assert not held.still_held()
+        held.acquire({})  # taken again on the new file
+        assert held.still_held() and running_host(plugin_dir, str(state)).pid == os.getpid()
+    finally:
+        held.release()
+
+
+def test_an_older_host_holding_the_legacy_lock_is_refused(tmp_path):
+    """Versions before the state-directory lock held <plugin_dir>/.device-plugin-host/
+    host.lock: a host of this version finds such a one and refuses to start beside it."""
+    plugin_dir = tmp_path / "dp"
+    legacy = Path(legacy_lock_path(str(plugin_dir)))
+    legacy.parent.mkdir(parents=True)
+    legacy.write_text(json.dumps({"pid": 4242, "how": "hand: old", "since": ""}))
+    old = os.open(legacy, os.O_RDWR)
+    fcntl.flock(old, fcntl.LOCK_EX)
+    try:
+        try:
+            HostLock(str(plugin_dir), str(tmp_path / "state")).acquire({})
+        except LockHeld as error:
+            assert error.holder.pid == 4242
+        else:
+            raise AssertionError("started beside an older host")
+        assert running_host(str(plugin_dir), str(tmp_path / "state")).pid == 4242
+    finally:
+        os.close(old)
+    fresh = HostLock(str(plugin_dir), str(tmp_path / "state"))
+    fresh.acquire({})
+    fresh.release()
 
 
 def test_a_second_run_exits_2_naming_the_first_and_discover_says_so(tmp_path, short_dir):
     root = tmp_path / "root"
     FakeTree(root).numa_nodes(1)
     config = tmp_path / "config.toml"
-    config.write_text(f'[host]\nplugin_dir = "{short_dir}"\n' + USB)
+    config.write_text(f'[host]\nplugin_dir = "{short_dir}"\nmetrics_address = ""\n'
+                      f'drain_file = "{tmp_path}/state/drained"\n' + USB)
     args = [sys.executable, "-m", "host", "run", "--config", str(config), "--plugin-dir",
             short_dir, "--host-root", str(root)]
     pod = dict(KUBERNETES_SERVICE_HOST="10.96.0.1", POD_NAME="device-plugin-host-x7k2p",
@@ -89,6 +159,15 @@ def test_a_second_run_exits_2_naming_the_first_and_discover_says_so(tmp_path, sh
             *args, env=_env(**pod), cwd=str(REPO), stderr=asyncio.subprocess.PIPE)
         try:
             await sim.wait_for(lambda s: s.resources["example.com/a"].connected, timeout=30)
+            # The plugin directory wiped and made again under the running host (kubeadm
+            # reset + join): the lock is not in it, so the second host is still refused.
+            await sim.stop()
+            shutil.rmtree(short_dir)
+            os.mkdir(short_dir)
+            sim = KubeletSimulator(short_dir)
+            await sim.start()
+            await sim.wait_for(lambda s: "example.com/a" in s.resources
+                               and s.resources["example.com/a"].connected, timeout=30)
             second = await asyncio.create_subprocess_exec(
                 *args, env=_env(INVOCATION_ID="1"), cwd=str(REPO),
                 stderr=asyncio.subprocess.PIPE)
@@ -100,6 +179,19 @@ def test_a_second_run_exits_2_naming_the_first_and_discover_says_so(tmp_path, sh
             assert "Kubernetes pod device-plugin-host/device-plugin-host-x7k2p" in message
             assert short_dir in message
             assert sim.resources["example.com/a"].registrations == 1  # no fight
+            # The lock file itself deleted (a cleanup of the state directory): the first
+            # host notices its inode is gone and locks the new file, so a third is refused.
+            state = str(tmp_path / "state")
+            os.unlink(lock_path(short_dir, state))
+            for _ in range(200):
+                if running_host(short_dir, state) is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert running_host(short_dir, state).pid == first.pid
+            third = await asyncio.create_subprocess_exec(
+                *args, env=_env(), cwd=str(REPO), stderr=asyncio.subprocess.PIPE)
+            _, err = await asyncio.wait_for(third.communicate(), 30)
+            assert third.returncode == 2 and f"PID {first.pid}" in err.decode(), err
 
             for command in (["discover", "--config", str(config), "--host-root", str(root)],
                             ["check-config", str(config), "--host-root", str(root)]):
@@ -124,20 +216,16 @@ def test_a_second_run_exits_2_naming_the_first_and_discover_says_so(tmp_path, sh
 
 def test_a_missing_plugin_dir_is_not_created_by_the_lock(tmp_path):
     missing = tmp_path / "device-plugins"
-    try:
-        HostLock(str(missing)).acquire({})
-    except FileNotFoundError:
-        pass
-    else:
-        raise AssertionError("locked a directory that does not exist")
+    lock = HostLock(str(missing), str(tmp_path / "state"))
+    lock.acquire({})
+    lock.release()
     assert not missing.exists()
 
 
-def test_hosts_started_before_the_plugin_dir_exists_still_lock_it_when_it_appears(
-        tmp_path, short_dir):
+def test_hosts_started_before_the_plugin_dir_exists_are_one_host(tmp_path, short_dir):
     """A missing plugin directory at start (a node whose kubelet is not installed yet) must
-    not leave two hosts unlocked: the lock is taken once a socket could be bound there, and
-    the host that finds it taken stops with exit 2 (before the fix both served)."""
+    not leave two hosts unlocked: the lock is in the state directory, so the second host
+    stops with exit 2 at once, and the first serves the directory when it appears."""
     root = tmp_path / "root"
     FakeTree(root).numa_nodes(1)
     plugin_dir = os.path.join(short_dir, "dp")
@@ -148,29 +236,30 @@ def test_hosts_started_before_the_plugin_dir_exists_still_lock_it_when_it_appear
             str(root)]
 
     async def scenario():
-        hosts = [await asyncio.create_subprocess_exec(
-            *args, env=_env(INVOCATION_ID=str(n)), cwd=str(REPO),
-            stderr=asyncio.subprocess.PIPE) for n in range(2)]
+        first = await asyncio.create_subprocess_exec(
+            *args, env=_env(INVOCATION_ID="1"), cwd=str(REPO), stderr=asyncio.subprocess.PIPE)
+        second = None
         try:
-            await asyncio.sleep(1.0)  # both past start-up, waiting for the directory
-            assert all(h.returncode is None for h in hosts)
-            os.mkdir(plugin_dir)
-            done, _ = await asyncio.wait([asyncio.ensure_future(h.wait()) for h in hosts],
-                                         timeout=20, return_when=asyncio.FIRST_COMPLETED)
-            assert len(done) == 1, "neither host stopped: both serve one plugin directory"
-            loser = next(h for h in hosts if h.returncode is not None)
-            winner = next(h for h in hosts if h is not loser)
-            assert loser.returncode == 2
-            err = (await loser.stderr.read()).decode()
-            assert f"PID {winner.pid}" in err and "Traceback" not in err, err
-            holder = running_host(plugin_dir)
-            assert holder is not None and holder.pid == winner.pid
-            winner.terminate()
-            await asyncio.wait_for(winner.communicate(), 20)
-            assert winner.returncode == 0
+            for _ in range(300):
+                if running_host(plugin_dir, str(tmp_path)) is not None:
+                    break
+                await asyncio.sleep(0.05)
+            second = await asyncio.create_subprocess_exec(
+                *args, env=_env(INVOCATION_ID="2"), cwd=str(REPO),
+                stderr=asyncio.subprocess.PIPE)
+            _, err = await asyncio.wait_for(second.communicate(), 30)
+            assert second.returncode == 2
+            assert f"PID {first.pid}" in err.decode() and "Traceback" not in err.decode(), err
+            async with KubeletSimulator(plugin_dir) as sim:  # creates the directory
+                await sim.wait_for(lambda s: "example.com/a" in s.resources
+                                   and s.resources["example.com/a"].connected, timeout=20)
+            assert first.returncode is None
+            first.terminate()
+            await asyncio.wait_for(first.communicate(), 20)
+            assert first.returncode == 0
         finally:
-            for h in hosts:
-                if h.returncode is None:
+            for h in (first, second):
+                if h is not None and h.returncode is None:
                     h.kill()
                     await h.wait()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -179,3 +180,46 @@ def test_missing_plugin_dir_is_one_line_then_serves_when_it_appears(tmp_path, sh
             return host
 
     _check(run(body(), timeout=60), "No such file or directory", plugin_dir)
+
+
+def test_a_recreated_plugin_dir_is_served_again_through_kubelet_restarts(tmp_path, short_dir, run):
+    """The plugin directory deleted and made again under a running host (a kubelet root
+    re-mounted, ``kubeadm reset`` + ``join``): a file some process keeps open in the old
+    directory pins its inode, so no delete event of its own arrives; the host still moves to
+    the new directory, serves there and registers with the kubelet that starts in it, and
+    again through two more kubelet restarts."""
+    plugin_dir = os.path.join(short_dir, "dp")
+    os.mkdir(plugin_dir)
+    held = os.path.join(plugin_dir, "held")
+
+    async def body():
+        async with HostProcess(_config(tmp_path, plugin_dir), tmp_path):
+            async with KubeletSimulator(plugin_dir) as sim:
+                await sim.wait_for(_registered, timeout=15, what="registered at start")
+            with open(held, "w"):  # another process's file in the old directory, kept open
+                shutil.rmtree(plugin_dir)
+                os.mkdir(plugin_dir, 0o750)
+                # The host serves in the new directory before any kubelet is there: the
+                # kubelet.sock that appears next is the only news it gets.
+                for _ in range(1000):
+                    if len(os.listdir(plugin_dir)) >= len(RESOURCES):
+                        break
+                    await asyncio.sleep(0.01)
+                assert len(os.listdir(plugin_dir)) == len(RESOURCES), os.listdir(plugin_dir)
+                await asyncio.sleep(0.2)
+                sim = KubeletSimulator(plugin_dir)
+                await sim.start()
+                try:
+                    # Well within the 10 s recheck: the directory watch itself moved.
+                    await sim.wait_for(_registered, timeout=5,
+                                       what="registered in the re-created directory")
+                    for _ in range(2):
+                        await sim.restart(0.2)
+                        await sim.wait_for(_registered, timeout=15,
+                                           what="registered after a kubelet restart")
+                    assert {os.path.dirname(sim.resources[n].socket_path)
+                            for n in RESOURCES} == {os.path.abspath(plugin_dir)}
+                finally:
+                    await sim.stop()
+
+    run(body(), timeout=90)
