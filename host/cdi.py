@@ -17,6 +17,7 @@ import re
 import threading
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
+from host import fileio
 from host.model import Device
 
 log = logging.getLogger(__name__)
@@ -246,20 +247,9 @@ class CdiWriter:
         text = self._wanted[resource]
         try:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
-            import tempfile  # random, shutil and compressors: only when writing
-
-            fd, temp = tempfile.mkstemp(dir=self.directory, prefix=".dph-", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as out:
-                    out.write(text)
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.chmod(temp, 0o644)  # container runtimes (and `cdi list`) read it
-                os.replace(temp, path)
-            except BaseException:
-                if os.path.exists(temp):
-                    os.unlink(temp)
-                raise
+            fileio.warn_if_shared(self.directory, "the CDI directory")
+            # 0644: container runtimes (and `cdi list`) read it.
+            fileio.write_atomic(path, text, 0o644, fsync=True)
         except OSError as error:
             if not os.path.exists(path):
                 self._on_disk.pop(resource, None)
