@@ -164,6 +164,10 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
         # A missing or read-only plugin dir: serving says so in one line and waits for it,
         # and the lock is taken the moment a socket of ours could be bound (take_lock).
         log.debug("cannot lock %s yet: %s", lock.path, error.strerror or error)
+    if lock.held:  # the only host of ours: what an earlier run left can go
+        from host.stale import remove_stale
+
+        remove_stale(config)
     try:
         asyncio.run(serve())
         if lost_lock:
