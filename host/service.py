@@ -193,7 +193,7 @@ class DevicePluginService:
             if isinstance(request, Oversized):
                 limit = self.max_request_bytes()
                 await refuse(context, self.resource.name, what, RequestError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.INVALID_ARGUMENT,
                     f"the request is {request.size} bytes; a request for the "
                     f"{len(self.snapshot)} devices of {self.resource.name} is at most {limit} "
                     "bytes"))
