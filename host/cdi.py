@@ -17,6 +17,7 @@ import re
 import threading
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
+from host import fileio
 from host.model import Device
 
 log = logging.getLogger(__name__)
@@ -106,9 +107,12 @@ class CdiWriter:
     """Keeps one spec file per resource in ``directory`` in step with its devices.
 
     A spec that should be on disk but is not (the write failed: disk full, read-only mount;
-    or someone deleted the file) is remembered in ``problems`` and written again by
-    ``retry``, which the host calls on every rescan. Which device names the file on disk
-    really holds is tracked too, so the host can tell which devices a runtime could resolve.
+    someone deleted the file, truncated it or replaced it with other content) is remembered
+    in ``problems`` and written again by ``retry``, which the host calls on every rescan and
+    on every change event in the directory. ``retry`` compares the file's identity (inode,
+    size, times) with what the last write left, and reads it only when that differs. Which
+    device names the file on disk really holds is tracked too, so the host can tell which
+    devices a runtime could resolve until the spec is repaired.
 
     The host writes specs from a worker thread (JSON and fsync stay off the event loop) and
     reads the state on the loop: one lock keeps them consistent, and once ``close`` (stop)
@@ -127,6 +131,9 @@ class CdiWriter:
         self._wanted: Dict[str, str] = {}  # resource -> JSON text that should be on disk
         self._on_disk: Dict[str, FrozenSet[str]] = {}  # resource -> device names in the file
         self._wanted_names: Dict[str, FrozenSet[str]] = {}
+        # resource -> (inode, size, mtime, ctime) of the file as our last write (or a check
+        # that found our text in it) left it; anything else on disk gets read and compared.
+        self._stamp: Dict[str, Tuple[int, int, int, int]] = {}
         self.problems: Dict[str, str] = {}  # resource -> why its spec is not (fully) on disk
         self._lock = threading.RLock()
         self.closed = False
@@ -162,6 +169,7 @@ class CdiWriter:
                 os.path.exists(self.path_for(resource)):
             return True
         self._wanted[resource] = text
+        self._stamp.pop(resource, None)  # the file on disk is checked against the new text
         self._wanted_names[resource] = frozenset(d["name"] for d in spec["devices"])
         return self._write(resource)
 
@@ -177,16 +185,53 @@ class CdiWriter:
         if resource not in self._wanted:
             return False
         path = self.path_for(resource)
+        damage = self._damage(resource, path)  # also what a runtime can resolve meanwhile
         if resource not in self.problems:
-            if os.path.exists(path):
+            if damage is None:
                 return False
-            log.warning("resource %s: CDI spec %s was deleted; writing it again", resource,
-                        path)
-            self._on_disk.pop(resource, None)
-            self.problems[resource] = f"CDI spec {path} is missing"
+            log.warning("resource %s: CDI spec %s %s; writing it again", resource, path,
+                        damage)
+            self.problems[resource] = f"CDI spec {path} {damage}"
         before = self.problems.get(resource)
         self._write(resource)
         return self.problems.get(resource) != before
+
+    def _damage(self, resource: str, path: str) -> Optional[str]:
+        """How the file on disk differs from what we wrote, or None when it holds our text.
+        Sets ``_on_disk`` to the device names the file really holds."""
+        try:
+            stat = os.stat(path)
+        except FileNotFoundError:
+            self._on_disk.pop(resource, None)
+            self._stamp.pop(resource, None)
+            return "was deleted"
+        except OSError as error:
+            self._on_disk.pop(resource, None)
+            return f"cannot be checked: {error.strerror or error}"
+        stamp = (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+        if self._stamp.get(resource) == stamp:
+            return None
+        wanted = self._wanted[resource].encode("utf-8")
+        data = b""
+        if stat.st_size == len(wanted):
+            try:
+                data = _read_bounded(path, len(wanted) + 1)
+            except OSError as error:
+                self._on_disk.pop(resource, None)
+                return f"cannot be read: {error.strerror or error}"
+            if data == wanted:
+                self._stamp[resource] = stamp
+                return None
+        elif stat.st_size and stat.st_size <= 2 * len(wanted) + 4096:
+            try:
+                data = _read_bounded(path, stat.st_size + 1)
+            except OSError:
+                data = b""
+        self._stamp.pop(resource, None)
+        self._on_disk[resource] = _names_in(data, resource)
+        if stat.st_size == 0:
+            return "was truncated to 0 bytes"
+        return "was changed by someone else (it is not the spec this host wrote)"
 
     def resolvable(self, resource: str, names: Iterable[str]) -> bool:
         """Whether every one of these CDI device names is in the spec file on disk."""
@@ -208,20 +253,9 @@ class CdiWriter:
         text = self._wanted[resource]
         try:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
-            import tempfile  # random, shutil and compressors: only when writing
-
-            fd, temp = tempfile.mkstemp(dir=self.directory, prefix=".dph-", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as out:
-                    out.write(text)
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.chmod(temp, 0o644)  # container runtimes (and `cdi list`) read it
-                os.replace(temp, path)
-            except BaseException:
-                if os.path.exists(temp):
-                    os.unlink(temp)
-                raise
+            fileio.warn_if_shared(self.directory, "the CDI directory")
+            # 0644: container runtimes (and `cdi list`) read it.
+            fileio.write_atomic(path, text, 0o644, fsync=True)
         except OSError as error:
             if not os.path.exists(path):
                 self._on_disk.pop(resource, None)
@@ -237,6 +271,12 @@ class CdiWriter:
             del self.problems[resource]
         self._written[resource] = path
         self._on_disk[resource] = self._wanted_names[resource]
+        try:
+            stat = os.stat(path)
+            self._stamp[resource] = (stat.st_ino, stat.st_size, stat.st_mtime_ns,
+                                     stat.st_ctime_ns)
+        except OSError:
+            self._stamp.pop(resource, None)  # the next check reads and compares the text
         return True
 
     def remove(self, resource: str) -> None:
@@ -249,6 +289,7 @@ class CdiWriter:
         self._wanted.pop(resource, None)
         self._wanted_names.pop(resource, None)
         self._on_disk.pop(resource, None)
+        self._stamp.pop(resource, None)
         self.problems.pop(resource, None)
         try:
             os.unlink(path)
@@ -269,3 +310,33 @@ class CdiWriter:
             self.closed = True
             for resource in dict.fromkeys([*self._written, *self._wanted]):
                 self._remove(resource)
+
+
+def _read_bounded(path: str, limit: int) -> bytes:
+    """At most ``limit`` bytes of a file, without following a symlink planted at its name."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        chunks = []
+        while limit > 0:
+            chunk = os.read(fd, min(limit, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            limit -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _names_in(data: bytes, resource: str) -> FrozenSet[str]:
+    """The device names a spec file for ``resource`` declares (none when it is not one)."""
+    try:
+        spec = json.loads(data.decode("utf-8"))
+    except ValueError:
+        return frozenset()
+    vendor, klass = cdi_kind(resource)
+    if not isinstance(spec, dict) or spec.get("kind") != f"{vendor}/{klass}" or \
+            not isinstance(spec.get("devices"), list):
+        return frozenset()
+    return frozenset(d["name"] for d in spec["devices"]
+                     if isinstance(d, dict) and isinstance(d.get("name"), str))

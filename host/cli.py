@@ -468,22 +468,11 @@ def _capture(args: argparse.Namespace) -> int:
             print(line)
         return 0
     # Written beside the target and renamed: a failed capture leaves no half file behind.
-    directory = os.path.dirname(os.path.abspath(args.output))
-    import tempfile  # random, shutil and compressors: only for capture
+    from host.fileio import write_atomic
 
     try:
-        fd, temp = tempfile.mkstemp(dir=directory, prefix=".capture.", suffix=".tmp")
+        write_atomic(os.path.abspath(args.output), "".join(line + "\n" for line in lines),
+                     0o644, prefix=".capture.")
     except OSError as error:
         raise CommandError(f"cannot write {args.output}: {error.strerror or error}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            for line in lines:
-                out.write(line + "\n")
-        os.chmod(temp, 0o644)
-        os.replace(temp, args.output)
-    except OSError as error:
-        raise CommandError(f"cannot write {args.output}: {error.strerror or error}") from None
-    finally:
-        if os.path.lexists(temp):
-            os.unlink(temp)
     return 0

@@ -21,8 +21,8 @@ that starts again while pods hold devices writes their files back at its first p
 sandbox re-created later finds its file again), so a file exists whenever a container holds
 its device.
 
-Files are written atomically (temporary file in the same directory, then rename): Multus never
-reads half a file.
+Files are written atomically (a temporary file with a random name, created without following
+symlinks, in the same directory, then a rename): Multus never reads half a file.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from typing import (
     Tuple,
 )
 
+from host import fileio
 from host.model import Device, ResourceConfig
 from host.tasks import Background
 
@@ -94,22 +95,10 @@ def info_from_device(device: Device) -> Dict[str, object]:
 def write(directory: str, resource: str, device_id: str, info: Mapping[str, object]) -> str:
     """Write one file atomically; returns its path. Raises OSError with the path named."""
     os.makedirs(directory, mode=0o755, exist_ok=True)
+    fileio.warn_if_shared(directory, "the device-info directory")
     path = os.path.join(directory, file_name(resource, device_id))
-    temporary = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     data = json.dumps(info, separators=(",", ":")).encode()
-    try:
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o444)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        os.replace(temporary, path)
-    except OSError:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
-        raise
+    fileio.write_atomic(path, data, 0o444, prefix=".devinfo-")
     return path
 
 

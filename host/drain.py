@@ -20,6 +20,7 @@ import os
 import re
 from typing import Dict, List, Optional, Tuple
 
+from host import fileio
 from host.resource_name import resource_name_error
 
 # The same bounds the inventory puts on ids that drivers report.
@@ -126,9 +127,11 @@ def update_drains(path: str, key: DrainKey, reason: Optional[str], *,
     and leaves the previous file as it was."""
     directory = os.path.dirname(path) or "."
     try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        lock = os.open(os.path.join(directory, ".drain.lock"),
-                       os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fileio.make_private_dir(directory)
+        problem = fileio.private_dir_problem(directory)
+        if problem is not None:
+            raise DrainError(f"cannot write the drain marks: {problem}")
+        lock = fileio.open_lock_file(os.path.join(directory, ".drain.lock"))
     except FileExistsError:  # makedirs' answer for a file where the directory should be
         raise DrainError(f"cannot write the drain marks in {directory}: it exists and is not a "
                          "directory") from None
@@ -160,44 +163,10 @@ def _encode(marks: Dict[DrainKey, str]) -> bytes:
 
 
 def _write_atomically(path: str, directory: str, data: bytes) -> None:
-    import tempfile  # random, shutil and compressors: only when writing
-
-    temp: Optional[str] = None
     try:
-        fd, temp = tempfile.mkstemp(dir=directory, prefix=".drain.", suffix=".tmp")
-        try:
-            os.fchmod(fd, 0o600)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temp, path)
-        temp = None
-        _fsync_directory(directory)
+        fileio.write_atomic(path, data, 0o600, fsync=True, prefix=".drain.")
     except OSError as error:
         raise DrainError(f"cannot write the drain marks {path}: {_reason(error)}") from None
-    finally:
-        if temp is not None:
-            try:
-                os.unlink(temp)
-            except OSError:
-                pass
-
-
-def _fsync_directory(directory: str) -> None:
-    """The rename itself survives a power cut only once the directory is on disk."""
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _reason(error: OSError) -> str:

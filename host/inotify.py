@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import logging
 import os
 import struct
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
@@ -23,12 +24,15 @@ IN_CREATE = 0x00000100
 IN_DELETE = 0x00000200
 IN_DELETE_SELF = 0x00000400
 IN_MOVE_SELF = 0x00000800
+IN_Q_OVERFLOW = 0x00004000
 IN_IGNORED = 0x00008000
 IN_ONLYDIR = 0x01000000
 IN_NONBLOCK = os.O_NONBLOCK
 IN_CLOEXEC = getattr(os, "O_CLOEXEC", 0o2000000)
 
 _EVENT = struct.Struct("iIII")
+
+log = logging.getLogger(__name__)
 
 _libc = None
 
@@ -120,11 +124,15 @@ class DirectoryWatch:
     open sends no IN_DELETE_SELF (the open file pins the inode), so only the parent's
     IN_DELETE / IN_CREATE tells that the path now names another directory; the watch then
     moves to the directory the path names (compared by st_dev and st_ino).
-    ``on_change(names)`` gets the entry names that changed; ``None`` means "the directory
-    itself appeared, vanished or was replaced: re-check everything".
+    ``on_change(names)`` gets the entry names that changed; ``None`` means "re-check
+    everything": the directory itself appeared, vanished or was replaced, or the kernel's event
+    queue overflowed (``IN_Q_OVERFLOW``: events were lost, so any entry may have changed
+    unseen). Writes in place (``IN_MODIFY``: a file truncated or rewritten without being
+    re-created) are reported like any other entry change.
     """
 
-    ENTRY_MASK = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_ATTRIB | IN_CLOSE_WRITE
+    ENTRY_MASK = (IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_ATTRIB
+                  | IN_CLOSE_WRITE | IN_MODIFY)
     SELF_MASK = IN_DELETE_SELF | IN_MOVE_SELF
     PARENT_MASK = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | SELF_MASK
 
@@ -137,6 +145,7 @@ class DirectoryWatch:
         self._name = os.path.basename(self.path)
         self._identity: Optional[Tuple[int, int]] = None  # (st_dev, st_ino) being watched
         self.present = False
+        self.overflows = 0  # IN_Q_OVERFLOW events seen: each one became a full re-check
 
     def start(self) -> None:
         self._inotify.start()
@@ -185,7 +194,11 @@ class DirectoryWatch:
     def _on_events(self, events: List[Event]) -> None:
         names: List[str] = []
         rearm = False
+        overflow = False
         for event in events:
+            if event.mask & IN_Q_OVERFLOW:  # wd is -1: it belongs to no watch, but to all
+                overflow = True
+                continue
             watched = self._watches.get(event.wd)
             if watched is None:
                 continue
@@ -201,9 +214,14 @@ class DirectoryWatch:
             else:
                 rearm = True  # something appeared along the path, or the ancestor went away
         was_present = self.present
+        if overflow:
+            self.overflows += 1
+            log.warning("inotify: the event queue for %s overflowed (events were lost); "
+                        "re-checking everything it watches", self.path)
+            rearm = True  # the directory itself may have gone and come back unseen
         if rearm:
             self._arm()
-        if rearm and (self.present or was_present):
+        if overflow or (rearm and (self.present or was_present)):
             self._on_change(None)
         elif names:
             self._on_change(names)

@@ -29,6 +29,7 @@ import os
 import re
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
+from host import fileio
 from host.model import Device
 from host.tasks import Background
 
@@ -166,16 +167,11 @@ class FeatureFile:
         text = render(self._devices, self._blocks)
         if text == self._written:
             return False
-        temporary = os.path.join(directory, f".{os.path.basename(self.path)}.{os.getpid()}.tmp")
+        fileio.warn_if_shared(directory, "the NFD features directory")
         try:
-            with open(temporary, "w", encoding="utf-8") as handle:
-                handle.write(text)
-            os.replace(temporary, self.path)
+            # 0644 whatever the umask: nfd-worker reads it.
+            fileio.write_atomic(self.path, text, 0o644, prefix=".dph-nfd-")
         except OSError as error:
-            try:
-                os.unlink(temporary)
-            except OSError:
-                pass
             if not self._complained:
                 log.warning("NFD feature file: cannot write %s: %s", self.path,
                             error.strerror or error)

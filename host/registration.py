@@ -35,7 +35,7 @@ import grpc
 from host.inotify import DirectoryWatch
 from host.kubelet_link import RETIRE_AFTER_S, KubeletId, KubeletLink
 from host.protocol import KUBELET_SOCKET, VERSION, api
-from host.service import DevicePluginService
+from host.service import SERVER_OPTIONS, DevicePluginService
 from host.socket_names import GRPC_MAX_SOCKET_PATH, socket_file_name
 from host.socket_probe import PluginDirError, bind_problem, dir_problem
 
@@ -248,7 +248,7 @@ class Endpoint:
             if why is not None:
                 self.link.bound(False)
                 raise PluginDirError(why, name)
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS])
         server.add_generic_rpc_handlers((self.service.handler(self.generation),))
         # The socket is born 0600 (only root, the kubelet, dials it). grpc binds inside
         # add_insecure_port, synchronously, so the umask change never spans an await where

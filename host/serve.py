@@ -65,6 +65,19 @@ def _after_start(registry: DriverRegistry, app: HostApp) -> None:
     return_freed_heap()
 
 
+def state_dir_problem(config: Config) -> Optional[str]:
+    """Why the host must not keep state where the config says (a directory others may
+    write, or not ours: they could plant files we then trust or write through), or None."""
+    from host.fileio import private_dir_problem
+
+    for directory in dict.fromkeys([os.path.dirname(os.path.abspath(config.host.drain_file)),
+                                    os.path.abspath(config.host.dra_state_dir)]):
+        problem = private_dir_problem(directory)
+        if problem is not None:
+            return problem
+    return None
+
+
 def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) -> int:
     from host.app import HostApp
 
@@ -153,6 +166,10 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
             await app.stop()
             await app.metrics.stop()
 
+    problem = state_dir_problem(config)
+    if problem is not None:
+        print(f"device-plugin-host: {problem}", file=sys.stderr)
+        return EXIT_CONFIG
     lock = HostLock(config.host.plugin_dir, state_dir_of(config.host.drain_file))
     lost_lock: List[LockHeld] = []
     try:
@@ -164,6 +181,10 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
         # A read-only or unusable state directory: the lock is taken once it can be
         # (take_lock: when a socket of ours was bound, and at every lock check).
         log.debug("cannot lock %s yet: %s", lock.path, error.strerror or error)
+    if lock.held:  # the only host of ours: what an earlier run left can go
+        from host.stale import remove_stale
+
+        remove_stale(config)
     try:
         asyncio.run(serve())
         if lost_lock:

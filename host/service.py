@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import grpc
 
@@ -33,8 +33,30 @@ PRE_START_TIMEOUT_S = 28.0  # inside the kubelet's 30 s PreStartContainer deadli
 # A snapshot sent this recently may still be on its way to the kubelet (or unread by it):
 # an Allocate it admitted from the snapshot before is judged by that one too.
 TOLD_GRACE_S = 1.0
-MAX_IDS_PER_REQUEST = 100_000
 SERVICE_NAME = "v1beta1.DevicePlugin"
+
+#: The most bytes one request may have, whatever the resource (``grpc.max_receive_message_
+#: length`` of every device-plugin server; gRPC answers RESOURCE_EXHAUSTED past it, before
+#: the host sees a byte). The kubelet's largest request is a GetPreferredAllocation that lists
+#: every device of a resource once (available ids; the must-include ids are a few of them):
+#: 1-3 bytes of framing per id, so 4 MiB holds a resource at the host's 100,000-device cap
+#: (host/inventory.py MAX_DEVICES) with ids of up to 38 bytes, or 16,000 devices with
+#: 256-byte ids (the longest id the inventory accepts). README "Limits" and docs/limits.md.
+MAX_REQUEST_BYTES = 4 * 2**20
+#: Past the fixed cap, each request is held to what the resource's own devices can fill:
+#: every id at most twice (available and must-include), each in fewer bytes than its entry
+#: in the ListAndWatch payload, plus this much for everything else in the message.
+REQUEST_SLACK_BYTES = 4096
+SERVER_OPTIONS = (("grpc.max_receive_message_length", MAX_REQUEST_BYTES),)
+
+
+class Oversized:
+    """What a request too big for its resource deserializes to: its size, nothing parsed."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
 
 
 def _show(device_id: str) -> str:
@@ -150,22 +172,50 @@ class DevicePluginService:
                 list_and_watch, request_deserializer=identity, response_serializer=identity
             ),
             "GetPreferredAllocation": grpc.unary_unary_rpc_method_handler(
-                self._get_preferred,
-                request_deserializer=api.PreferredAllocationRequest.FromString,
+                self._bounded(self._get_preferred, "GetPreferredAllocation refused"),
+                request_deserializer=self._parser(api.PreferredAllocationRequest.FromString),
                 response_serializer=api.PreferredAllocationResponse.SerializeToString,
             ),
             "Allocate": grpc.unary_unary_rpc_method_handler(
-                allocate,
-                request_deserializer=api.AllocateRequest.FromString,
+                self._bounded(allocate, "Allocate refused"),
+                request_deserializer=self._parser(api.AllocateRequest.FromString),
                 response_serializer=api.AllocateResponse.SerializeToString,
             ),
             "PreStartContainer": grpc.unary_unary_rpc_method_handler(
-                self._pre_start,
-                request_deserializer=api.PreStartContainerRequest.FromString,
+                self._bounded(self._pre_start, "PreStartContainer failed"),
+                request_deserializer=self._parser(api.PreStartContainerRequest.FromString),
                 response_serializer=api.PreStartContainerResponse.SerializeToString,
             ),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
+
+    def max_request_bytes(self) -> int:
+        """The largest request the kubelet could send for the devices served now."""
+        return min(MAX_REQUEST_BYTES, 2 * len(self.snapshot.payload) + REQUEST_SLACK_BYTES)
+
+    def _parser(self, parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+        """``parse`` for requests this resource's devices could fill; an ``Oversized`` marker
+        (nothing parsed, nothing built) for the rest."""
+        def deserialize(data: bytes) -> Any:
+            if len(data) > self.max_request_bytes():
+                return Oversized(len(data))
+            return parse(data)
+
+        return deserialize
+
+    def _bounded(self, handler: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
+                 what: str) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        async def bounded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, Oversized):
+                limit = self.max_request_bytes()
+                await refuse(context, self.resource.name, what, RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the request is {request.size} bytes; a request for the "
+                    f"{len(self.snapshot)} devices of {self.resource.name} is at most {limit} "
+                    "bytes"))
+            return await handler(request, context)
+
+        return bounded
 
     async def _get_options(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         self.served_options = self._options_bytes
@@ -209,6 +259,7 @@ class DevicePluginService:
             if not request.container_requests:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                    "AllocateRequest has no container_requests")
+            self._check_containers(len(request.container_requests))
             response = api.AllocateResponse()
             for index, container in enumerate(request.container_requests):
                 devices = self._resolve(container.devices_ids, f"container_requests[{index}]",
@@ -241,13 +292,22 @@ class DevicePluginService:
                                f"{type(result).__name__}, not ContainerAllocation")
         return result
 
+    def _check_containers(self, count: int) -> None:
+        """Every container asks for at least one device: more containers than devices is no
+        kubelet's request."""
+        if count > max(1, len(self.snapshot)):
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{count} container_requests, more than the "
+                               f"{len(self.snapshot)} devices of {self.resource.name}")
+
     def _resolve(self, ids: Sequence[str], where: str, *, require_healthy: bool,
                  allow_empty: bool = False, tag: object = None) -> List[Device]:
         if not ids and not allow_empty:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: no device ids")
-        if len(ids) > MAX_IDS_PER_REQUEST:
+        if len(ids) > len(self.snapshot):  # before building anything from them
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"{where}: {len(ids)} ids is more than any resource has")
+                               f"{where}: {len(ids)} ids, more than the {len(self.snapshot)} "
+                               f"devices of {self.resource.name}")
         if len(set(ids)) != len(ids):
             seen: Set[str] = set()
             duplicate = next(i for i in ids if i in seen or _add(seen, i))
@@ -316,6 +376,7 @@ class DevicePluginService:
             if not request.container_requests:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                    "PreferredAllocationRequest has no container_requests")
+            self._check_containers(len(request.container_requests))
             response = api.PreferredAllocationResponse()
             for index, container in enumerate(request.container_requests):
                 ids = await self._preferred_one(container, f"container_requests[{index}]")
@@ -328,6 +389,13 @@ class DevicePluginService:
         self, container: api.ContainerPreferredAllocationRequest, where: str
     ) -> List[str]:
         size = container.allocation_size
+        known = len(self.snapshot)
+        for field, listed in (("available_deviceIDs", container.available_deviceIDs),
+                              ("must_include_deviceIDs", container.must_include_deviceIDs)):
+            if len(listed) > known:  # before building anything from them
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"{where}.{field}: {len(listed)} ids, more than the "
+                                   f"{known} devices of {self.resource.name}")
         must = list(dict.fromkeys(container.must_include_deviceIDs))
         available_ids = list(dict.fromkeys(container.available_deviceIDs))
         if size < 1:

@@ -40,6 +40,10 @@ def _file_name(readable: str, digest: str, token: str, generation: int) -> str:
     return f"dph-{readable}-{digest}-{token[:TOKEN_MAX]}-{generation % GENERATION_WRAP:06d}.sock"
 
 
+#: Every name socket_file_name can return, and nothing another plugin would likely pick.
+SOCKET_NAME = re.compile(rf"dph-[A-Za-z0-9-]{{0,{READABLE_MAX}}}-[0-9a-f]{{{DIGEST_LEN}}}"
+                         rf"-[0-9a-f]{{1,{TOKEN_MAX}}}-[0-9]{{6}}\.sock\Z")
+
 #: The longest name socket_file_name can return.
 MAX_SOCKET_NAME = len(_file_name("x" * READABLE_MAX, "0" * DIGEST_LEN, "f" * TOKEN_MAX,
                                  GENERATION_WRAP - 1))

@@ -471,7 +471,7 @@ def test_drain_on_a_full_state_directory_keeps_the_old_marks(tmp_path):
     state.mkdir()
     config = _drain_config(tmp_path, state / "drained")
     result = _in_private_mount(f"""
-        mount -t tmpfs -o size=16k tmpfs {state}
+        mount -t tmpfs -o size=16k,mode=0700 tmpfs {state}
         "$PY" -m host drain nvidia.com/gpu 0000:18:00.0 --reason first --config {config}
         cp {state}/drained {tmp_path}/before
         dd if=/dev/zero of={state}/fill bs=1k count=64 2>/dev/null || true
@@ -494,7 +494,7 @@ def test_drain_on_a_read_only_state_directory(tmp_path):
     state.mkdir()
     config = _drain_config(tmp_path, state / "drained")
     result = _in_private_mount(f"""
-        mount -t tmpfs -o ro tmpfs {state}
+        mount -t tmpfs -o ro,mode=0700 tmpfs {state}
         rc=0; "$PY" -m host drain nvidia.com/gpu 0000:18:00.0 --config {config} \
             2>{tmp_path}/err || rc=$?
         echo "rc=$rc"

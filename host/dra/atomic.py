@@ -7,30 +7,16 @@ directory: after a crash the file is either the old one or the new one.
 from __future__ import annotations
 
 import os
-import tempfile
+
+from host import fileio
 
 
 def write_atomic(path: str, text: str, mode: int = 0o644) -> None:
-    """Raises OSError (disk full, read-only mount); the previous file then stays."""
+    """Raises OSError (disk full, read-only mount); the previous file then stays. Created
+    without following symlinks, with exactly ``mode`` (host/fileio.py)."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, mode=0o755, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=directory, prefix=".dph-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(temp, mode)
-        os.replace(temp, path)
-    except BaseException:
-        if os.path.exists(temp):
-            os.unlink(temp)
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fileio.write_atomic(path, text, mode, fsync=True)
 
 
 def remove_file(path: str) -> None:
