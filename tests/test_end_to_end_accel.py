@@ -134,9 +134,9 @@ def test_loading_the_boards_kernel_driver_later_brings_its_node_to_the_kubelet(
     tmp_path, short_dir, run
 ):
     """hailo_pci loaded after the host started: the PCI bind uevent rescans the pci driver and
-    the board appears with the node its driver made."""
+    the board appears with the node its driver made (parentless, named by board_location,
+    as drivers up to v4.22.0 make it)."""
     from host.testing import fake_pci
-    from host.testing.fake_chardev import add_class_chardev
     from host.testing.tree import FakeTree
 
     tree = FakeTree(tmp_path / "root")
@@ -156,9 +156,7 @@ def test_loading_the_boards_kernel_driver_later_brings_its_node_to_the_kubelet(
                 await sim.wait_for(lambda s: HAILO in s.resources and s.resources[HAILO].live,
                                    what="hailo.ai/npu registered, empty")
                 assert sim.resources[HAILO].allocatable == 0
-                tree.bind_driver(function, "hailo_pci")  # modprobe hailo_pci
-                add_class_chardev(tree, function, "hailo_chardev", "hailo0",
-                                  fake_pci.HAILO_MAJOR, 0)
+                fake_pci.load_hailo_driver(tree, function, 0)  # modprobe hailo_pci
                 events.inject("pci")  # the bind uevent
                 await sim.wait_for(lambda s: s.resources[HAILO].allocatable == 1,
                                    what="the Hailo-8 allocatable once its driver bound")
