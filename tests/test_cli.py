@@ -227,6 +227,7 @@ def test_sigint_also_exits_cleanly(tmp_path, short_dir, signum):
     ("fpga-node", "fpga-node", {"fpga.intel.com/arria10.dcp1.2-nlb0": 1,
                                 "xilinx.com/fpga-u250": 1}),
     ("gaudi-node", "gaudi-node", {"habana.ai/gaudi": 8}),
+    ("gaudi3-node", "gaudi3-node", {"habana.ai/gaudi": 8}),
     ("npu-laptop", "npu-laptop", {"npu.intel.com/accel": 1, "gpu.intel.com/i915": 1}),
     ("trainium-node", "trainium-node", {"aws.amazon.com/neuron": 16}),
     ("edge-npu-box", "edge-npu", {"hailo.ai/npu": 1, "gpu.intel.com/i915": 1}),

@@ -19,6 +19,47 @@ NEURON = "aws.amazon.com/neuron"
 HAILO = "hailo.ai/npu"
 
 
+def test_a_gaudi3_pod_gets_each_cards_scale_out_verbs_node_from_its_example_config(
+    tmp_path, short_dir, run
+):
+    """Allocate through the kubelet: the response and the CDI spec the host wrote both carry
+    the cards' own /dev/infiniband/uverbsN, never the host NICs' uverbs0/uverbs1."""
+    import dataclasses
+    import json
+
+    from host.testing.harness import make_config
+
+    load_machine("gaudi3-node", tmp_path / "root")
+    registry = load_drivers()
+    cdi_dir = tmp_path / "cdi"
+    example = load_config(str(REPO / "config" / "examples" / "gaudi3-node.toml"),
+                          registry.drivers)
+    config = make_config(short_dir, [dataclasses.replace(r, cdi=True) for r in example.resources],
+                         host_root=str(tmp_path / "root"), cdi_dir=str(cdi_dir))
+
+    async def scenario():
+        sim = KubeletSimulator(short_dir, topology_policy="single-numa-node")
+        await sim.start()
+        try:
+            async with running_host(config, registry.drivers):
+                await sim.wait_for(lambda s: s.resources[GAUDI].allocatable == 8,
+                                   what="8 Gaudi 3 cards allocatable")
+                result = await sim.allocate(GAUDI, 2, pod="train")
+                verbs = sorted(d.host_path for d in result.response.devices
+                               if d.host_path.startswith("/dev/infiniband/"))
+                assert len(verbs) == 2
+                assert not set(verbs) & {"/dev/infiniband/uverbs0", "/dev/infiniband/uverbs1"}
+                (spec_file,) = cdi_dir.glob("*.json")
+                spec = json.loads(spec_file.read_text(encoding="utf-8"))
+                in_spec = {n["path"] for d in spec["devices"]
+                           for n in d["containerEdits"]["deviceNodes"]}
+                assert {f"/dev/infiniband/uverbs{n}" for n in range(2, 10)} <= in_spec
+        finally:
+            await sim.stop()
+
+    run(scenario())
+
+
 def test_gaudi_allocation_carries_accel_and_control_nodes_and_a_bad_status_turns_unhealthy(
     tmp_path, short_dir, run
 ):

@@ -39,6 +39,14 @@ def gaudi_node(tree: FakeTree) -> None:
                       numa_node=0, driver="ast")
 
 
+def gaudi3_node(tree: FakeTree) -> None:
+    """An HLS-3 style Gaudi 3 server: 8 cards, each with its hbl_N RDMA device registered in
+    probe order after the two host NICs, BMC VGA."""
+    fa.gaudi3_server(tree)
+    tree.pci_function("0000:03:00.0", vendor=0x1A03, device=0x2000, pci_class=0x030000,
+                      numa_node=0, driver="ast")
+
+
 def npu_laptop(tree: FakeTree) -> None:
     """A Core Ultra (Meteor Lake) laptop: the i915 iGPU and the NPU, numa_node -1 on both."""
     tree.numa_nodes(1, cpus_per_node=22)
@@ -65,6 +73,7 @@ def edge_npu_box(tree: FakeTree) -> None:
 #: machine name -> (builder, example config)
 BUILDERS: Dict[str, Tuple[Callable[[FakeTree], None], str]] = {
     "gaudi-node": (gaudi_node, "gaudi-node"),
+    "gaudi3-node": (gaudi3_node, "gaudi3-node"),
     "npu-laptop": (npu_laptop, "npu-laptop"),
     "trainium-node": (trainium_node, "trainium-node"),
     "edge-npu-box": (edge_npu_box, "edge-npu"),
