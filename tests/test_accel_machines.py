@@ -1,5 +1,5 @@
 """The accelerator machines (host/testing/machines: gaudi-node, gaudi3-node, npu-laptop,
-trainium-node, edge-npu-box): each tree is what its fixture builders make, and ``discover
+trainium-node, edge-npu-box, vgpu-node): each tree is what its fixture builders make, and ``discover
 --json`` on it with its example config prints exactly the golden stored beside it
 (<name>.discover.json, checked by tests/test_machine_goldens.py with every other machine)."""
 
@@ -56,6 +56,13 @@ def test_the_goldens_show_what_each_machine_is_about():
     assert all(r["numa_nodes"] == [] for r in neuron)
     (hailo,) = [r for r in rows["edge-npu-box"] if r["driver"] == "pci"]
     assert [n["host_path"] for n in hailo["device_nodes"]] == ["/dev/hailo0"]
+    vgpu = rows["vgpu-node"]
+    assert [(r["id"], [n["host_path"] for n in r["device_nodes"]]) for r in vgpu] == [
+        ("0000:41:00.4", ["/dev/vfio/vfio", "/dev/vfio/70"]),
+        ("0000:41:00.5", ["/dev/vfio/vfio", "/dev/vfio/71"]),
+        ("0000:c1:00.4", ["/dev/vfio/vfio", "/dev/vfio/90"]),
+        ("0000:c1:00.5", ["/dev/vfio/vfio", "/dev/vfio/91"])]
+    assert all(r["env"]["PCI_RESOURCE_NVIDIA_COM_NVIDIA_L40S-24Q"] == r["id"] for r in vgpu)
     (npu,) = [r for r in rows["npu-laptop"] if r["driver"] == "accel"]
     assert npu["resource"] == "npu.intel.com/accel" and npu["numa_nodes"] == []
 
@@ -71,7 +78,7 @@ def test_each_machine_survives_a_capture(name, tmp_path):
     original = load_machine(name, tmp_path / "original")
     lines = list(capture_tree(original.root, [
         "/dev/accel/*", "/dev/neuron*", "/dev/hailo*", "/dev/dri/*", "/dev/dri/by-path/*",
-        "/dev/infiniband/*"]))
+        "/dev/infiniband/*", "/dev/vfio/*", "/dev/vfio/devices/*", "/dev/iommu"]))
     FakeTree(tmp_path / "recaptured").load("\n".join(lines))
     result = subprocess.run(
         [sys.executable, "-m", "host", "discover", "--host-root", str(tmp_path / "recaptured"),

@@ -27,6 +27,7 @@ from host.testing import fake_accel as fa  # noqa: E402
 from host.testing import fake_gpu as fg  # noqa: E402
 from host.testing import fake_neuron as fn  # noqa: E402
 from host.testing import fake_pci as fp  # noqa: E402
+from host.testing import fake_vgpu as fv  # noqa: E402
 from host.testing.tree import FakeTree  # noqa: E402
 
 MACHINES = REPO / "host" / "testing" / "machines"
@@ -70,6 +71,17 @@ def edge_npu_box(tree: FakeTree) -> None:
     fp.add_hailo8(tree, "0000:02:00.0", parent=bridge, iommu_group=14)
 
 
+def vgpu_node(tree: FakeTree) -> None:
+    """A KubeVirt host with two L40S in SR-IOV vGPU mode: on the first, two of four VFs set to
+    L40S-24Q (the others free, listing only 24Q as creatable); the second card full with two
+    24Q VFs, its catalogs reduced to the header (the name comes from the first card's)."""
+    tree.numa_nodes(2, cpus_per_node=16)
+    fv.l40s_vgpu(tree, "0000:41:00.0", vf_types=("1151", "1151", None, None), numa_node=0,
+                 vf_iommu_group=70)
+    fv.l40s_vgpu(tree, "0000:c1:00.0", vf_types=("1151", "1151"), numa_node=1,
+                 vf_iommu_group=90, full=True, vfio_dev_base=2)
+
+
 #: machine name -> (builder, example config)
 BUILDERS: Dict[str, Tuple[Callable[[FakeTree], None], str]] = {
     "gaudi-node": (gaudi_node, "gaudi-node"),
@@ -77,6 +89,7 @@ BUILDERS: Dict[str, Tuple[Callable[[FakeTree], None], str]] = {
     "npu-laptop": (npu_laptop, "npu-laptop"),
     "trainium-node": (trainium_node, "trainium-node"),
     "edge-npu-box": (edge_npu_box, "edge-npu"),
+    "vgpu-node": (vgpu_node, "vgpu-node"),
 }
 
 
