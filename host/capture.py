@@ -24,6 +24,7 @@ _CAPTURE_ROOTS = (
     "/sys/bus/pci/devices",
     "/sys/bus/usb/devices",
     "/sys/bus/dfl/devices",
+    "/sys/bus/pci/drivers",  # each driver's ``module`` link: selectors name either
     "/sys/class/infiniband",
     "/sys/class/infiniband_verbs",
     "/sys/class/infiniband_mad",
@@ -52,6 +53,10 @@ _CAPTURE_ATTRS = frozenset(
     "compat_id bitstream_id ports_num mgmt_pf user_pf instance VBNV timestamp serial_num "
     "authorized devpath status device_type module_id serial_number "
     "reset core_count connected_devices arch_type instance_type device_name".split()
+    # the PCI function a parentless char device drives (hailo_pci's hailo_chardev class)
+    + "board_location".split()
+    # NVIDIA vGPU VFs (vendor-specific VFIO): the type set and what can still be made
+    + "current_vgpu_type creatable_vgpu_types".split()
     # amdgpu partition modes and memory; KFD topology nodes and links
     + "current_compute_partition current_memory_partition available_compute_partition "
     "available_memory_partition mem_info_vram_total properties gpu_id generation_id".split()

@@ -1,7 +1,7 @@
-"""The accelerator machines (host/testing/machines: gaudi-node, npu-laptop, trainium-node,
-edge-npu-box): each tree is what its fixture builders make, and ``discover --json`` on it with
-its example config prints exactly the golden stored beside it (<name>.discover.json, checked by
-tests/test_machine_goldens.py with every other machine)."""
+"""The accelerator machines (host/testing/machines: gaudi-node, gaudi3-node, npu-laptop,
+trainium-node, edge-npu-box, vgpu-node): each tree is what its fixture builders make, and ``discover
+--json`` on it with its example config prints exactly the golden stored beside it
+(<name>.discover.json, checked by tests/test_machine_goldens.py with every other machine)."""
 
 from __future__ import annotations
 
@@ -44,11 +44,25 @@ def test_the_goldens_show_what_each_machine_is_about():
     gaudi = [r for r in rows["gaudi-node"] if r["resource"] == "habana.ai/gaudi"]
     assert [r["numa_nodes"] for r in gaudi] == [[0]] * 4 + [[1]] * 4
     assert all(len(r["device_nodes"]) == 2 for r in gaudi)
+    gaudi3 = rows["gaudi3-node"]
+    assert [r["numa_nodes"] for r in gaudi3] == [[0]] * 4 + [[1]] * 4
+    # accel, control and the card's own verbs node; the host NICs' uverbs0/1 in none
+    assert [n["host_path"] for n in gaudi3[0]["device_nodes"]] == [
+        "/dev/accel/accel0", "/dev/accel/accel_controlD0", "/dev/infiniband/uverbs3"]
+    assert sorted(r["device_nodes"][2]["host_path"] for r in gaudi3) == [
+        f"/dev/infiniband/uverbs{n}" for n in range(2, 10)]
     neuron = rows["trainium-node"]
     assert [r["id"] for r in neuron] == [f"neuron{i}" for i in range(16)]
     assert all(r["numa_nodes"] == [] for r in neuron)
     (hailo,) = [r for r in rows["edge-npu-box"] if r["driver"] == "pci"]
     assert [n["host_path"] for n in hailo["device_nodes"]] == ["/dev/hailo0"]
+    vgpu = rows["vgpu-node"]
+    assert [(r["id"], [n["host_path"] for n in r["device_nodes"]]) for r in vgpu] == [
+        ("0000:41:00.4", ["/dev/vfio/vfio", "/dev/vfio/70"]),
+        ("0000:41:00.5", ["/dev/vfio/vfio", "/dev/vfio/71"]),
+        ("0000:c1:00.4", ["/dev/vfio/vfio", "/dev/vfio/90"]),
+        ("0000:c1:00.5", ["/dev/vfio/vfio", "/dev/vfio/91"])]
+    assert all(r["env"]["PCI_RESOURCE_NVIDIA_COM_NVIDIA_L40S-24Q"] == r["id"] for r in vgpu)
     (npu,) = [r for r in rows["npu-laptop"] if r["driver"] == "accel"]
     assert npu["resource"] == "npu.intel.com/accel" and npu["numa_nodes"] == []
 
@@ -63,7 +77,8 @@ def test_each_machine_survives_a_capture(name, tmp_path):
     _, example = gen.BUILDERS[name]
     original = load_machine(name, tmp_path / "original")
     lines = list(capture_tree(original.root, [
-        "/dev/accel/*", "/dev/neuron*", "/dev/hailo*", "/dev/dri/*", "/dev/dri/by-path/*"]))
+        "/dev/accel/*", "/dev/neuron*", "/dev/hailo*", "/dev/dri/*", "/dev/dri/by-path/*",
+        "/dev/infiniband/*", "/dev/vfio/*", "/dev/vfio/devices/*", "/dev/iommu"]))
     FakeTree(tmp_path / "recaptured").load("\n".join(lines))
     result = subprocess.run(
         [sys.executable, "-m", "host", "discover", "--host-root", str(tmp_path / "recaptured"),

@@ -227,9 +227,11 @@ def test_sigint_also_exits_cleanly(tmp_path, short_dir, signum):
     ("fpga-node", "fpga-node", {"fpga.intel.com/arria10.dcp1.2-nlb0": 1,
                                 "xilinx.com/fpga-u250": 1}),
     ("gaudi-node", "gaudi-node", {"habana.ai/gaudi": 8}),
+    ("gaudi3-node", "gaudi3-node", {"habana.ai/gaudi": 8}),
     ("npu-laptop", "npu-laptop", {"npu.intel.com/accel": 1, "gpu.intel.com/i915": 1}),
     ("trainium-node", "trainium-node", {"aws.amazon.com/neuron": 16}),
     ("edge-npu-box", "edge-npu", {"hailo.ai/npu": 1, "gpu.intel.com/i915": 1}),
+    ("vgpu-node", "vgpu-node", {"nvidia.com/NVIDIA_L40S-24Q": 4}),
 ])
 def test_discover_each_captured_machine_with_its_example_config(machine, example, expected):
     """What each machine serves, counted from its golden (host/testing/machines/

@@ -691,7 +691,7 @@ DOCUMENTED: Dict[str, Driver] = {
         Documented(
             "sriov",
             (*_PCI, "pf_name", "pf_pci_address", "vf_index", "link_type", "rdma",
-             "pf_kernel_driver", "qat_services"),
+             "pf_kernel_driver", "qat_services", "vgpu_type"),
             {"iommufd": (bool,), "device_info": (bool,), "device_info_dir": (str,)},
         ),
         Documented(

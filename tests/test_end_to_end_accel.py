@@ -19,6 +19,47 @@ NEURON = "aws.amazon.com/neuron"
 HAILO = "hailo.ai/npu"
 
 
+def test_a_gaudi3_pod_gets_each_cards_scale_out_verbs_node_from_its_example_config(
+    tmp_path, short_dir, run
+):
+    """Allocate through the kubelet: the response and the CDI spec the host wrote both carry
+    the cards' own /dev/infiniband/uverbsN, never the host NICs' uverbs0/uverbs1."""
+    import dataclasses
+    import json
+
+    from host.testing.harness import make_config
+
+    load_machine("gaudi3-node", tmp_path / "root")
+    registry = load_drivers()
+    cdi_dir = tmp_path / "cdi"
+    example = load_config(str(REPO / "config" / "examples" / "gaudi3-node.toml"),
+                          registry.drivers)
+    config = make_config(short_dir, [dataclasses.replace(r, cdi=True) for r in example.resources],
+                         host_root=str(tmp_path / "root"), cdi_dir=str(cdi_dir))
+
+    async def scenario():
+        sim = KubeletSimulator(short_dir, topology_policy="single-numa-node")
+        await sim.start()
+        try:
+            async with running_host(config, registry.drivers):
+                await sim.wait_for(lambda s: s.resources[GAUDI].allocatable == 8,
+                                   what="8 Gaudi 3 cards allocatable")
+                result = await sim.allocate(GAUDI, 2, pod="train")
+                verbs = sorted(d.host_path for d in result.response.devices
+                               if d.host_path.startswith("/dev/infiniband/"))
+                assert len(verbs) == 2
+                assert not set(verbs) & {"/dev/infiniband/uverbs0", "/dev/infiniband/uverbs1"}
+                (spec_file,) = cdi_dir.glob("*.json")
+                spec = json.loads(spec_file.read_text(encoding="utf-8"))
+                in_spec = {n["path"] for d in spec["devices"]
+                           for n in d["containerEdits"]["deviceNodes"]}
+                assert {f"/dev/infiniband/uverbs{n}" for n in range(2, 10)} <= in_spec
+        finally:
+            await sim.stop()
+
+    run(scenario())
+
+
 def test_gaudi_allocation_carries_accel_and_control_nodes_and_a_bad_status_turns_unhealthy(
     tmp_path, short_dir, run
 ):
@@ -134,9 +175,9 @@ def test_loading_the_boards_kernel_driver_later_brings_its_node_to_the_kubelet(
     tmp_path, short_dir, run
 ):
     """hailo_pci loaded after the host started: the PCI bind uevent rescans the pci driver and
-    the board appears with the node its driver made."""
+    the board appears with the node its driver made (parentless, named by board_location,
+    as drivers up to v4.22.0 make it)."""
     from host.testing import fake_pci
-    from host.testing.fake_chardev import add_class_chardev
     from host.testing.tree import FakeTree
 
     tree = FakeTree(tmp_path / "root")
@@ -156,9 +197,7 @@ def test_loading_the_boards_kernel_driver_later_brings_its_node_to_the_kubelet(
                 await sim.wait_for(lambda s: HAILO in s.resources and s.resources[HAILO].live,
                                    what="hailo.ai/npu registered, empty")
                 assert sim.resources[HAILO].allocatable == 0
-                tree.bind_driver(function, "hailo_pci")  # modprobe hailo_pci
-                add_class_chardev(tree, function, "hailo_chardev", "hailo0",
-                                  fake_pci.HAILO_MAJOR, 0)
+                fake_pci.load_hailo_driver(tree, function, 0)  # modprobe hailo_pci
                 events.inject("pci")  # the bind uevent
                 await sim.wait_for(lambda s: s.resources[HAILO].allocatable == 1,
                                    what="the Hailo-8 allocatable once its driver bound")

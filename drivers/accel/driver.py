@@ -7,7 +7,11 @@ Rules, chosen so that every device the kubelet sees is either usable or visibly 
   probe order. Two minors under one parent (not done by any driver today) get
   ``<parent>-accelN``.
 * A container gets /dev/accel/accelN, plus /dev/accel/accel_controlDN where habanalabs made
-  one (the Gaudi stack, hl-thunk, opens both; HabanaAI's device plugin hands out both).
+  one (the Gaudi stack, hl-thunk, opens both; HabanaAI's device plugin hands out both), plus
+  the verbs node of each RDMA device whose parent is the card (a Gaudi 3's scale-out ports,
+  ``hbl_N`` -> /dev/infiniband/uverbsM), as Intel's Gaudi DRA driver does in its CDI spec. A
+  card whose RDMA device has no verbs device (ib_uverbs not loaded) is served without one,
+  as there; a verbs device whose /dev node is missing makes it Unhealthy.
 * Unhealthy, with the reason: a device node missing from /dev, a PCI function with
   ``enable`` = 0, a Gaudi whose habanalabs ``status`` is not "operational" ("needs reset",
   "in reset", "disabled", "in device creation", "in reset after device release" are the
@@ -71,8 +75,8 @@ class AccelInventory:
 
 class AccelDriver(Driver):
     name = "accel"
-    subsystems = ("accel", "pci")
-    device_globs = ("/dev/accel/*",)
+    subsystems = ("accel", "pci", "infiniband", "infiniband_verbs")
+    device_globs = ("/dev/accel/*", "/dev/infiniband/uverbs*")
     selector_types = {**PCI_SELECTOR_TYPES, "class": (str,), "device_type": (str,)}
     setting_types = {"index_env": (str,)}
 
@@ -141,6 +145,7 @@ def _device(host: HostFS, minor: AccelMinor, device_id: str) -> Device:
         paths.append(minor.control_node)
     elif minor.kernel_driver == HABANA_DRIVER:
         problems.append(f"habanalabs made no control node accel_controlD{minor.index}")
+    paths.extend(verbs.node for rdma in minor.rdma for verbs in rdma.verbs)
     problems.extend(f"device node {p} missing" for p in paths if not host.exists(p))
     if minor.pci is not None and minor.pci.enabled is False:
         problems.append("PCI function disabled (enable = 0)")
@@ -177,6 +182,9 @@ def _attributes(minor: AccelMinor) -> Dict[str, str]:
     out["device_node"] = minor.dev_node
     if minor.control_node:
         out["control_node"] = minor.control_node
+    if minor.rdma:
+        out["rdma_devices"] = ",".join(r.name for r in minor.rdma)
+        out["rdma_verbs"] = ",".join(v.node for r in minor.rdma for v in r.verbs)
     if minor.dev_numbers:
         out["dev"] = minor.dev_numbers
     out.update(minor.facts)

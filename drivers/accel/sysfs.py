@@ -15,6 +15,15 @@ after the accel index, on the driver's own dynamic major: it lands in
 /sys/devices/virtual/accel/. Its card facts (``status``, ``device_type``, ``serial_number``,
 ``module_id``; Documentation/ABI/testing/sysfs-driver-habanalabs, "/sys/class/accel/accel<n>/
 device/...") live on the PCI function, which is the accel minor's ``device``.
+
+A Gaudi 3 card is also its own scale-out RDMA NIC: habanalabs' InfiniBand driver (hbl,
+``hbl_ib_dev_init``) registers ``hbl_<id>`` with the card's PCI function as parent, and
+ib_uverbs gives it a ``uverbsN`` under the same parent (``<function>/infiniband_verbs/
+uverbsN``, ``ibdev`` = ``hbl_<id>``, /dev/infiniband/uverbsN). N follows ib_uverbs'
+registration order over every RDMA device of the host (host NICs first, cards as they probe),
+so the join is sysfs's: the RDMA devices whose ``device`` is the card, and the verbs devices
+whose ``ibdev`` names one of them (host/rdma_chardev.py). Intel's Gaudi DRA driver puts that
+node in each card's CDI device; so does this one.
 """
 
 from __future__ import annotations
@@ -22,20 +31,31 @@ from __future__ import annotations
 import logging
 import posixpath
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from host.chardev import dev_node_path, parent_device
 from host.hostfs import HostFS, is_pci_address
 from host.pci import PciFunction, read_function
+from host.rdma_chardev import CharDevice, parent_of, scan_char_devices
 
 log = logging.getLogger(__name__)
 
 ACCEL_CLASS = "/sys/class/accel"
+INFINIBAND = "/sys/class/infiniband"
+HABANA_DRIVER = "habanalabs"
 #: Card facts habanalabs publishes on the PCI function (sysfs-driver-habanalabs).
 HABANA_FACTS = ("status", "device_type", "serial_number", "module_id")
 
 _MINOR = re.compile(r"accel(\d+)\Z")
+
+
+@dataclass(frozen=True)
+class CardRdma:
+    """An RDMA device whose parent is the card, with its verbs char devices."""
+
+    name: str  # hbl_0
+    verbs: Tuple[CharDevice, ...]  # uverbsN: node path and presence
 
 
 @dataclass(frozen=True)
@@ -52,6 +72,7 @@ class AccelMinor:
     numa_nodes: Tuple[int, ...]
     control_node: Optional[str]  # /dev/accel/accel_controlD0 (habanalabs)
     facts: Mapping[str, str]
+    rdma: Tuple[CardRdma, ...] = ()  # the card's own RDMA devices (Gaudi 3 hbl_N)
 
 
 def scan_minors(host: HostFS) -> List[AccelMinor]:
@@ -66,7 +87,39 @@ def scan_minors(host: HostFS) -> List[AccelMinor]:
         minor = _read_minor(host, name, int(match.group(1)), valid_numa)
         if minor is not None:
             found.append(minor)
+    if any(m.kernel_driver == HABANA_DRIVER and m.pci is not None for m in found):
+        found = _with_card_rdma(host, found)
     return sorted(found, key=lambda m: m.index)
+
+
+def _with_card_rdma(host: HostFS, minors: List[AccelMinor]) -> List[AccelMinor]:
+    """habanalabs minors with the RDMA devices hanging off their PCI function."""
+    cards = {m.parent for m in minors if m.kernel_driver == HABANA_DRIVER and m.pci is not None}
+    by_card: Dict[str, List[str]] = {}
+    for name in host.listdir(INFINIBAND):
+        path = host.resolve(f"{INFINIBAND}/{name}")
+        if path is None:
+            continue
+        parent = parent_of(host, path)
+        if parent in cards:
+            by_card.setdefault(parent, []).append(name)
+    if not by_card:
+        return minors
+    chars = scan_char_devices(host)
+    out = []
+    for minor in minors:
+        names = sorted(by_card.get(minor.parent, ()))
+        if not names or minor.kernel_driver != HABANA_DRIVER:
+            out.append(minor)
+            continue
+        sole = len(names) == 1
+        rdma = tuple(
+            CardRdma(name, tuple(sorted(chars.verbs_of(name, minor.parent, sole),
+                                        key=lambda c: (len(c.name), c.name))))
+            for name in names
+        )
+        out.append(replace(minor, rdma=rdma))
+    return out
 
 
 def _read_minor(

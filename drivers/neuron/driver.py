@@ -9,8 +9,9 @@ topology is claimed that the tree does not prove:
   PCI function by position: the routing id does not follow PCI order, and sysfs has no link
   from neuronN to its function.
 * NUMA: from the class device's own PCI parent where a driver links one; otherwise only when
-  every PCI function bound to ``neuron`` sits on the same known NUMA node and there are as
-  many functions as devices (an inf2.xlarge, or a node whose cards are all behind one socket).
+  every PCI function bound to the Neuron driver (``neuron-driver``, module ``neuron``) sits
+  on the same known NUMA node and there are as many functions as devices (an inf2.xlarge,
+  or a node whose cards are all behind one socket).
   Anywhere else (a trn1.32xlarge spans two sockets) there is no topology: a wrong one would
   make the kubelet's topology manager pin pods to the wrong socket.
 * Unhealthy, with the reason: /dev/neuronN missing, or the driver's device state (``reset``
@@ -137,7 +138,7 @@ def _shared_numa(found: NeuronScan) -> Tuple[Tuple[int, ...], str]:
     """The NUMA node every device must be on, with the proof, or () with why not."""
     nodes = {fn.numa_nodes for fn in found.functions}
     if not found.functions:
-        return (), "unknown: no PCI function bound to neuron"
+        return (), "unknown: no PCI function bound to neuron-driver"
     if len(found.functions) != len(found.devices):
         return (), (f"unknown: {len(found.functions)} neuron PCI functions for "
                     f"{len(found.devices)} devices")

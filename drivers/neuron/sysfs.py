@@ -5,7 +5,11 @@ parent (neuron_cdev.c: ``device_create(neuron_dev_class, NULL, ...)``), so it li
 /sys/devices/virtual/ and nothing in sysfs ties ``neuron<N>`` to its PCI function. ``N`` is the
 driver's device index: probe order on Inf1, the firmware routing id on Inf2/Trn1/Trn2
 (neuron_pci.c), never something to derive from PCI addresses. The PCI functions bound to
-``neuron`` are read separately; they prove a NUMA node only when all of them share one.
+the driver are read separately; they prove a NUMA node only when all of them share one.
+The PCI driver registers as ``neuron-driver`` (neuron_pci.c, ``struct pci_driver``'s
+``.name``, in every release) from the module ``neuron`` (Kbuild ``obj-m += neuron.o``), so
+/sys/bus/pci/drivers/neuron-driver/module links to /sys/module/neuron: a function counts when
+its driver has that name or comes from that module.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import logging
 import posixpath
 import re
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from host.chardev import dev_node_path, parent_device
 from host.hostfs import HostFS, is_pci_address
@@ -24,7 +28,9 @@ log = logging.getLogger(__name__)
 
 NEURON_CLASS = "/sys/class/neuron_device"
 AMAZON = 0x1D0F
-NEURON_PCI_DRIVER = "neuron"
+NEURON_PCI_DRIVER = "neuron-driver"
+NEURON_MODULE = "neuron"
+PCI_DRIVERS = "/sys/bus/pci/drivers"
 
 _NAME = re.compile(r"neuron(\d+)\Z")
 
@@ -48,7 +54,7 @@ class NeuronDevice:
 @dataclass(frozen=True)
 class NeuronScan:
     devices: Tuple[NeuronDevice, ...]
-    functions: Tuple[PciFunction, ...]  # PCI functions bound to the neuron driver
+    functions: Tuple[PciFunction, ...]  # PCI functions bound to the aws-neuron-driver
 
 
 def scan(host: HostFS) -> NeuronScan:
@@ -64,11 +70,23 @@ def scan(host: HostFS) -> NeuronScan:
     devices.sort(key=lambda d: d.index)
     functions: Tuple[PciFunction, ...] = ()
     if devices:
+        ours: Dict[str, bool] = {}
         functions = tuple(
             fn for fn in list_functions(host)
-            if fn.vendor == AMAZON and fn.kernel_driver == NEURON_PCI_DRIVER
+            if fn.vendor == AMAZON and fn.kernel_driver is not None
+            and _is_neuron_driver(host, fn.kernel_driver, ours)
         )
     return NeuronScan(tuple(devices), functions)
+
+
+def _is_neuron_driver(host: HostFS, name: str, known: Dict[str, bool]) -> bool:
+    """``name`` is the aws-neuron-driver's PCI driver: by its registered name, or by the
+    module it comes from (the ``module`` link of /sys/bus/pci/drivers/<name>)."""
+    answer = known.get(name)
+    if answer is None:
+        answer = known[name] = name == NEURON_PCI_DRIVER or (
+            host.link_name(f"{PCI_DRIVERS}/{name}/module") == NEURON_MODULE)
+    return answer
 
 
 def _read_device(

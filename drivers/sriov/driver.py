@@ -20,6 +20,19 @@ selector, and a PF that is down or whose firmware heartbeat failed makes its VFs
 device plugin's ``PCIDEVICE_<RESOURCE>_INFO`` and, with ``device_info = true``, writes the
 NPWG device-info files (host/devinfo.py, which also removes them).
 
+NVIDIA vGPU. On an Ada/Hopper-or-later GPU with SR-IOV vGPU (vGPU 17+, NVIDIA's
+vendor-specific VFIO), the VFs stay bound to ``nvidia``; each carries
+``nvidia/current_vgpu_type`` (the numeric type id written by the operator or the vGPU device
+manager, "0" for none) and ``nvidia/creatable_vgpu_types`` ("<id> : <name>" lines). Such a VF
+is mode "vgpu": a VM gets /dev/vfio/vfio and /dev/vfio/<iommu group> (or, with ``iommufd``,
+/dev/iommu and its /dev/vfio/devices/vfioN), as NVIDIA's kubevirt-gpu-device-plugin hands
+them out, and ``PCI_RESOURCE_<RESOURCE>=<address>``, the variable KubeVirt's
+``permittedHostDevices`` reads. The ``vgpu_type`` selector names the type ("NVIDIA L40S-24Q",
+spaces or "_" alike, or its numeric id). Type ids are card-local: a name is resolved from the
+catalogs of the VF's own card (its PF and sibling VFs; a configured VF often lists only its
+own type, a full card none), else from the other cards' only where they all agree. A VF with
+no type set is Unhealthy with that reason.
+
 Defaults. None: an SR-IOV pool is a choice of PF, VF range and driver that only the operator
 can make, and a catch-all pool would hand out VFs another pool or the host itself uses.
 """
@@ -35,7 +48,12 @@ from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from drivers.sriov.qat import QatPf, parse_services, read_qat
 from drivers.sriov.selectors import index_ranges, parse_pf
-from drivers.sriov.sysfs import LINK_TYPES, VirtualFunction, list_virtual_functions
+from drivers.sriov.sysfs import (
+    LINK_TYPES,
+    NVIDIA_DRIVER,
+    VirtualFunction,
+    list_virtual_functions,
+)
 from host import devinfo
 from host.driver import Driver, SelectorError, normalise_hex_ids, selector_values
 from host.health import TransitionLog
@@ -64,12 +82,37 @@ VFIO = "vfio"
 UIO = "uio"
 NETDEVICE = "netdevice"
 KERNEL = "kernel"  # bound to its own kernel driver but no network function: 4xxxvf, nvme
+VGPU = "vgpu"  # an NVIDIA vGPU VF on ``nvidia`` (vendor-specific VFIO)
+NO_VGPU_TYPE = ("", "0")
+_CREATABLE = re.compile(r"\s*(\d+)\s*:\s*(.+?)\s*\Z")
 UNBOUND = "unbound"
 
 
 def env_name(resource_name: str) -> str:
     """``intel.com/sriov_netdevice`` -> ``PCIDEVICE_INTEL_COM_SRIOV_NETDEVICE``."""
     return "PCIDEVICE_" + re.sub(r"[^A-Za-z0-9]", "_", resource_name).upper()
+
+
+def kubevirt_env_name(resource_name: str) -> str:
+    """KubeVirt's ``ResourceNameToEnvVar("PCI_RESOURCE", name)``: upper case, "/" and "."
+    to "_" (``nvidia.com/NVIDIA_L40S-24Q`` -> ``PCI_RESOURCE_NVIDIA_COM_NVIDIA_L40S-24Q``)."""
+    return "PCI_RESOURCE_" + resource_name.upper().replace("/", "_").replace(".", "_")
+
+
+def vgpu_key(name: str) -> str:
+    """A vGPU type name as NVIDIA's plugins name resources: whitespace runs to "_"."""
+    return re.sub(r"\s+", "_", name.strip())
+
+
+def parse_creatable(text: str) -> Dict[str, str]:
+    """``creatable_vgpu_types``: {"1155": "NVIDIA L40S-24Q"}; the header ("ID : vGPU Name")
+    and odd lines are skipped."""
+    out: Dict[str, str] = {}
+    for line in text.splitlines():
+        match = _CREATABLE.match(line)
+        if match:
+            out.setdefault(match.group(1), match.group(2))
+    return out
 
 
 def is_vfio_driver(driver: Optional[str]) -> bool:
@@ -93,6 +136,7 @@ class VfRecord:
     cdev_problem: str = ""
     group_problems: Tuple[str, ...] = ()  # the part of ``problem`` about group nodes
     link_down: str = ""  # the PF's link problem (part of ``problem``), logged once per PF
+    vgpu_name: str = ""  # the configured vGPU type's name ("NVIDIA L40S-24Q"), once resolved
 
     @property
     def kind(self) -> str:
@@ -125,6 +169,10 @@ class VfRecord:
             out["rdma_device"] = ",".join(vf.rdma_devices)
         if vf.pf.function.kernel_driver:
             out["pf_kernel_driver"] = vf.pf.function.kernel_driver
+        if vf.vgpu_type is not None:
+            out["vgpu_type_id"] = vf.vgpu_type
+        if self.vgpu_name:
+            out["vgpu_type"] = self.vgpu_name
         if qat is not None:
             if qat.services:
                 out["qat_services"] = qat.services
@@ -202,6 +250,13 @@ def build_record(host: HostFS, vf: VirtualFunction, chars: Optional[CharIndex]) 
     elif is_vfio_driver(driver):
         mode = VFIO
         nodes, problems = _vfio(host, vf)
+    elif driver == NVIDIA_DRIVER and vf.vgpu_type is not None:
+        mode = VGPU
+        if vf.vgpu_type in NO_VGPU_TYPE:
+            problems.append(f"VF {vf.function.address}: no vGPU type set "
+                            "(nvidia/current_vgpu_type is 0)")
+        else:
+            nodes, problems = _vfio(host, vf)
     elif vf.uio:
         mode = UIO
         for name in vf.uio:
@@ -238,6 +293,7 @@ class SriovDriver(Driver):
         "rdma": (bool,),
         "pf_kernel_driver": (str,),
         "qat_services": (str,),
+        "vgpu_type": (str, int),
     }
     setting_types = {
         "iommufd": (bool,),
@@ -270,6 +326,9 @@ class SriovDriver(Driver):
                 raise SelectorError(
                     "link_type", f"{value!r} is not a link type ({' or '.join(known)})"
                 )
+        for value in selector_values(selectors, "vgpu_type") or []:
+            if isinstance(value, bool) or not str(value).strip():
+                raise SelectorError("vgpu_type", 'a vGPU type name ("NVIDIA L40S-24Q") or id')
         for value in selector_values(selectors, "qat_services") or []:
             try:
                 parse_services(str(value))
@@ -302,12 +361,14 @@ class SriovDriver(Driver):
             pf_address = vf.pf.function.address
             if pf_address not in seen:
                 seen[pf_address] = read_qat(host, vf.pf.function)
-            if iommufd and record.mode == VFIO:
+            if iommufd and _vfio_device(record):
                 nodes, problems = _cdev(host, vf)
                 record = replace(record, cdev_nodes=tuple(nodes),
                                  cdev_problem="; ".join(problems),
                                  group_problems=tuple(_vfio(host, vf)[1]))
             records.append(record)
+        if any(r.mode == VGPU for r in records):
+            records = _with_vgpu_names(host, records)
         qat = {address: facts for address, facts in seen.items() if facts is not None}
         inventory = SriovInventory(vfs=tuple(records), qat=qat)
         self._log_links(inventory)
@@ -355,7 +416,7 @@ class SriovDriver(Driver):
             if pf_down:
                 problem = f"{problem}; {pf_down}" if problem else pf_down
             nodes = record.nodes
-            if iommufd and record.mode == VFIO:
+            if iommufd and _vfio_device(record):
                 # The device's cdev replaces the legacy container and group nodes.
                 nodes = record.cdev_nodes
                 kept = [p for p in problem.split("; ") if p and p not in record.group_problems]
@@ -376,6 +437,9 @@ class SriovDriver(Driver):
                 ("vf", resource.name, record.vf.function.address), own,
                 f"resource {resource.name}: {own}; reported Unhealthy",
             )
+            env = {key: record.vf.function.address}
+            if record.mode == VGPU:
+                env[kubevirt_env_name(resource.name)] = record.vf.function.address
             out.append(
                 Device(
                     id=record.vf.function.address,
@@ -383,7 +447,7 @@ class SriovDriver(Driver):
                     health_reason=problem,
                     numa_nodes=record.vf.function.numa_nodes,
                     device_nodes=nodes,
-                    env={key: record.vf.function.address},
+                    env=env,
                     attributes=record.attributes(qat),
                 )
             )
@@ -433,7 +497,7 @@ def extra_info(device: Device) -> Dict[str, Dict[str, str]]:
     out: Dict[str, Dict[str, str]] = {"generic": {"deviceID": device.id}}
     mode = device.attributes.get("vf_mode")
     paths = [node.container_path for node in device.device_nodes]
-    if mode == VFIO:
+    if mode in (VFIO, VGPU):
         vfio: Dict[str, str] = {}
         for path in paths:
             if path == VFIO_CONTAINER:
@@ -456,6 +520,51 @@ def extra_info(device: Device) -> Dict[str, Dict[str, str]]:
         if device.attributes.get("rdma_device"):
             rdma["rdma_dev"] = device.attributes["rdma_device"]
         out["rdma"] = rdma
+    return out
+
+
+def _vfio_device(record: VfRecord) -> bool:
+    """A VF handed out through vfio: on vfio-pci (or a variant), or a vGPU VF with a type."""
+    return record.mode == VFIO or (
+        record.mode == VGPU and record.vf.vgpu_type not in NO_VGPU_TYPE)
+
+
+def _with_vgpu_names(host: HostFS, records: List[VfRecord]) -> List[VfRecord]:
+    """Each configured vGPU VF with its type's name, from its own card's catalog (the PF's
+    and every sibling VF's creatable_vgpu_types), else from the host's where no two cards
+    disagree about the id (ids are card-local). Unresolved: left without a name (logged)."""
+    by_pf: Dict[str, Dict[str, str]] = {}
+    for record in records:
+        if record.mode != VGPU:
+            continue
+        pf = record.vf.pf.function
+        catalog = by_pf.get(pf.address)
+        if catalog is None:
+            catalog = by_pf[pf.address] = parse_creatable(
+                host.read(f"{pf.path}/nvidia/creatable_vgpu_types") or "")
+        for type_id, type_name in parse_creatable(record.vf.vgpu_creatable).items():
+            catalog.setdefault(type_id, type_name)
+    host_wide: Dict[str, str] = {}
+    ambiguous = set()
+    for catalog in by_pf.values():
+        for type_id, type_name in catalog.items():
+            if host_wide.setdefault(type_id, type_name) != type_name:
+                ambiguous.add(type_id)
+    out = []
+    for record in records:
+        configured = record.vf.vgpu_type
+        if record.mode != VGPU or configured is None or configured in NO_VGPU_TYPE:
+            out.append(record)
+            continue
+        name: Optional[str] = by_pf[record.vf.pf.function.address].get(configured)
+        if name is None and configured not in ambiguous:
+            name = host_wide.get(configured)
+        if name is None:
+            log.debug("VF %s: vGPU type %s is in no creatable_vgpu_types of its card; "
+                      "it matches vgpu_type by id only", record.vf.function.address, configured)
+            out.append(record)
+            continue
+        out.append(replace(record, vgpu_name=name))
     return out
 
 
@@ -512,6 +621,8 @@ class _Matcher:
         self.pf_drivers = selector_values(selectors, "pf_kernel_driver")
         services = selector_values(selectors, "qat_services")
         self.services = None if services is None else [parse_services(str(v)) for v in services]
+        vgpu_types = selector_values(selectors, "vgpu_type")
+        self.vgpu_types = None if vgpu_types is None else {vgpu_key(str(v)) for v in vgpu_types}
 
     def __call__(self, record: VfRecord, qat: Optional[QatPf]) -> bool:
         vf = record.vf
@@ -546,5 +657,11 @@ class _Matcher:
         if self.services is not None:
             have = qat.service_set if qat is not None else None
             if have is None or have not in self.services:
+                return False
+        if self.vgpu_types is not None:
+            type_id = vf.vgpu_type
+            if type_id is None or type_id in NO_VGPU_TYPE or not (
+                    type_id in self.vgpu_types
+                    or (record.vgpu_name and vgpu_key(record.vgpu_name) in self.vgpu_types)):
                 return False
         return True

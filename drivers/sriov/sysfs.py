@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 LINK_TYPES = {1: "ether", 32: "infiniband"}
 
 _VIRTFN = re.compile(r"virtfn(\d+)\Z")
+#: The driver NVIDIA's vGPU VFs stay bound to (vendor-specific VFIO, vGPU 17+).
+NVIDIA_DRIVER = "nvidia"
 _UPLINK_PORT = re.compile(r"p\d+\Z")  # mlx5/ice switchdev uplink: phys_port_name "p0"
 _REPRESENTOR = re.compile(r"(c\d+)?pf\d+(vf|sf)\d+\Z")  # "pf0vf3": a VF representor
 
@@ -51,6 +53,11 @@ class VirtualFunction:
     netdev: Optional[NetInterface]
     rdma_devices: Tuple[str, ...]  # names in the VF's infiniband/ dir (mlx5_4)
     uio: Tuple[str, ...]  # uioN of a VF on igb_uio / uio_pci_generic
+    # NVIDIA vGPU (vendor-specific VFIO, vGPU 17+): a VF left on ``nvidia`` carries
+    # nvidia/current_vgpu_type (the numeric type id, "0" for none) and
+    # nvidia/creatable_vgpu_types ("<id> : <name>" lines); None/"" elsewhere.
+    vgpu_type: Optional[str] = None
+    vgpu_creatable: str = ""
 
     @property
     def link_type(self) -> Optional[str]:
@@ -173,6 +180,13 @@ def list_virtual_functions(
                 )
                 continue
             function = _with_pf_locality(function, pf_function)
+            vgpu_type: Optional[str] = None
+            vgpu_creatable = ""
+            if function.kernel_driver == NVIDIA_DRIVER:
+                vgpu_type = host.read(f"{function.path}/nvidia/current_vgpu_type")
+                if vgpu_type is not None:
+                    vgpu_creatable = host.read(
+                        f"{function.path}/nvidia/creatable_vgpu_types") or ""
             out.append(
                 VirtualFunction(
                     function=function,
@@ -185,6 +199,8 @@ def list_virtual_functions(
                         for name in host.listdir(f"{function.path}/uio")
                         if name.startswith("uio") and name[3:].isdigit()
                     ),
+                    vgpu_type=vgpu_type,
+                    vgpu_creatable=vgpu_creatable,
                 )
             )
     for vf_address, pf_address in sorted(claimed.items()):

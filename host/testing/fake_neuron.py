@@ -1,7 +1,9 @@
 """AWS Neuron devices (Inferentia, Trainium) for fake trees, in the aws-neuron-driver's shape.
 
 * PCI functions (neuron_device.h): vendor 0x1d0f (AMZN_VENDOR_ID), Inf1 0x7064-0x7067,
-  Inf2 0x7264, Trn1 0x7164, Trn2 0x7364, bound to the ``neuron`` PCI driver.
+  Inf2 0x7264, Trn1 0x7164, Trn2 0x7364, bound to the PCI driver ``neuron-driver``
+  (neuron_pci.c ``neuron_pci_driver.name``) of the module ``neuron`` (Kbuild), so
+  /sys/bus/pci/drivers/neuron-driver/module -> ../../../../module/neuron.
 * One char device per Neuron device (neuron_cdev.c, ``ncdev_init_device_node``):
   ``device_create(neuron_dev_class, NULL, ...)`` with *no parent*, class ``neuron_device``,
   name ``neuron<device_index>``, minor = device_index, on a dynamic major
@@ -33,16 +35,22 @@ TRN2 = 0x7364
 NEURON_MAJOR = 239
 #: The driver matches on vendor/device only and the host never reads the class: a stand-in.
 NEURON_CLASS = 0x088000
+NEURON_PCI_DRIVER = "neuron-driver"
+NEURON_MODULE = "neuron"
 
 
 def add_neuron_function(
     tree: FakeTree, address: str, *, device: int = TRN1, numa_node: Optional[int] = 0,
-    driver: Optional[str] = "neuron", parent: Optional[str] = None,
+    driver: Optional[str] = NEURON_PCI_DRIVER, parent: Optional[str] = None,
 ) -> str:
-    return tree.pci_function(
+    function = tree.pci_function(
         address, vendor=AMAZON, device=device, pci_class=NEURON_CLASS, numa_node=numa_node,
         driver=driver, parent=parent,
     )
+    if driver == NEURON_PCI_DRIVER:
+        tree.link(f"/sys/bus/pci/drivers/{driver}/module", f"/sys/module/{NEURON_MODULE}")
+        tree.mkdir(f"/sys/module/{NEURON_MODULE}/drivers")
+    return function
 
 
 def add_neuron_device(

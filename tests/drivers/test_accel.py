@@ -181,3 +181,137 @@ def test_bad_selectors_are_rejected_naming_the_key(selectors, key):
 def test_bad_settings_are_rejected(settings):
     with pytest.raises(SelectorError):
         AccelDriver().check_settings(settings)
+
+
+# -- Gaudi 3: each card's own scale-out RDMA NIC ---------------------------------------------
+GAUDI3 = ResourceConfig("habana.ai/gaudi", "accel",
+                        {"kernel_driver": "habanalabs", "device_type": "GAUDI3"})
+
+
+def test_each_gaudi3_card_gets_the_verbs_node_of_its_own_rdma_device(tree):
+    registration = (1, 0, 3, 2, 5, 4, 7, 6)
+    addresses = fa.gaudi3_server(tree, registration=registration)
+    found = devices(tree, GAUDI3)
+    assert list(found) == addresses
+    uverbs_of = {card: 2 + order for order, card in enumerate(registration)}
+    for index, address in enumerate(addresses):
+        device = found[address]
+        assert device.health is Health.HEALTHY, device.health_reason
+        assert nodes(device) == [f"/dev/accel/accel{index}", f"/dev/accel/accel_controlD{index}",
+                                 f"/dev/infiniband/uverbs{uverbs_of[index]}"]
+        assert device.attributes["rdma_devices"] == f"hbl_{index}"
+        assert device.attributes["rdma_verbs"] == f"/dev/infiniband/uverbs{uverbs_of[index]}"
+        assert device.env == {"HABANA_VISIBLE_DEVICES": str(index)}
+    # The host's own ConnectX NICs (uverbs0, uverbs1) belong to no card.
+    handed_out = {n for d in found.values() for n in nodes(d)}
+    assert not handed_out & {"/dev/infiniband/uverbs0", "/dev/infiniband/uverbs1"}
+
+
+def test_the_cdi_spec_of_a_gaudi3_card_carries_its_verbs_node(tree):
+    from host.cdi import build_spec
+
+    fa.gaudi3_server(tree, cards=2, registration=(0, 1))
+    found = devices(tree, GAUDI3)
+    spec = build_spec("habana.ai/gaudi", list(found.values()))
+    assert spec is not None
+    paths = {d["name"]: [n["path"] for n in d["containerEdits"]["deviceNodes"]]
+             for d in spec["devices"]}
+    assert sorted(paths.values()) == [
+        ["/dev/accel/accel0", "/dev/accel/accel_controlD0", "/dev/infiniband/uverbs2"],
+        ["/dev/accel/accel1", "/dev/accel/accel_controlD1", "/dev/infiniband/uverbs3"]]
+
+
+# One Gaudi 3 card as sysfs shows it with habanalabs, hbl and ib_uverbs loaded, beside a host
+# NIC that registered first (relative links as the kernel makes them; ports cut to two).
+GAUDI3_CARD = """\
+f /sys/devices/system/node/node0/cpulist "0-15"
+f /sys/devices/system/node/possible "0"
+f /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/vendor "0x1da3"
+f /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/device "0x1060"
+f /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/class "0x120000"
+f /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/enable "1"
+f /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/numa_node "0"
+f /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/status "operational"
+f /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/device_type "GAUDI3"
+f /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/module_id "2"
+l /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/driver -> ../../../../bus/pci/drivers/habanalabs
+l /sys/bus/pci/devices/0000:19:00.0 -> ../../../devices/pci0000:16/0000:16:02.0/0000:19:00.0
+f /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/accel/accel0/dev "261:0"
+f /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/accel/accel0/uevent "MAJOR=261\\nMINOR=0\\n\
+DEVNAME=accel/accel0\\nDEVTYPE=accel_minor"
+l /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/accel/accel0/device -> ../../../0000:19:00.0
+l /sys/class/accel/accel0 -> ../../devices/pci0000:16/0000:16:02.0/0000:19:00.0/accel/accel0
+f /sys/devices/virtual/accel/accel_controlD0/dev "509:0"
+f /sys/devices/virtual/accel/accel_controlD0/uevent "MAJOR=509\\nMINOR=0\\n\
+DEVNAME=accel/accel_controlD0"
+l /sys/class/accel/accel_controlD0 -> ../../devices/virtual/accel/accel_controlD0
+f /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/infiniband/hbl_0/node_type "7: unspecified"
+f /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/infiniband/hbl_0/ports/1/link_layer \
+"Ethernet"
+f /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/infiniband/hbl_0/ports/2/link_layer \
+"Ethernet"
+l /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/infiniband/hbl_0/device -> ../../../0000:19:00.0
+l /sys/class/infiniband/hbl_0 -> \
+../../devices/pci0000:16/0000:16:02.0/0000:19:00.0/infiniband/hbl_0
+f /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/infiniband_verbs/uverbs1/dev "231:193"
+f /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/infiniband_verbs/uverbs1/ibdev "hbl_0"
+f /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/infiniband_verbs/uverbs1/uevent \
+"MAJOR=231\\nMINOR=193\\nDEVNAME=infiniband/uverbs1"
+l /sys/devices/pci0000:16/0000:16:02.0/0000:19:00.0/infiniband_verbs/uverbs1/device -> \
+../../../0000:19:00.0
+l /sys/class/infiniband_verbs/uverbs1 -> \
+../../devices/pci0000:16/0000:16:02.0/0000:19:00.0/infiniband_verbs/uverbs1
+f /sys/class/infiniband_verbs/abi_version "6"
+f /sys/devices/pci0000:00/0000:00:03.0/0000:0c:00.0/vendor "0x15b3"
+f /sys/devices/pci0000:00/0000:00:03.0/0000:0c:00.0/device "0x1021"
+f /sys/devices/pci0000:00/0000:00:03.0/0000:0c:00.0/class "0x020000"
+l /sys/devices/pci0000:00/0000:00:03.0/0000:0c:00.0/driver -> ../../../../bus/pci/drivers/mlx5_core
+l /sys/bus/pci/devices/0000:0c:00.0 -> ../../../devices/pci0000:00/0000:00:03.0/0000:0c:00.0
+l /sys/devices/pci0000:00/0000:00:03.0/0000:0c:00.0/infiniband/mlx5_0/device -> \
+../../../0000:0c:00.0
+l /sys/class/infiniband/mlx5_0 -> \
+../../devices/pci0000:00/0000:00:03.0/0000:0c:00.0/infiniband/mlx5_0
+f /sys/devices/pci0000:00/0000:00:03.0/0000:0c:00.0/infiniband_verbs/uverbs0/ibdev "mlx5_0"
+f /sys/devices/pci0000:00/0000:00:03.0/0000:0c:00.0/infiniband_verbs/uverbs0/uevent \
+"MAJOR=231\\nMINOR=192\\nDEVNAME=infiniband/uverbs0"
+l /sys/class/infiniband_verbs/uverbs0 -> \
+../../devices/pci0000:00/0000:00:03.0/0000:0c:00.0/infiniband_verbs/uverbs0
+c /dev/accel/accel0 261:0
+c /dev/accel/accel_controlD0 509:0
+c /dev/infiniband/uverbs0 231:192
+c /dev/infiniband/uverbs1 231:193
+"""
+
+
+def test_a_real_gaudi3_card_tree_hands_out_its_scale_out_verbs_node(tree):
+    tree.load(GAUDI3_CARD)
+    device = devices(tree, GAUDI3)["0000:19:00.0"]
+    assert device.health is Health.HEALTHY, device.health_reason
+    assert nodes(device) == ["/dev/accel/accel0", "/dev/accel/accel_controlD0",
+                             "/dev/infiniband/uverbs1"]
+    assert device.numa_nodes == (0,)
+
+
+def test_a_missing_verbs_node_makes_the_card_unhealthy(tree):
+    tree.load(GAUDI3_CARD)
+    tree.remove("/dev/infiniband/uverbs1")
+    device = devices(tree, GAUDI3)["0000:19:00.0"]
+    assert device.health is Health.UNHEALTHY
+    assert device.health_reason == "device node /dev/infiniband/uverbs1 missing"
+
+
+def test_without_ib_uverbs_the_card_is_served_with_its_accel_nodes(tree):
+    tree.numa_nodes(1)
+    function = fa.add_gaudi(tree, "0000:19:00.0", 0, device=fa.GAUDI3)
+    fa.add_hbl_nic(tree, function, 0, None)
+    device = devices(tree, GAUDI3)["0000:19:00.0"]
+    assert device.health is Health.HEALTHY, device.health_reason
+    assert nodes(device) == ["/dev/accel/accel0", "/dev/accel/accel_controlD0"]
+    assert device.attributes["rdma_devices"] == "hbl_0"
+    assert device.attributes["rdma_verbs"] == ""
+
+
+def test_a_gaudi2_without_rdma_devices_is_unchanged(tree):
+    fa.gaudi_server(tree, cards=2)
+    assert all("rdma_devices" not in d.attributes and len(d.device_nodes) == 2
+               for d in devices(tree, GAUDI).values())

@@ -54,6 +54,34 @@ def test_one_device_on_one_numa_node_is_proven(tree):
     assert device.attributes["device_name"] == "Inferentia2"
 
 
+def test_an_inf2_xlarge_bound_the_way_the_real_driver_binds_it_is_on_node_0(tree):
+    """aws-neuron-driver's PCI driver is ``neuron-driver`` (module ``neuron``): the tree as an
+    inf2.xlarge shows it, built here by hand, not through the fixture's defaults."""
+    tree.numa_nodes(1, cpus_per_node=4)
+    tree.pci_function("0000:00:1f.0", vendor=fn.AMAZON, device=fn.INF2,
+                      pci_class=fn.NEURON_CLASS, numa_node=0, driver="neuron-driver")
+    tree.link("/sys/bus/pci/drivers/neuron-driver/module", "/sys/module/neuron")
+    fn.add_neuron_device(tree, 0, device_name="Inferentia2", instance_type="inf2.xlarge")
+    device = devices(tree)["neuron0"]
+    assert device.numa_nodes == (0,)
+    assert device.attributes["numa_source"] == "every neuron PCI function is on this node"
+
+
+def test_a_function_counts_by_its_drivers_module_and_vfio_functions_do_not(tree):
+    tree.numa_nodes(2)
+    tree.pci_function("0000:00:1f.0", vendor=fn.AMAZON, device=fn.INF2,
+                      pci_class=fn.NEURON_CLASS, numa_node=1, driver="neuron_pci")
+    tree.link("/sys/bus/pci/drivers/neuron_pci/module", "/sys/module/neuron")
+    fn.add_neuron_device(tree, 0)
+    assert devices(tree)["neuron0"].numa_nodes == (1,)
+    # A second Inferentia handed to a VM (vfio-pci) is not the host driver's: the one
+    # function still proves the one device's node.
+    tree.pci_function("0000:00:1e.0", vendor=fn.AMAZON, device=fn.INF2,
+                      pci_class=fn.NEURON_CLASS, numa_node=0, driver="vfio-pci")
+    tree.link("/sys/bus/pci/drivers/vfio-pci/module", "/sys/module/vfio_pci")
+    assert devices(tree)["neuron0"].numa_nodes == (1,)
+
+
 def test_all_functions_on_one_socket_prove_the_node_but_a_count_mismatch_does_not(tree):
     tree.numa_nodes(2)
     fn.add_neuron_function(tree, "0000:10:1e.0", numa_node=1)

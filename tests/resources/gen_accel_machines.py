@@ -27,6 +27,7 @@ from host.testing import fake_accel as fa  # noqa: E402
 from host.testing import fake_gpu as fg  # noqa: E402
 from host.testing import fake_neuron as fn  # noqa: E402
 from host.testing import fake_pci as fp  # noqa: E402
+from host.testing import fake_vgpu as fv  # noqa: E402
 from host.testing.tree import FakeTree  # noqa: E402
 
 MACHINES = REPO / "host" / "testing" / "machines"
@@ -35,6 +36,14 @@ MACHINES = REPO / "host" / "testing" / "machines"
 def gaudi_node(tree: FakeTree) -> None:
     """An HLS-2 style Gaudi2 server: 8 cards behind two sockets' root ports, BMC VGA."""
     fa.gaudi_server(tree)
+    tree.pci_function("0000:03:00.0", vendor=0x1A03, device=0x2000, pci_class=0x030000,
+                      numa_node=0, driver="ast")
+
+
+def gaudi3_node(tree: FakeTree) -> None:
+    """An HLS-3 style Gaudi 3 server: 8 cards, each with its hbl_N RDMA device registered in
+    probe order after the two host NICs, BMC VGA."""
+    fa.gaudi3_server(tree)
     tree.pci_function("0000:03:00.0", vendor=0x1A03, device=0x2000, pci_class=0x030000,
                       numa_node=0, driver="ast")
 
@@ -62,12 +71,25 @@ def edge_npu_box(tree: FakeTree) -> None:
     fp.add_hailo8(tree, "0000:02:00.0", parent=bridge, iommu_group=14)
 
 
+def vgpu_node(tree: FakeTree) -> None:
+    """A KubeVirt host with two L40S in SR-IOV vGPU mode: on the first, two of four VFs set to
+    L40S-24Q (the others free, listing only 24Q as creatable); the second card full with two
+    24Q VFs, its catalogs reduced to the header (the name comes from the first card's)."""
+    tree.numa_nodes(2, cpus_per_node=16)
+    fv.l40s_vgpu(tree, "0000:41:00.0", vf_types=("1151", "1151", None, None), numa_node=0,
+                 vf_iommu_group=70)
+    fv.l40s_vgpu(tree, "0000:c1:00.0", vf_types=("1151", "1151"), numa_node=1,
+                 vf_iommu_group=90, full=True, vfio_dev_base=2)
+
+
 #: machine name -> (builder, example config)
 BUILDERS: Dict[str, Tuple[Callable[[FakeTree], None], str]] = {
     "gaudi-node": (gaudi_node, "gaudi-node"),
+    "gaudi3-node": (gaudi3_node, "gaudi3-node"),
     "npu-laptop": (npu_laptop, "npu-laptop"),
     "trainium-node": (trainium_node, "trainium-node"),
     "edge-npu-box": (edge_npu_box, "edge-npu"),
+    "vgpu-node": (vgpu_node, "vgpu-node"),
 }
 
 
