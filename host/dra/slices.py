@@ -292,7 +292,7 @@ def has_taints(obj: Mapping[str, Any]) -> bool:
 
 
 def _without_server_fields(devices: Any) -> Any:
-    """Stored devices less what the API server sets itself (a taint's ``timeAdded``)."""
+    """Devices less what the API server sets itself (a taint's ``timeAdded``)."""
     if not devices or not any(d.get("taints") for d in devices):
         return devices
     out = []
@@ -305,13 +305,15 @@ def _without_server_fields(devices: Any) -> Any:
 
 
 def same_content(desired: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
-    """Whether ``stored`` already says what ``desired`` says, the generation aside."""
+    """Whether ``stored`` already says what ``desired`` says, the generation and the taint
+    times the server sets aside (either side may carry them)."""
     want = desired.get("spec") or {}
     have = stored.get("spec") or {}
     for key in ("driver", "nodeName", "sharedCounters"):
         if (want.get(key) or None) != (have.get(key) or None):
             return False
-    if (want.get("devices") or None) != (_without_server_fields(have.get("devices")) or None):
+    if (_without_server_fields(want.get("devices")) or None) != \
+            (_without_server_fields(have.get("devices")) or None):
         return False
     want_pool, have_pool = want.get("pool") or {}, have.get("pool") or {}
     if want_pool.get("name") != have_pool.get("name") or \

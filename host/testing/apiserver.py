@@ -998,7 +998,7 @@ def _free_port() -> int:
 # service-account layout are the stand-in's own.
 SHARED_HELPERS = ("url", "kubeconfig_path", "start", "stop", "close", "add_node",
                   "put_resource_claim", "delete_resource_claim", "resource_slices", "devices",
-                  "delete_slices_of_node", "put_resource_slice", "wait_for")
+                  "delete_slices_of_node", "put_resource_slice", "wait_for", "device_taints")
 
 
 class RealApiServer:
