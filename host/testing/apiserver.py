@@ -560,8 +560,12 @@ class ApiServerStandIn:
             if inspect.isawaitable(result):
                 await result
         if self.events_before_answers:
+            # The newest event, not the newest revision: writes no watch reports (claims,
+            # Nodes made without a watcher) bump the revision too, and no watch ever "sends"
+            # up to them.
             with self._lock:
-                revision = self._state.revision
+                events = self._state.events
+                revision = events[-1][0] if events else 0
             await self._watches_reached(revision)
 
     async def _watches_reached(self, revision: int, timeout_s: float = 0.25) -> None:
