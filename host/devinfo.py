@@ -47,7 +47,7 @@ from typing import (
 
 from host import fileio
 from host.model import Device, ResourceConfig
-from host.tasks import Background
+from host.tasks import Background, cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -261,11 +261,6 @@ class DeviceInfoReconciler:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(task)
         for resource in self._wanted():
             self.remove_resource(resource)

@@ -38,6 +38,7 @@ from host.protocol import KUBELET_SOCKET, VERSION, api
 from host.service import SERVER_OPTIONS, DevicePluginService
 from host.socket_names import GRPC_MAX_SOCKET_PATH, socket_file_name
 from host.socket_probe import PluginDirError, bind_problem, dir_problem
+from host.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -131,12 +132,7 @@ class Endpoint:
         self._closing = True
         if self._retry is not None:
             self._retry.cancel()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         await self._stop_server()
 
     # -- the reconcile loop ----------------------------------------------------------------

@@ -21,6 +21,18 @@ from typing import Any, Awaitable, Callable, Coroutine, Dict, Hashable, List, Op
 log = logging.getLogger(__name__)
 
 
+async def cancel_and_wait(task: Optional[asyncio.Task[Any]]) -> None:
+    """Cancel ``task`` (None: nothing) and return once it has finished; its cancellation is
+    the expected end, not an error."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
 class Background:
     """The tasks and timers of one owner (the host); nothing starts once it is closed."""
 

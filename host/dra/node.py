@@ -24,6 +24,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from host.dra.kube import KubeError
+from host.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +74,7 @@ class NodeWatch:
 
     async def close(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(task)
 
     # -- the state ------------------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 from host.dra.kube import KubeClient, KubeError
 from host.dra.slices import build_slices, has_taints, same_content, uses_counters
 from host.model import Device
+from host.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -303,12 +304,7 @@ class SlicePublisher:
     async def stop(self, delete: bool = False, timeout_s: float = 5.0) -> None:
         """Stop the owner task; with ``delete``, remove our slices (best effort, bounded)."""
         for task in (self._watch_task, self._task):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
+            await cancel_and_wait(task)
         self._task = self._watch_task = None
         if delete:
             try:

@@ -33,6 +33,7 @@ from host.dra.protocol import registration as reg_api
 from host.dra.protocol import registration_grpc
 from host.inotify import DirectoryWatch
 from host.socket_names import MAX_SOCKET_PATH
+from host.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -191,12 +192,7 @@ class PluginWatcherEndpoint:
         for watch in self._watches:
             watch.close()
         self._watches.clear()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         await self.registration.stop()
         await self.service.stop()
         self.registered = False

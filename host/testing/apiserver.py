@@ -366,14 +366,7 @@ class ApiServerStandIn:
 
     def delete_node(self, name: str) -> bool:
         """``kubectl delete node``: the Node goes (no finalizers); its slices stay."""
-        with self._lock:
-            node = self._state.nodes.pop(name, None)
-            if node is None:
-                return False
-            self._bump()
-            self._event("DELETED", node)
-            self._notify()
-            return True
+        return self._delete_from(self._state.nodes, name)
 
     def collect_garbage(self) -> int:
         """What the garbage collector does: delete every ResourceSlice whose Node owner (by
@@ -445,8 +438,12 @@ class ApiServerStandIn:
 
     def delete_slice(self, name: str) -> bool:
         """Delete one slice as another client would (its DELETED event included)."""
+        return self._delete_from(self._state.slices, name)
+
+    def _delete_from(self, table: Dict[str, Dict[str, Any]], name: str) -> bool:
+        """Remove ``name`` from ``table`` with its DELETED event; False if it was not there."""
         with self._lock:
-            old = self._state.slices.pop(name, None)
+            old = table.pop(name, None)
             if old is None:
                 return False
             self._bump()
