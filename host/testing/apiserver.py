@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import bisect
 import copy
 import inspect
 import json
@@ -149,14 +150,30 @@ class _Failure:
     reason: str
 
 
+@dataclass(frozen=True)
+class _Event:
+    """One watch event as the watch cache keeps it: serialized once, as the apiserver's
+    cacher keeps an event's encoding, so the history holds no object graph (a deep copy per
+    event made every full garbage collection of the process walk the whole history, a pause
+    that grew with every write and landed on whatever a benchmark was timing)."""
+
+    revision: int
+    kind: str  # the object's kind: "ResourceSlice" or "Node"
+    fields: Tuple[Tuple[str, str], ...]  # the field-selector values of the object
+    line: bytes  # {"type", "object"} as one JSON line, the watch's chunk payload
+
+    def field(self, name: str) -> str:
+        return dict(self.fields).get(name, "")
+
+
 @dataclass
 class _State:
     slices: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     nodes: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     claims: Dict[Tuple[str, str], Dict[str, Any]] = field(default_factory=dict)
     revision: int = 1
-    # The watch cache's history of ResourceSlice events: (revision, type, object).
-    events: List[Tuple[int, str, Dict[str, Any]]] = field(default_factory=list)
+    # The watch cache's history of events, oldest first (revisions ascending).
+    events: List[_Event] = field(default_factory=list)
     compacted: int = 0  # a watch from an older resourceVersion gets 410 Expired
 
 
@@ -562,7 +579,7 @@ class ApiServerStandIn:
             # up to them.
             with self._lock:
                 events = self._state.events
-                revision = events[-1][0] if events else 0
+                revision = events[-1].revision if events else 0
             await self._watches_reached(revision)
 
     async def _watches_reached(self, revision: int, timeout_s: float = 0.25) -> None:
@@ -679,9 +696,14 @@ class ApiServerStandIn:
     def _event(self, kind: str, obj: Dict[str, Any]) -> None:
         """Record a ResourceSlice event at the current revision and wake open watches (a
         deleted object carries the revision of its deletion, as etcd's watch reports it)."""
-        item = copy.deepcopy(obj)
-        item.setdefault("metadata", {})["resourceVersion"] = str(self._state.revision)
-        self._state.events.append((self._state.revision, kind, item))
+        item = dict(obj)
+        item["metadata"] = dict(obj.get("metadata") or {},
+                                resourceVersion=str(self._state.revision))
+        line = json.dumps({"type": kind, "object": item}, separators=(",", ":")) + "\n"
+        self._state.events.append(_Event(
+            self._state.revision, str(item.get("kind", "ResourceSlice")),
+            tuple((name, _slice_field(item, name)) for name in SLICE_FIELDS),
+            line.encode()))
         loop = self._loop
         if loop is not None and self._watch_wakers:
             loop.call_soon_threadsafe(self._wake_watchers)
@@ -749,10 +771,16 @@ class ApiServerStandIn:
             return obj.get("kind", "ResourceSlice") == kind_watched and all(
                 (_slice_field(obj, n) == v) == eq for n, v, eq in terms)
 
+        def event_matches(event: _Event) -> bool:
+            return event.kind == kind_watched and all(
+                (event.field(n) == v) == eq for n, v, eq in terms)
+
+        def framed(raw: bytes) -> bytes:
+            return f"{len(raw):x}\r\n".encode() + raw + b"\r\n"
+
         def chunk(kind: str, obj: Dict[str, Any]) -> bytes:
             line = json.dumps({"type": kind, "object": obj}, separators=(",", ":")) + "\n"
-            raw = line.encode()
-            return f"{len(raw):x}\r\n".encode() + raw + b"\r\n"
+            return framed(line.encode())
 
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                      b"Transfer-Encoding: chunked\r\n\r\n")
@@ -785,12 +813,13 @@ class ApiServerStandIn:
                     self._watch_progress.set()
                 waker.clear()
                 with self._lock:
-                    fresh = [(rv, kind, obj) for rv, kind, obj in self._state.events
-                             if rv > seen]
-                for rv, kind, obj in fresh:
-                    seen = rv
-                    if matches(obj):
-                        writer.write(chunk(kind, obj))
+                    events = self._state.events
+                    first = bisect.bisect_right(events, seen, key=lambda e: e.revision)
+                    fresh = events[first:]
+                for event in fresh:
+                    seen = event.revision
+                    if event_matches(event):
+                        writer.write(framed(event.line))
                 if fresh:
                     continue
                 remaining = deadline - time.monotonic()

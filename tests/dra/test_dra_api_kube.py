@@ -488,3 +488,43 @@ def test_kubebuilder_assets_must_hold_both_binaries(tmp_path, monkeypatch):
     assert kubebuilder_assets() == str(tmp_path)
     monkeypatch.delenv("KUBEBUILDER_ASSETS")
     assert kubebuilder_assets() is None
+
+
+def test_the_stand_ins_watch_history_is_no_object_graph_and_still_replays():
+    """The watch history keeps every event serialized: a deep copy of each event's object
+    made every full garbage collection walk the whole history, a pause that grew with each
+    write (over 100 ms after a few thousand writes) and landed in whatever a benchmark timed.
+    A watch from an old resourceVersion still gets every event after it."""
+    import gc
+
+    devices = [{"name": f"gpu{i}", "attributes": {"model": {"string": "A100"},
+                                                   "index": {"int": i}}} for i in range(32)]
+    with ApiServerStandIn() as api:
+        first = api.put_resource_slice(a_slice(devices=devices))
+        gc.collect()
+        before = len(gc.get_objects())
+        for generation in range(2, 202):
+            api.put_resource_slice(a_slice(devices=devices, generation=generation))
+        gc.collect()
+        grown = len(gc.get_objects()) - before
+        assert grown < 200 * 5, f"{grown} objects tracked for 200 events"
+
+        async def replay():
+            client = KubeClient.from_settings(api.kubeconfig_path)
+            try:
+                seen = []
+                watch = client.watch_node_slices("node-a", first["metadata"]["resourceVersion"])
+                async for event in watch:
+                    seen.append((event["type"], event["object"]["spec"]["pool"]["generation"],
+                                 event["object"]["spec"]["devices"][31]["attributes"]))
+                    if len(seen) == 200:
+                        break
+                return seen
+            finally:
+                await client.close()
+
+        import asyncio
+        seen = asyncio.run(replay())
+        assert [g for _, g, _ in seen] == list(range(2, 202))
+        assert {t for t, _, _ in seen} == {"MODIFIED"}
+        assert seen[-1][2] == {"model": {"string": "A100"}, "index": {"int": 31}}
