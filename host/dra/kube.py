@@ -327,6 +327,9 @@ class KubeClient:
     async def get_node(self, name: str) -> Dict[str, Any]:
         return await self._call("GET", f"/api/v1/nodes/{name}")
 
+    async def get_pod(self, namespace: str, name: str) -> Dict[str, Any]:
+        return await self._call("GET", f"/api/v1/namespaces/{namespace}/pods/{name}")
+
     async def get_resource_claim(self, namespace: str, name: str) -> Dict[str, Any]:
         return await self._call(
             "GET", f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims/{name}")

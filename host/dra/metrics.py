@@ -31,8 +31,18 @@ class DraMetrics:
             "the host waits for the kubelet to register it (no ResourceSlices are written)",
             registry=registry)
 
+        self.env_fallbacks = Counter(
+            PREFIX + "dra_container_env_fallbacks", "Claims prepared with each request's "
+            "list-valued env naming only that request's devices, since the pod or its other "
+            "claims could not be read (unreadable) or the containers referencing a request "
+            "receive different devices (containers_disagree)", ("driver", "reason"),
+            registry=registry)
+
     def claim(self, driver: str, outcome: str) -> None:
         self.claims.labels(driver, outcome).inc()
+
+    def env_fallback(self, driver: str, reason: str) -> None:
+        self.env_fallbacks.labels(driver, reason).inc()
 
     def call(self, driver: str, call: str, seconds: float, prepared: int) -> None:
         self.seconds.labels(driver, call).observe(seconds)

@@ -27,7 +27,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import (
     Any,
     AsyncIterator,
@@ -44,7 +44,7 @@ from typing import (
 import grpc
 
 from host import allocation
-from host.dra import claim_cdi, hardware, taints
+from host.dra import claim_cdi, containers, hardware, taints
 from host.dra.atomic import remove_file
 from host.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from host.dra.protocol import DRA_HEALTH_SERVICE, DRA_WIRE_SERVICES, dra_health, dra_v1, dra_v1beta1
@@ -67,6 +67,8 @@ MAX_CLAIMS_PER_CALL = 10_000
 
 class ClaimReader(Protocol):
     async def get_resource_claim(self, namespace: str, name: str) -> Dict[str, Any]: ...
+
+    async def get_pod(self, namespace: str, name: str) -> Dict[str, Any]: ...
 
 
 class ClaimError(Exception):
@@ -120,6 +122,7 @@ class DraService:
         self.claim_get_timeout_s = claim_get_timeout_s
         self._locks: Dict[str, Tuple[asyncio.Lock, int]] = {}  # claim uid -> (lock, users)
         self.prepared_calls = 0
+        self.env_fallbacks = 0  # claims whose list-valued env stayed per request
         self.metrics: Optional[Any] = None  # host.dra.metrics.DraMetrics
         self._health_version = 0
         self._health_wake: Optional[asyncio.Future] = None
@@ -311,7 +314,9 @@ class DraService:
                       for result, device in picked}
         self._reserve(uid, picked, footprints)
         try:
-            return await self._prepare_devices(namespace, name, uid, pods, picked, footprints)
+            unions = await self._container_unions(namespace, name, pods, picked)
+            return await self._prepare_devices(namespace, name, uid, pods, picked, footprints,
+                                               unions)
         finally:
             self.checkpoint.reserved.pop(uid, None)
 
@@ -353,6 +358,7 @@ class DraService:
     async def _prepare_devices(
         self, namespace: str, name: str, uid: str, pods: List[Dict[str, Any]],
         picked: List[Tuple[Dict[str, Any], Device]], footprints: Dict[str, Tuple[str, ...]],
+        unions: Dict[containers.Entry, List[Device]],
     ) -> PreparedClaim:
         by_pool: Dict[str, List[Tuple[Dict[str, Any], Device]]] = {}
         for result, device in picked:
@@ -366,9 +372,16 @@ class DraService:
                 by_request: Dict[str, List[Device]] = {}
                 for result, device in items:
                     by_request.setdefault(str(result.get("request", "")), []).append(device)
-                groups = [claim_cdi.RequestGroup(request, devices,
-                                                 await self._hooks(pool, devices))
-                          for request, devices in by_request.items()]
+                groups = []
+                for request, devices in by_request.items():
+                    merged = await self._hooks(pool, devices)
+                    union = unions.get((pool_name, request))
+                    if union is not None and [d.id for d in union] != [d.id for d in devices]:
+                        # What every container referencing this request receives from the
+                        # pool over all its claims: its list-valued env, in every such entry.
+                        whole = await self._merge(pool, union)
+                        merged = replace(merged, envs=dict(merged.envs, **whole.envs))
+                    groups.append(claim_cdi.RequestGroup(request, devices, merged))
                 spec, ids = claim_cdi.build_claim_spec(uid, pool.resource.name, groups)
                 path = claim_cdi.spec_path(self.cdi_dir, uid, pool.resource.name)
                 try:  # fsynced: off the loop, which serves every other resource meanwhile
@@ -437,7 +450,100 @@ class DraService:
                         device.id, reason, shown)
         return result, device
 
-    async def _hooks(self, pool: DraPool, devices: List[Device]) -> ContainerAllocation:
+    async def _container_unions(
+        self, namespace: str, name: str, pods: List[Dict[str, Any]],
+        picked: List[Tuple[Dict[str, Any], Device]],
+    ) -> Dict[containers.Entry, List[Device]]:
+        """Per (pool, request) of this claim, the devices of that pool that every container
+        referencing it receives over all its claims (host.dra.containers), read from the
+        claim's pods and their other claims. Entries whose containers disagree are left out,
+        and so is every entry when a pod or claim cannot be read: those keep the request's own
+        devices in their env (one warning per claim, counted)."""
+        if not picked:
+            return {}
+        entries = list(dict.fromkeys((str(r["pool"]), str(r.get("request", "")))
+                                     for r, _ in picked))
+        results_of: Dict[str, List[Tuple[str, str, str]]] = {
+            name: [(str(r["pool"]), str(r["device"]), str(r.get("request", "")))
+                   for r, _ in picked]}
+        refs: List[List[containers.Ref]] = []
+        try:
+            for ref in pods:
+                pod = await self._read("Pod", self._get_pod, namespace, str(ref.get("name")))
+                if (pod.get("metadata") or {}).get("uid") != ref.get("uid"):
+                    raise ClaimError(f"Pod {namespace}/{ref.get('name')} has another UID than "
+                                     "the claim is reserved for")
+                by_container = containers.container_refs(pod)
+                if by_container is None:
+                    raise ClaimError(f"Pod {namespace}/{ref.get('name')} references a claim "
+                                     "whose ResourceClaim is not named yet")
+                refs.extend(r for r in by_container.values()
+                            if any(claim == name for claim, _ in r))
+            for other in sorted({c for r in refs for c, _ in r} - {name}):
+                claim = await self._read("ResourceClaim", self.claims.get_resource_claim,
+                                         namespace, other)
+                results_of[other] = [
+                    (str(r.get("pool")), str(r.get("device")), str(r.get("request", "")))
+                    for r in ((((claim.get("status") or {}).get("allocation") or {})
+                               .get("devices") or {}).get("results") or ())
+                    if isinstance(r, dict) and r.get("driver") == self.driver_name]
+        except ClaimError as error:
+            self._env_fallback(namespace, name, "unreadable", str(error))
+            return {}
+        agreed, disagree = containers.unions(name, entries, refs, results_of)
+        out: Dict[containers.Entry, List[Device]] = {}
+        for (pool_name, request), names in agreed.items():
+            pool = self.pools.get(pool_name)
+            devices = [pool.by_name.get(n) for n in names] if pool is not None else [None]
+            if all(d is not None for d in devices):
+                out[(pool_name, request)] = [d for d in devices if d is not None]
+            else:
+                disagree.append((pool_name, request))
+        if disagree:
+            self._env_fallback(
+                namespace, name, "containers_disagree",
+                "the containers referencing request(s) " + ", ".join(
+                    sorted({r or "(all)" for _, r in disagree})) + " receive different devices "
+                "of this driver over their claims")
+        return out
+
+    async def _get_pod(self, namespace: str, name: str) -> Dict[str, Any]:
+        get = getattr(self.claims, "get_pod", None)
+        if get is None:
+            raise ClaimError("no Pod reader")
+        result: Dict[str, Any] = await get(namespace, name)
+        return result
+
+    async def _read(self, kind: str, get: Callable[[str, str], Any], namespace: str,
+                    name: str) -> Dict[str, Any]:
+        try:
+            result: Dict[str, Any] = await asyncio.wait_for(get(namespace, name),
+                                                            self.claim_get_timeout_s)
+            return result
+        except ClaimError:
+            raise
+        except asyncio.TimeoutError:
+            raise ClaimError(f"reading {kind} {namespace}/{name} took longer than "
+                             f"{self.claim_get_timeout_s:g} s") from None
+        except Exception as error:
+            status = getattr(error, "status", None)
+            reason = getattr(error, "reason", None) or str(error) or type(error).__name__
+            where = f"HTTP {status}: " if status else ""
+            raise ClaimError(f"cannot read {kind} {namespace}/{name}: {where}{reason}") from None
+
+    def _env_fallback(self, namespace: str, name: str, reason: str, detail: str) -> None:
+        self.env_fallbacks += 1
+        log.warning("driver %s: claim %s/%s: each request's env lists only that request's "
+                    "devices (a container with more devices of this driver may see fewer "
+                    "in it): %s", self.driver_name, namespace, name, detail)
+        if self.metrics is not None:
+            try:
+                self.metrics.env_fallback(self.driver_name, reason)
+            except Exception:
+                log.exception("DRA metrics failed")
+
+    async def _merge(self, pool: DraPool, devices: List[Device]) -> ContainerAllocation:
+        """The driver's merge (its allocate hook, if any) of ``devices``."""
         merged = allocation.merge(devices)
         driver, resource = pool.driver, pool.resource
         if implements(driver, "allocate"):
@@ -449,6 +555,11 @@ class DraService:
             if not isinstance(merged, ContainerAllocation):
                 raise ClaimError(f"driver {driver.name!r} allocate returned "
                                  f"{type(merged).__name__}, not ContainerAllocation")
+        return merged
+
+    async def _hooks(self, pool: DraPool, devices: List[Device]) -> ContainerAllocation:
+        merged = await self._merge(pool, devices)
+        driver, resource = pool.driver, pool.resource
         try:
             needs = bool(driver.needs_pre_start(resource))
         except Exception:

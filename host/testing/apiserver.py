@@ -4,7 +4,8 @@
 it alike), what kube-apiserver serves for: ResourceSlice create / update / delete / get / list
 (field selectors spec.nodeName, spec.driver and metadata.name, as upstream's
 addConversionFuncs in pkg/apis/resource/v1 allows; any other label is a 400), ResourceClaim
-get, Node get, list and watch (field selector metadata.name only). Like the real server it
+get, Pod get (``put_pod``), Node get, list and watch (field selector metadata.name only).
+Like the real server it
   * validates slices with upstream's rules (host/testing/resource_validation.py) and answers
     422 with a Status whose details.causes name the fields;
   * keeps one resourceVersion counter (etcd's revision) and answers 409 Conflict to an update
@@ -171,6 +172,7 @@ class _State:
     slices: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     nodes: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     claims: Dict[Tuple[str, str], Dict[str, Any]] = field(default_factory=dict)
+    pods: Dict[Tuple[str, str], Dict[str, Any]] = field(default_factory=dict)
     revision: int = 1
     # The watch cache's history of events, oldest first (revisions ascending).
     events: List[_Event] = field(default_factory=list)
@@ -416,6 +418,19 @@ class ApiServerStandIn:
     def delete_resource_claim(self, namespace: str, name: str) -> None:
         with self._lock:
             self._state.claims.pop((namespace, name), None)
+
+    def put_pod(self, obj: Dict[str, Any]) -> Dict[str, Any]:
+        """Create (or replace) a Pod with its status as given; the stored Pod is returned."""
+        pod = copy.deepcopy(obj)
+        meta = pod.setdefault("metadata", {})
+        meta.setdefault("namespace", "default")
+        meta.setdefault("uid", str(uuid.uuid4()))
+        pod.setdefault("apiVersion", "v1")
+        pod.setdefault("kind", "Pod")
+        with self._lock:
+            meta["resourceVersion"] = self._bump()
+            self._state.pods[(meta["namespace"], meta["name"])] = pod
+            return copy.deepcopy(pod)
 
     def resource_slices(self, driver: Optional[str] = None,
                         node: Optional[str] = None) -> List[Dict[str, Any]]:
@@ -666,6 +681,9 @@ class ApiServerStandIn:
             return "get", self._get_node, (segs[3],)
         if method == "GET" and segs == ["api", "v1", "nodes"]:
             return "list", self._list_nodes, ()
+        if method == "GET" and len(segs) == 6 and segs[:3] == ["api", "v1", "namespaces"] \
+                and segs[4] == "pods":
+            return "get", self._get_pod, (segs[3], segs[5])
         if path.startswith(RESOURCE_PREFIX):
             rest = segs[3:]
             if len(rest) == 4 and rest[0] == "namespaces" and rest[2] == "resourceclaims" \
@@ -869,6 +887,11 @@ class ApiServerStandIn:
         claim = self._state.claims.get((namespace, name))
         return (200, copy.deepcopy(claim)) if claim else _not_found("resourceclaims", name)
 
+    def _get_pod(self, namespace: str, name: str, obj: Any,
+                 query: Dict[str, str]) -> Tuple[int, Any]:
+        pod = self._state.pods.get((namespace, name))
+        return (200, copy.deepcopy(pod)) if pod else _not_found("pods", name)
+
     def _get_slice(self, name: str, obj: Any, query: Dict[str, str]) -> Tuple[int, Any]:
         stored = self._state.slices.get(name)
         return (200, copy.deepcopy(stored)) if stored else _not_found("resourceslices", name)
@@ -1027,7 +1050,8 @@ def _free_port() -> int:
 # each of these, with the same parameters. Counters, failure injection, ``compact`` and the
 # service-account layout are the stand-in's own.
 SHARED_HELPERS = ("url", "kubeconfig_path", "start", "stop", "close", "add_node",
-                  "put_resource_claim", "delete_resource_claim", "resource_slices", "devices",
+                  "put_resource_claim", "delete_resource_claim", "put_pod", "resource_slices",
+                  "devices",
                   "delete_slices_of_node", "put_resource_slice", "wait_for", "device_taints")
 
 
@@ -1251,6 +1275,25 @@ class RealApiServer:
         if code >= 300 and code != 404:
             raise RuntimeError(f"delete_resource_claim: {code} {body}")
 
+    def put_pod(self, obj: Dict[str, Any]) -> Dict[str, Any]:
+        pod = copy.deepcopy(obj)
+        meta = pod.setdefault("metadata", {})
+        namespace = meta.setdefault("namespace", "default")
+        pod.setdefault("apiVersion", "v1")
+        pod.setdefault("kind", "Pod")
+        base = f"/api/v1/namespaces/{namespace}/pods"
+        status_part = pod.pop("status", None)
+        self._request("DELETE", f"{base}/{meta['name']}?gracePeriodSeconds=0")
+        code, created = self._request("POST", base, pod)
+        if code >= 300:
+            raise RuntimeError(f"put_pod: {code} {created}")
+        if status_part:
+            created["status"] = dict(created.get("status") or {}, **status_part)
+            code, created = self._request("PUT", f"{base}/{meta['name']}/status", created)
+            if code >= 300:
+                raise RuntimeError(f"put_pod status: {code} {created}")
+        return created
+
     def resource_slices(self, driver: Optional[str] = None,
                         node: Optional[str] = None) -> List[Dict[str, Any]]:
         terms = []
@@ -1292,9 +1335,12 @@ class RealApiServer:
             self.start()
         namespaces = {c["metadata"]["namespace"] for c in self._list(
             f"{RESOURCE_PREFIX}/resourceclaims")}
+        pod_namespaces = {p["metadata"]["namespace"] for p in self._list("/api/v1/pods")}
         for path in [f"{RESOURCE_PREFIX}/resourceslices", "/api/v1/nodes",
                      *(f"{RESOURCE_PREFIX}/namespaces/{ns}/resourceclaims"
-                       for ns in sorted(namespaces))]:
+                       for ns in sorted(namespaces)),
+                     *(f"/api/v1/namespaces/{ns}/pods?gracePeriodSeconds=0"
+                       for ns in sorted(pod_namespaces))]:
             code, body = self._request("DELETE", path)
             if code >= 300:
                 raise RuntimeError(f"reset: DELETE {path}: {code} {body}")

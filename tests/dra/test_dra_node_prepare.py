@@ -87,8 +87,25 @@ class Node:
         return self.claim_of({request: devices}, pod_uid, name=name, reserved=reserved,
                              driver=driver, pool=pool)
 
+    def pod(self, name: str, claims, containers) -> str:
+        """A Pod in the API server whose ``containers`` map a container name to its
+        (claim, request) references ("" the whole claim), each pod claim naming the
+        ResourceClaim of the same name; its uid."""
+        spec = {
+            "resourceClaims": [{"name": c, "resourceClaimName": c} for c in claims],
+            "containers": [
+                {"name": c, "image": "registry.k8s.io/pause:3.10",
+                 "resources": {"claims": [dict({"name": claim}, **({"request": r} if r else {}))
+                                          for claim, r in refs]}}
+                for c, refs in containers.items()],
+        }
+        stored = self.api.put_pod({"metadata": {"name": name, "namespace": "default"},
+                                   "spec": spec})
+        return stored["metadata"]["uid"]
+
     def claim_of(self, requests, pod_uid: str, name: str = "claim-1", reserved: bool = True,
-                 driver: str = DRIVER, pool: str = POOL, tolerations=None):
+                 driver: str = DRIVER, pool: str = POOL, tolerations=None,
+                 pod_name: str = "pod-a"):
         """A claim allocated with {request: [device, ...]}; ``tolerations`` on every result
         (and its request), as the scheduler copies them into the allocation."""
         results = []
@@ -100,7 +117,7 @@ class Node:
                 results.append(result)
         status = {"allocation": {"devices": {"results": results}}}
         if reserved:
-            status["reservedFor"] = [{"resource": "pods", "name": "pod-a", "uid": pod_uid}]
+            status["reservedFor"] = [{"resource": "pods", "name": pod_name, "uid": pod_uid}]
         spec_requests = []
         for request, devices in requests.items():
             exactly = {"deviceClassName": "gpu", "count": len(devices)}
@@ -439,18 +456,26 @@ def test_each_container_of_a_two_request_claim_sees_only_its_own_devices(short_d
     run(body())
 
 
-def test_two_claims_in_one_container_name_no_device_of_another_container(short_dir, run,
-                                                                         kube_api):
-    """CDI merges env by replacing: a variable two claims set is the later claim's in that
-    container (what no plugin can merge, since the kubelet gives each claim's ids to every
-    container that references it). Every device node arrives, and no container is told about a
+def test_two_claims_in_one_container_without_a_readable_pod_keep_env_per_request(
+        short_dir, run, kube_api, caplog):
+    """The claims' pod cannot be read (here: it is not in the API server; RBAC and outages
+    alike): each request's env names that request's devices, so a variable two claims set is
+    the later claim's in a container that references both (CDI replaces, never merges); one
+    warning per claim, counted. Every device node arrives, and no container is told about a
     device it did not receive."""
     async def body():
         async with node(short_dir, kube_api, _driver(4)) as n:
             pod = str(uuid.uuid4())
             n.claim_of({"a": ["gpu0"], "b": ["gpu1"]}, pod, name="pair")
             n.claim_of({"gpu": ["gpu2", "gpu3"]}, pod, name="more")
-            infos = await n.kubelet.prepare(pod, [("default", "pair"), ("default", "more")])
+            with caplog.at_level("WARNING", logger="host.dra.service"):
+                infos = await n.kubelet.prepare(pod, [("default", "pair"),
+                                                      ("default", "more")])
+            warned = [r.getMessage() for r in caplog.records
+                      if "lists only that request's devices" in r.getMessage()]
+            assert len(warned) == 2 and all("cannot read Pod default/pod-a: HTTP 404" in w
+                                            for w in warned), warned
+            assert n.front.services[DRIVER].env_fallbacks == 2
             pair, more = infos
             seen = _containers(n, [("pair", pair), ("more", more)], {
                 "both": [("pair", "a"), ("more", "")], "other": [("pair", "b")],
@@ -685,5 +710,93 @@ def test_a_damaged_checkpoint_is_moved_aside_with_one_error_line(short_dir, run,
             if n.kubelet is not None:
                 await n.kubelet.stop()
             await n.stop_host()
+
+    run(body())
+
+
+def _env_names_exactly_its_devices(seen):
+    for name, container in seen.items():
+        visible = container.environ()["VISIBLE"].split(",")
+        assert sorted(f"/dev/{d}" for d in visible) == container.device_paths(), name
+
+
+def test_a_container_with_two_claims_is_told_all_its_devices(short_dir, run, kube_api):
+    """The kubelet applies a container's claims one after the other and CDI keeps the last
+    value of a variable: every request entry a container receives carries the union of what
+    the container gets from the driver, so whichever comes last names all of them."""
+    async def body():
+        async with node(short_dir, kube_api, _driver(4)) as n:
+            refs = {"both": [("pair", "a"), ("more", "")], "other": [("pair", "b")],
+                    "more-first": [("more", ""), ("pair", "a")]}
+            pod = n.pod("pod-a", ["pair", "more"], refs)
+            n.claim_of({"a": ["gpu0"], "b": ["gpu1"]}, pod, name="pair")
+            n.claim_of({"gpu": ["gpu2", "gpu3"]}, pod, name="more")
+            pair, more = await n.kubelet.prepare(pod, [("default", "pair"),
+                                                       ("default", "more")])
+            seen = _containers(n, [("pair", pair), ("more", more)], refs)
+            assert seen["both"].environ() == {"VISIBLE": "gpu0,gpu2,gpu3"}
+            assert seen["more-first"].environ() == {"VISIBLE": "gpu0,gpu2,gpu3"}
+            assert seen["other"].environ() == {"VISIBLE": "gpu1"}
+            _env_names_exactly_its_devices(seen)
+            assert n.front.services[DRIVER].env_fallbacks == 0
+
+    run(body())
+
+
+def test_a_two_request_claim_used_whole_or_split_names_exactly_each_containers_devices(
+        short_dir, run, kube_api):
+    async def body():
+        async with node(short_dir, kube_api, _driver(6)) as n:
+            whole = {"all": [("whole", "")]}
+            pod = n.pod("pod-whole", ["whole"], whole)
+            n.claim_of({"train": ["gpu0", "gpu2"], "serve": ["gpu1"]}, pod, name="whole",
+                       pod_name="pod-whole")
+            [info] = await n.kubelet.prepare(pod, [("default", "whole")])
+            seen = _containers(n, [("whole", info)], whole)
+            assert seen["all"].environ() == {"VISIBLE": "gpu0,gpu2,gpu1"}
+            _env_names_exactly_its_devices(seen)
+
+            split = {"trainer": [("split", "train")], "server": [("split", "serve")]}
+            pod = n.pod("pod-split", ["split"], split)
+            n.claim_of({"train": ["gpu3", "gpu5"], "serve": ["gpu4"]}, pod, name="split",
+                       pod_name="pod-split")
+            [info] = await n.kubelet.prepare(pod, [("default", "split")])
+            seen = _containers(n, [("split", info)], split)
+            assert seen["trainer"].environ() == {"VISIBLE": "gpu3,gpu5"}
+            assert seen["server"].environ() == {"VISIBLE": "gpu4"}
+            _env_names_exactly_its_devices(seen)
+            assert n.front.services[DRIVER].env_fallbacks == 0
+
+    run(body())
+
+
+def test_a_shared_claim_with_different_partners_keeps_its_own_env_and_warns(
+        short_dir, run, kube_api, caplog):
+    """A claim two containers share, each with another claim of its own: no one value of its
+    entry is right for both, so it names its own devices (one warning, counted); the partners'
+    entries still carry each container's union, and no container is told about a device it
+    did not receive."""
+    async def body():
+        async with node(short_dir, kube_api, _driver(4)) as n:
+            refs = {"x": [("shared", ""), ("p1", "")], "y": [("shared", ""), ("p2", "")]}
+            pod = n.pod("pod-a", ["p1", "p2", "shared"], refs)
+            n.claim_of({"gpu": ["gpu0"]}, pod, name="shared")
+            n.claim_of({"gpu": ["gpu1"]}, pod, name="p1")
+            n.claim_of({"gpu": ["gpu2"]}, pod, name="p2")
+            with caplog.at_level("WARNING", logger="host.dra.service"):
+                infos = await n.kubelet.prepare(pod, [("default", c)
+                                                      for c in ("p1", "p2", "shared")])
+            warned = [r.getMessage() for r in caplog.records
+                      if "lists only that request's devices" in r.getMessage()]
+            assert len(warned) == 1 and "default/shared" in warned[0], warned
+            assert "receive different devices" in warned[0]
+            assert n.front.services[DRIVER].env_fallbacks == 1
+            seen = _containers(n, list(zip(("p1", "p2", "shared"), infos)), refs)
+            # The shared claim comes last in the pod: its own value is what stays.
+            assert seen["x"].environ() == {"VISIBLE": "gpu0"}
+            assert seen["y"].environ() == {"VISIBLE": "gpu0"}
+            for container in seen.values():
+                visible = set(container.environ()["VISIBLE"].split(","))
+                assert {f"/dev/{d}" for d in visible} <= set(container.device_paths())
 
     run(body())
