@@ -82,11 +82,13 @@ def test_the_cluster_role_grants_what_the_client_calls_and_the_claims_watch():
                for verb in rule["verbs"]}
     assert set(API_ACCESS) <= granted
     # resourceslices CRUD, resourceclaims get/list/watch, nodes get/list/watch (the Node is
-    # waited for and followed by name); nothing else (no secrets, no pods, no writes to nodes).
+    # waited for and followed by name), pods get (the containers' claim references of a
+    # claim's pods); nothing else (no secrets, no pod lists, no writes to nodes or pods).
     allowed = {(v, "resource.k8s.io", "resourceslices") for v in
                ("get", "list", "watch", "create", "update", "patch", "delete")}
     allowed |= {(v, "resource.k8s.io", "resourceclaims") for v in ("get", "list", "watch")}
     allowed |= {(v, "", "nodes") for v in ("get", "list", "watch")}
+    allowed |= {("get", "", "pods")}
     assert granted == allowed
 
 

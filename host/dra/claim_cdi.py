@@ -10,16 +10,25 @@ references (all of the claim's devices for a whole-claim reference). So:
 
 * each device's own entry carries its own device nodes, mounts and env;
 * each request of the claim gets one more entry, listed after every device of that request,
-  that carries what the driver made of exactly that request's devices (its allocate hook
-  runs per request): list-valued env joined over those devices (``VISIBLE=a,b``,
-  ``PCIDEVICE_*``), device nodes and mounts the hook added. A container referencing one
-  request therefore ends with exactly its devices in every such variable;
+  that carries what the driver made of that request's devices (its allocate hook runs per
+  request): list-valued env joined over those devices (``VISIBLE=a,b``, ``PCIDEVICE_*``;
+  ``RequestGroup.merged``, see below for containers with more devices), device nodes and
+  mounts the hook added. A container referencing one request therefore ends with exactly its
+  devices in every such variable;
 * nothing goes into the spec-wide edits, which would reach every container that receives any
   device of the claim.
 
-What CDI cannot express: a variable set by two claims (or two requests of one claim that a
-container references whole) is the last one injected, never a merge of both; it names only
-devices the container received. Annotations have no CDI container field and are dropped.
+A variable set by two claims (or two requests of one claim that a container references whole)
+is the last one injected, never a merge of both. So the service passes, for a request whose
+referencing containers all receive the same devices of the driver over all their claims
+(read from the claim's pods: host.dra.containers), the driver's merge of that union as the
+request's env: every entry such a container receives then carries the same complete value.
+Where they disagree (a claim shared by containers with different partner claims), or the pod
+or a partner claim cannot be read, the request's own devices are listed (a warning, counted):
+a container may then be told fewer devices than it received, never one it did not. A claim
+already prepared for an earlier pod is not prepared again for a later one, so the later pod's
+other claims never reach its entries. Annotations have no CDI container field and are
+dropped.
 Device names carry the claim UID, so two claims never share an entry and unprepare removes
 exactly its own file.
 """

@@ -50,6 +50,7 @@ API_ACCESS = (
     ("get", "", "nodes"),
     ("list", "", "nodes"),
     ("watch", "", "nodes"),
+    ("get", "", "pods"),
     ("get", "resource.k8s.io", "resourceclaims"),
     ("list", "resource.k8s.io", "resourceslices"),
     ("watch", "resource.k8s.io", "resourceslices"),

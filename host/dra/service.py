@@ -15,6 +15,12 @@ holds (host.dra.hardware) is refused, and an unhealthy device is prepared only w
 unhealthy devices are published with taints and the claim tolerates its taint
 (host.dra.taints).
 
+The claim's pods (its ``status.reservedFor``) and their containers' other claims are read too,
+so that env naming devices lists every device of this driver a container receives over all its
+claims (host.dra.containers, host.dra.claim_cdi); where that cannot be known for all containers
+alike, a request's env names its own devices (one warning per claim, counted). A claim already
+prepared for an earlier pod is not prepared again for a later one.
+
 It runs to about 520 lines because the per-claim steps (read, map, taints, overlap hold,
 hooks, CDI, checkpoint) and their per-claim errors are read in order against the kubelet's
 DRA manager.
