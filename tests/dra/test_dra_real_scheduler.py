@@ -661,3 +661,33 @@ def test_a_claim_is_allocated_from_the_pool_of_the_node_its_pod_is_on(cluster, s
     [device] = info.devices[DRIVER]
     assert all(i in cluster.cdi_ids_on_disk(second_node.name) for i in device.cdi_device_ids)
     assert not set(device.cdi_device_ids) & set(cluster.cdi_ids_on_disk(NODE))
+
+
+def test_a_container_with_two_claims_is_told_both_gpus_after_cdi_injection(cluster):
+    """Two claims made from templates in one container: the host reads the pod (its claim
+    statuses name the claims) and the other claim, so each claim's request entry lists both
+    GPUs; after the runtime's injection every list variable the GPUs' own entries set names
+    exactly the two GPUs."""
+    from host.testing.cdi_runtime import CdiCache, container_cdi_ids
+
+    cluster.template("one-gpu", [cluster.gpus(1)])
+    cluster.pod("pair", {"first": "one-gpu", "second": "one-gpu"})
+    claims = cluster.wait_allocated("pair")
+    assert len({r["device"] for c in claims for r in _results(c)}) == 2
+    infos = {info.name: info for info in cluster.prepare("pair")}
+    pod = cluster.get_pod("pair")
+    named = {s["name"]: s["resourceClaimName"] for s in pod["status"]["resourceClaimStatuses"]}
+    pod_claims = [(c["name"], infos[named[c["name"]]]) for c in pod["spec"]["resourceClaims"]]
+    ids = container_cdi_ids(pod_claims, [("first", ""), ("second", "")])
+    cache = CdiCache(cluster.plane.nodes[NODE].cdi_dir)
+    environ = cache.inject(ids).environ()
+    own: Dict[str, List[str]] = {}
+    for device in [d for info in infos.values() for d in info.devices[DRIVER]]:
+        entry = cache.devices[device.cdi_device_ids[0]][1]
+        for item in entry["containerEdits"].get("env") or ():
+            key, value = item.split("=", 1)
+            own.setdefault(key, []).append(value)
+    lists = {k: v for k, v in own.items() if len(set(v)) == 2}
+    assert lists, own  # the GPUs' own entries name each GPU (NVIDIA_VISIBLE_DEVICES, ...)
+    for key, values in lists.items():
+        assert sorted(environ[key].split(",")) == sorted(values), (key, environ[key])
