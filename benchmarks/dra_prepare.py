@@ -6,7 +6,8 @@ resource of 8 MemoryDriver devices), the API-server stand-in (real HTTP) and the
 simulator in this one. Each cycle seeds a fresh ResourceClaim allocated to one device, then
 times, through the simulator's bare RPC client (``node_prepare``/``node_unprepare``):
 
-* a first prepare: the claim GET from the API server, the driver hook, a fsynced CDI spec and
+* a first prepare: the claim GET from the API server, the GET of the pod it is reserved for
+  (its containers' claim references), the driver hook, a fsynced CDI spec and
   a fsynced checkpoint write, the answer (what the kubelet waits for before the sandbox);
 * the same prepare again: the kubelet's retry / restart path, answered from the checkpoint;
 * the unprepare: the spec removed, the checkpoint written again.
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import uuid
 from typing import Any, Dict, List, Tuple
 
 import grpc
@@ -71,6 +71,14 @@ async def _measure(ctx: Context) -> List[Figure]:
                         response_deserializer=dra_v1.NodePrepareResourcesRequest.FromString)
                     for index in range(warmup + cycles):
                         name = f"claim-{index}"
+                        # The pod the claim is reserved for: its one container uses it.
+                        pod = api.put_pod({
+                            "metadata": {"name": "p", "namespace": "bench"},
+                            "spec": {"resourceClaims": [{"name": "c",
+                                                         "resourceClaimName": name}],
+                                     "containers": [{"name": "main", "image": "pause",
+                                                     "resources": {"claims": [
+                                                         {"name": "c"}]}}]}})
                         claim = api.put_resource_claim({
                             "metadata": {"name": name, "namespace": "bench"},
                             "spec": {"devices": {"requests": [
@@ -79,7 +87,7 @@ async def _measure(ctx: Context) -> List[Figure]:
                                 {"request": "dev", "driver": driver, "pool": pool,
                                  "device": f"dev{index % DEVICES}"}]}},
                                 "reservedFor": [{"resource": "pods", "name": "p",
-                                                 "uid": str(uuid.uuid4())}]}})
+                                                 "uid": pod["metadata"]["uid"]}]}})
                         ref = [("bench", name, claim["metadata"]["uid"])]
                         timings = await _cycle(sim, driver, echo, ref)
                         timings.update(await _parts(client, name, root))
@@ -95,9 +103,9 @@ async def _measure(ctx: Context) -> List[Figure]:
     floor_ms = [x * 1000 for x in samples["floor"]]
     again_us = [x * 1e6 for x in samples["again"]]
     unprepare_ms = [x * 1000 for x in samples["unprepare"]]
-    note = (f"host in its own process; API-server stand-in; {cycles} cycles; claim GET, "
+    note = (f"host in its own process; API-server stand-in; {cycles} cycles; claim and pod GETs, "
             f"hook, fsynced CDI spec and checkpoint included; the unavoidable parts alone: "
-            f"claim GET median {median(samples['get']) * 1000:.2f} ms, two fsynced file "
+            f"claim and pod GETs median {median(samples['get']) * 1000:.2f} ms, two fsynced file "
             f"replacements median {median(samples['writes']) * 1000:.2f} ms")
     return [
         Figure("dra_prepare_median_ms", median(ms), "ms", median(floor_ms), [note]),
@@ -135,6 +143,7 @@ async def _parts(client: KubeClient, name: str, root: str) -> Dict[str, float]:
     """What a prepare cannot avoid, alone: the claim GET and two fsynced file writes."""
     started = now()
     await client.get_resource_claim("bench", name)
+    await client.get_pod("bench", "p")
     got = now() - started
     path = os.path.join(root, "parts", "file.json")
     started = now()
