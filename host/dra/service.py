@@ -474,8 +474,10 @@ class DraService:
                    for r, _ in picked]}
         refs: List[List[containers.Ref]] = []
         try:
-            for ref in pods:
-                pod = await self._read("Pod", self._get_pod, namespace, str(ref.get("name")))
+            read = await asyncio.gather(*(
+                self._read("Pod", self._get_pod, namespace, str(ref.get("name")))
+                for ref in pods))
+            for ref, pod in zip(pods, read):
                 if (pod.get("metadata") or {}).get("uid") != ref.get("uid"):
                     raise ClaimError(f"Pod {namespace}/{ref.get('name')} has another UID than "
                                      "the claim is reserved for")
@@ -485,9 +487,11 @@ class DraService:
                                      "whose ResourceClaim is not named yet")
                 refs.extend(r for r in by_container.values()
                             if any(claim == name for claim, _ in r))
-            for other in sorted({c for r in refs for c, _ in r} - {name}):
-                claim = await self._read("ResourceClaim", self.claims.get_resource_claim,
-                                         namespace, other)
+            others = sorted({c for r in refs for c, _ in r} - {name})
+            claims = await asyncio.gather(*(
+                self._read("ResourceClaim", self.claims.get_resource_claim, namespace, other)
+                for other in others))
+            for other, claim in zip(others, claims):
                 results_of[other] = [
                     (str(r.get("pool")), str(r.get("device")), str(r.get("request", "")))
                     for r in ((((claim.get("status") or {}).get("allocation") or {})
