@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from host.dra import naming
 from host.dra.checkpoint import Checkpoint, read_boot_id
-from host.dra.protocol import DRA_HEALTH_SERVICE, DRA_SERVICES
+from host.dra.protocol import DRA_HEALTH_SERVICES, DRA_SERVICES
 from host.dra.registrar import PluginWatcherEndpoint, dra_plugin_info
 from host.dra.service import ClaimReader, DraPool, DraService
 from host.driver import Driver
@@ -102,11 +102,12 @@ class DraFrontEnd:
             service.metrics = self.metrics
             service.tainted = self._tainted
             self.services[dra_driver] = service
-            # The health service is advertised too: newer DRA managers open the health
-            # stream only for plugins that list it (pickHealthService); the kubelet picks
-            # its DRAPlugin service from the same list and ignores names it does not know.
+            # The health services are advertised too: newer DRA managers open the health
+            # stream only for plugins that list one (pickHealthService, v1 first); the
+            # kubelet picks its DRAPlugin service from the same list and ignores names it
+            # does not know.
             info = dra_plugin_info(dra_driver, self.socket_path(dra_driver),
-                                   (*DRA_SERVICES, DRA_HEALTH_SERVICE))
+                                   (*DRA_SERVICES, *DRA_HEALTH_SERVICES))
             endpoint = PluginWatcherEndpoint(info, self.registry_dir, service.handlers,
                                              label=f"DRA driver {dra_driver}",
                                              on_registered=self._registered)

@@ -47,7 +47,15 @@ from host import allocation
 from host.dra import claim_cdi, hardware, taints
 from host.dra.atomic import remove_file
 from host.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
-from host.dra.protocol import DRA_HEALTH_SERVICE, DRA_WIRE_SERVICES, dra_health, dra_v1, dra_v1beta1
+from host.dra.protocol import (
+    DRA_HEALTH_SERVICE,
+    DRA_HEALTH_SERVICE_V1,
+    DRA_WIRE_SERVICES,
+    dra_health,
+    dra_health_v1,
+    dra_v1,
+    dra_v1beta1,
+)
 from host.driver import Driver, implements
 from host.isolation import DriverCallError, DriverCalls
 from host.model import ContainerAllocation, Device, ResourceConfig
@@ -130,16 +138,22 @@ class DraService:
 
     # -- gRPC plumbing --------------------------------------------------------------------
     def handlers(self, tag: object = None) -> List[grpc.GenericRpcHandler]:
-        """Both API versions on one server; the kubelet picks one at registration."""
+        """Both API versions on one server; the kubelet picks one at registration. The
+        health stream likewise in v1 and v1alpha1 (same messages, two proto packages)."""
         return [self._handler("v1.DRAPlugin", dra_v1),
                 self._handler("v1beta1.DRAPlugin", dra_v1beta1),
-                grpc.method_handlers_generic_handler(DRA_HEALTH_SERVICE, {
-                    "NodeWatchResources": grpc.unary_stream_rpc_method_handler(
-                        self._watch_health,
-                        request_deserializer=dra_health.NodeWatchResourcesRequest.FromString,
-                        response_serializer=(
-                            dra_health.NodeWatchResourcesResponse.SerializeToString)),
-                })]
+                self._health_handler(DRA_HEALTH_SERVICE, dra_health),
+                self._health_handler(DRA_HEALTH_SERVICE_V1, dra_health_v1)]
+
+    def _health_handler(self, service: str, api: Any) -> grpc.GenericRpcHandler:
+        async def watch(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for response in self._watch_health(api):
+                yield response
+
+        return grpc.method_handlers_generic_handler(service, {
+            "NodeWatchResources": grpc.unary_stream_rpc_method_handler(
+                watch, request_deserializer=api.NodeWatchResourcesRequest.FromString,
+                response_serializer=api.NodeWatchResourcesResponse.SerializeToString)})
 
     # -- DRAResourceHealth -----------------------------------------------------------------
     def devices_changed(self) -> None:
@@ -149,8 +163,7 @@ class DraService:
         if wake is not None and not wake.done():
             wake.set_result(None)
 
-    async def _watch_health(self, request: Any, context: grpc.aio.ServicerContext
-                            ) -> AsyncIterator[Any]:
+    async def _watch_health(self, api: Any) -> AsyncIterator[Any]:
         """The complete list of the driver's devices now, then on every change and every
         HEALTH_RESEND_S; never ends on its own (the kubelet reconnects every 5 s if it does)."""
         seen = -1
@@ -160,7 +173,7 @@ class DraService:
                 if self._health_version == seen:
                     await self._health_changed(HEALTH_RESEND_S)
                 seen = self._health_version
-                yield self._health_response()
+                yield self._health_response(api)
         finally:
             self.health_streams -= 1
 
@@ -172,14 +185,16 @@ class DraService:
         except asyncio.TimeoutError:
             pass
 
-    def _health_response(self) -> Any:
+    def _health_response(self, api: Any) -> Any:
+        """Every device of the driver, each with its health reason as ``message`` (what the
+        kubelet shows in the pod's allocatedResourcesStatus) and the timeout we promise."""
         now = int(time.time())
-        response = dra_health.NodeWatchResourcesResponse()
+        response = api.NodeWatchResourcesResponse()
         for pool_name, pool in self.pools.items():
             for name, device in pool.by_name.items():
                 response.devices.add(
-                    device=dra_health.DeviceIdentifier(pool_name=pool_name, device_name=name),
-                    health=dra_health.HEALTHY if device.healthy else dra_health.UNHEALTHY,
+                    device=api.DeviceIdentifier(pool_name=pool_name, device_name=name),
+                    health=api.HEALTHY if device.healthy else api.UNHEALTHY,
                     last_updated_time=now, health_check_timeout_seconds=HEALTH_TIMEOUT_S,
                     message=device.health_reason[:HEALTH_MESSAGE_MAX])
         return response
