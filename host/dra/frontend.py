@@ -89,10 +89,13 @@ class DraFrontEnd:
             service = self._service(dra_driver)
             service.pools[pool.pool_name] = pool
         pool.resource, pool.driver = resource, driver
+        # replicas = N: each device is shared N ways (host.dra.sharing); ``devices`` are
+        # its replicas, as the device plugin side gets them.
+        pool.shares = resource.replicas if resource.replicas > 1 else 0
         pool.set_devices(devices)
         self.services[dra_driver].devices_changed()
         if self.publisher is not None:
-            self.publisher.set_pool(dra_driver, pool.pool_name, list(devices))
+            self.publisher.set_pool(dra_driver, pool.pool_name, list(devices), pool.shares)
 
     def _service(self, dra_driver: str) -> DraService:
         service = self.services.get(dra_driver)

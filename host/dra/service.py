@@ -27,7 +27,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import (
     Any,
     AsyncIterator,
@@ -44,7 +44,7 @@ from typing import (
 import grpc
 
 from host import allocation
-from host.dra import claim_cdi, hardware, taints
+from host.dra import claim_cdi, hardware, sharing, taints
 from host.dra.atomic import remove_file
 from host.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from host.dra.protocol import (
@@ -91,15 +91,23 @@ class DraPool:
     naming: Callable[[str], str]  # Device.id -> the DNS-label device name in the slice
     by_name: Dict[str, Device] = field(default_factory=dict)
     _node_counts: Optional[Mapping[str, int]] = None
+    # > 1: each device is shared that many ways (replicas = N; host.dra.sharing): by_name
+    # holds both the shared devices and their replicas (what a server without consumable
+    # capacity is given instead), so claims allocated from either are prepared.
+    shares: int = 0
 
     def set_devices(self, devices: Sequence[Device]) -> None:
         self.by_name = {self.naming(device.id): device for device in devices}
+        if self.shares > 1:
+            for base in sharing.bases(devices):
+                self.by_name.setdefault(self.naming(base.id), base)
         self._node_counts = None
 
     def footprint(self, device: Device) -> Tuple[str, ...]:
         """host.dra.hardware.footprint among this pool's devices (counted once per change)."""
         if self._node_counts is None:
-            self._node_counts = hardware.node_counts(self.by_name.values())
+            self._node_counts = hardware.node_counts(
+                d for d in self.by_name.values() if not sharing.is_replica(d))
         return hardware.footprint(device, self._node_counts)
 
 
@@ -233,9 +241,11 @@ class DraService:
                 entry.error = error
                 continue
             for device in devices:
-                entry.devices.add(request_names=list(device.request_names),
-                                  pool_name=device.pool_name, device_name=device.device_name,
-                                  cdi_device_ids=list(device.cdi_device_ids))
+                added = entry.devices.add(
+                    request_names=list(device.request_names), pool_name=device.pool_name,
+                    device_name=device.device_name, cdi_device_ids=list(device.cdi_device_ids))
+                if device.share_id and "share_id" in added.DESCRIPTOR.fields_by_name:
+                    added.share_id = device.share_id  # v1 only; v1beta1 has no field for it
         self.prepared_calls += 1
         self._observe("prepare", started)
         return response
@@ -322,13 +332,55 @@ class DraService:
         results = [r for r in ((allocation_.get("devices") or {}).get("results") or ())
                    if isinstance(r, dict) and r.get("driver") == self.driver_name]
         picked = [self._resolve(r, claim, f"{namespace}/{name}") for r in results]
-        footprints = {device.id: self.pools[str(result["pool"])].footprint(device)
+        footprints = {_key(result, device): self._footprint(result, device)
                       for result, device in picked}
         self._reserve(uid, picked, footprints)
         try:
             return await self._prepare_devices(namespace, name, uid, pods, picked, footprints)
         finally:
             self.checkpoint.reserved.pop(uid, None)
+            self.checkpoint.reserved_shares.pop(uid, None)
+
+    def _footprint(self, result: Dict[str, Any], device: Device) -> Tuple[str, ...]:
+        """The device's hardware keys; those of a share where it was allocated as one."""
+        keys = self.pools[str(result["pool"])].footprint(device)
+        return hardware.shared(keys) if _share_id(result) else keys
+
+    def _check_shares(self, uid: str, picked: Sequence[Tuple[Dict[str, Any], Device]],
+                      footprints: Dict[str, Tuple[str, ...]]) -> None:
+        """Refuse shares beyond what a shared device has (``replicas``), counting those of
+        prepared claims and of claims being prepared now; else hold this claim's shares."""
+        wanted: Dict[Tuple[str, ...], int] = {}
+        limits: Dict[Tuple[str, ...], Tuple[int, str]] = {}
+        for result, device in picked:
+            keys = _share_keys(footprints[_key(result, device)])
+            if not keys:
+                continue
+            count = sharing.consumed_shares(result) if _share_id(result) else 1
+            wanted[keys] = wanted.get(keys, 0) + count
+            pool = self.pools[str(result["pool"])]
+            limits[keys] = (pool.shares, str(result.get("device")))
+        if not wanted:
+            return
+        held: Dict[Tuple[str, ...], int] = {}
+        for other in self.checkpoint.claims.values():
+            if other.uid == uid:
+                continue
+            for device_ in other.devices:
+                keys = _share_keys(device_.hardware)
+                if keys in wanted:
+                    held[keys] = held.get(keys, 0) + max(device_.shares, 1)
+        for other_uid, taken in self.checkpoint.reserved_shares.items():
+            for keys, count in taken if other_uid != uid else ():
+                if keys in wanted:
+                    held[keys] = held.get(keys, 0) + count
+        for keys, count in wanted.items():
+            limit, name = limits[keys]
+            if limit > 1 and held.get(keys, 0) + count > limit:
+                raise ClaimError(f"allocated device {name!r} is shared {limit} ways and "
+                                 f"{held.get(keys, 0)} shares are held by other claims on this "
+                                 f"node: {count} more do not fit")
+        self.checkpoint.reserved_shares[uid] = list(wanted.items())
 
     def _reserve(self, uid: str, picked: Sequence[Tuple[Dict[str, Any], Device]],
                  footprints: Dict[str, Tuple[str, ...]]) -> None:
@@ -336,7 +388,7 @@ class DraService:
         not unprepared, or being prepared now), else hold this claim's hardware. No await
         between the check and the hold: concurrent prepares see each other."""
         for result, device in picked:
-            mine = footprints[device.id]
+            mine = footprints[_key(result, device)]
             for other in self.checkpoint.claims.values():
                 if other.uid == uid:
                     continue
@@ -354,6 +406,7 @@ class DraService:
                     raise ClaimError(
                         f"allocated device {result.get('device')!r} ({device.id}) overlaps a "
                         f"device of claim {other_uid}, being prepared on this node: {why}")
+        self._check_shares(uid, picked, footprints)
         self.checkpoint.reserved[uid] = tuple(k for keys in footprints.values() for k in keys)
 
     def _footprint_now(self, held: PreparedDevice) -> Tuple[str, ...]:
@@ -378,12 +431,17 @@ class DraService:
         try:
             for pool_name, items in by_pool.items():
                 pool = self.pools[pool_name]
-                by_request: Dict[str, List[Device]] = {}
+                by_request: Dict[str, List[Tuple[Dict[str, Any], Device]]] = {}
                 for result, device in items:
-                    by_request.setdefault(str(result.get("request", "")), []).append(device)
-                groups = [claim_cdi.RequestGroup(request, devices,
-                                                 await self._hooks(pool, devices))
-                          for request, devices in by_request.items()]
+                    by_request.setdefault(str(result.get("request", "")), []).append(
+                        (result, device))
+                groups = []
+                for request, pairs in by_request.items():
+                    devices = [d for _, d in pairs]
+                    merged = await self._hooks(pool, devices)
+                    groups.append(claim_cdi.RequestGroup(
+                        request, [self._share_view(pool, r, d) for r, d in pairs], merged,
+                        [_share_id(r) for r, _ in pairs]))
                 spec, ids = claim_cdi.build_claim_spec(uid, pool.resource.name, groups)
                 path = claim_cdi.spec_path(self.cdi_dir, uid, pool.resource.name)
                 try:  # fsynced: off the loop, which serves every other resource meanwhile
@@ -394,12 +452,15 @@ class DraService:
                 files.append(path)
                 specs[path] = spec
                 for result, device in items:
+                    share_id = _share_id(result)
                     prepared.append(PreparedDevice(
                         request_names=_request_names(str(result.get("request", ""))),
                         pool_name=pool_name, device_name=str(result["device"]),
-                        cdi_device_ids=ids[device.id],
+                        cdi_device_ids=ids[claim_cdi.device_key(device, share_id)],
                         resource=pool.resource.name, device_id=device.id,
-                        hardware=footprints[device.id],
+                        hardware=footprints[_key(result, device)], share_id=share_id,
+                        shares=(sharing.consumed_shares(result) if share_id else
+                                1 if sharing.is_replica(device) else 0),
                     ))
             record = PreparedClaim(uid=uid, namespace=namespace, name=name,
                                    devices=tuple(prepared), cdi_files=tuple(files),
@@ -418,6 +479,19 @@ class DraService:
                  uid, ", ".join(f"{d.pool_name}/{d.device_name}" for d in prepared) or "none")
         return record
 
+    def _share_view(self, pool: DraPool, result: Dict[str, Any], device: Device) -> Device:
+        """The device as its CDI entry shows it: a share (or a replica) also carries which
+        share and how much of the device (host.dra.sharing.share_env)."""
+        share_id = _share_id(result)
+        if share_id:
+            env = sharing.share_env(device, sharing.consumed_shares(result), pool.shares,
+                                    share_id)
+        elif sharing.is_replica(device) and pool.shares > 1:
+            env = sharing.share_env(device, 1, pool.shares)
+        else:
+            return device
+        return replace(device, env={**device.env, **env})
+
     def _resolve(self, result: Dict[str, Any], claim: Dict[str, Any], label: str
                  ) -> Tuple[Dict[str, Any], Device]:
         pool_name = result.get("pool")
@@ -431,6 +505,10 @@ class DraService:
         if device is None:
             raise ClaimError(f"allocated device {device_name!r} is not in pool {pool_name} "
                              f"any more (removed since the allocation?)")
+        if _share_id(result) and (pool.shares <= 1 or sharing.is_replica(device)):
+            raise ClaimError(f"allocated device {device_name!r} ({device.id}) was allocated as "
+                             f"a share ({_share_id(result)}), but it is not shared on this "
+                             f"node (replicas of {pool.resource.name})")
         if not device.healthy:
             reason = f": {device.health_reason}" if device.health_reason else ""
             if not self.tainted():
@@ -524,6 +602,20 @@ class DraService:
                 self.metrics.claim(self.driver_name, outcome)
             except Exception:
                 log.exception("DRA metrics failed")
+
+
+def _share_id(result: Mapping[str, Any]) -> str:
+    return str(result.get("shareID") or "")
+
+
+def _key(result: Mapping[str, Any], device: Device) -> str:
+    """One allocated device of a claim: two shares of one device are two."""
+    return claim_cdi.device_key(device, _share_id(result))
+
+
+def _share_keys(keys: Sequence[str]) -> Tuple[str, ...]:
+    """The shared device a footprint is a share of (its share: keys), () for a whole one."""
+    return tuple(k for k in keys if k.startswith("share:"))
 
 
 def _request_names(request: str) -> Tuple[str, ...]:

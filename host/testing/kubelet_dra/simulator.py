@@ -63,6 +63,7 @@ class PreparedDevice:
     pool_name: str
     device_name: str
     cdi_device_ids: List[str]
+    share_id: str = ""  # v1's optional share_id: a share of a device several claims use
 
 
 @dataclass
@@ -469,7 +470,7 @@ class DraKubeletSimulator:
                                    f"{info.name}: {result.error}")
             info.devices[plugin.name] = [
                 PreparedDevice(list(d.request_names), d.pool_name, d.device_name,
-                               list(d.cdi_device_ids)) for d in result.devices]
+                               list(d.cdi_device_ids), _share_id(d)) for d in result.devices]
         missing = len(set(wanted) - set(response.claims))
         if missing:
             raise PrepareError(f"NodePrepareResources skipped {missing} ResourceClaims")
@@ -515,6 +516,13 @@ class DraKubeletSimulator:
                                                 options=[("grpc.enable_http_proxy", 0)])
             self._channels[plugin.endpoint] = channel
         return channel
+
+
+def _share_id(device: Any) -> str:
+    """claiminfo.go: the device's ShareID where the plugin set one (v1 only)."""
+    if "share_id" in device.DESCRIPTOR.fields_by_name and device.HasField("share_id"):
+        return str(device.share_id)
+    return ""
 
 
 def _go_code(code: grpc.StatusCode) -> str:
