@@ -661,3 +661,50 @@ def test_a_claim_is_allocated_from_the_pool_of_the_node_its_pod_is_on(cluster, s
     [device] = info.devices[DRIVER]
     assert all(i in cluster.cdi_ids_on_disk(second_node.name) for i in device.cdi_device_ids)
     assert not set(device.cdi_device_ids) & set(cluster.cdi_ids_on_disk(NODE))
+
+
+SHARED_NODE = "dra-shared-1"
+
+
+@pytest.fixture(scope="module")
+def shared_node(control_plane: ControlPlane) -> NodeHost:
+    """A Node whose GPUs are each shared two ways (``replicas = 2``): published once each,
+    with allowMultipleAllocations and a ``shares`` capacity of 2."""
+    resources = overlay_resources().replace('api = "dra"', 'api = "dra"\nreplicas = 2', 1)
+    assert "replicas = 2" in resources
+    return control_plane.add_node(
+        SHARED_NODE, MACHINE, resources, [DRIVER],
+        lambda server: len(server.devices(DRIVER, SHARED_NODE)) == GPUS)
+
+
+def test_two_claims_get_shares_of_one_gpu_and_the_third_waits(cluster, shared_node):
+    """The real scheduler's consumable-capacity allocator: two claims pinned to one GPU each
+    get a share of it (their own shareID), a third finds its capacity spent; our prepare
+    returns each share's id, and each share has CDI entries of its own."""
+    published = cluster.plane.server.devices(DRIVER, SHARED_NODE)
+    target, entry = sorted(published.items())[0]
+    assert entry["allowMultipleAllocations"] is True
+    assert entry["capacity"]["shares"]["value"] == "2"
+    bus = entry["attributes"]["resource.kubernetes.io/pciBusID"]["string"]
+    request = cluster.gpus(1)
+    request["exactly"]["selectors"] = [{"cel": {"expression":
+                                                f'device.attributes["resource.kubernetes.io"]'
+                                                f'.pciBusID == "{bus}"'}}]
+    cluster.template("one-share", [request])
+    infos = []
+    for name in ("a", "b"):
+        cluster.pod(name, {"gpus": "one-share"}, node=SHARED_NODE)
+        [claim] = cluster.wait_allocated(name)
+        [result] = _results(claim)
+        assert result["device"] == target and result["shareID"]
+        assert result["consumedCapacity"] == {"shares": "1"}
+        [info] = cluster.prepare(name)
+        [device] = info.devices[DRIVER]
+        assert device.share_id == result["shareID"] and device.device_name == target
+        infos.append(info)
+    ids = [set(info.cdi_devices()) for info in infos]
+    assert not ids[0] & ids[1]
+    on_disk = cluster.cdi_ids_on_disk(SHARED_NODE)
+    assert all(i in on_disk for i in ids[0] | ids[1])
+    cluster.pod("c", {"gpus": "one-share"}, node=SHARED_NODE)
+    cluster.wait_unschedulable("c", "cannot allocate all claims")
