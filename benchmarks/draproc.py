@@ -4,9 +4,9 @@
 
 One resource ``example.com/dra-0`` with ``api = "dra"`` and ``--devices`` MemoryDriver
 devices, and ``example.com/dra-shared`` with as many devices shared ``SHARES`` ways
-(``replicas``, host.dra.sharing); the DRA socket and the registration socket live under ``D``, the checkpoint and CDI
-specs too. Prints ``ready`` once the plugin watcher (the simulator in the benchmark process)
-registered the driver; serves until SIGTERM.
+(``replicas``, host.dra.sharing); the DRA sockets and the registration sockets live under
+``D``, the checkpoint and CDI specs too. Prints ``ready`` once the plugin watcher (the
+simulator in the benchmark process) registered the drivers; serves until SIGTERM.
 """
 
 from __future__ import annotations
