@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from host.dra import naming
 from host.dra.checkpoint import Checkpoint, read_boot_id
@@ -66,6 +66,9 @@ class DraFrontEnd:
         # Unhealthy devices published with taints: the publisher's setting where there is
         # one (it follows reloads), else this.
         self.taint_unhealthy = False
+        # [host] dra_device_metadata (host.dra.metadata): "off" or the version to write; the
+        # app points it at its current config, so a reload applies to the next prepare.
+        self.device_metadata: Callable[[], str] = lambda: "off"
 
     def driver_name(self, resource: ResourceConfig) -> str:
         return naming.driver_name(resource.name, resource.dra_driver_name, resource.driver)
@@ -104,6 +107,8 @@ class DraFrontEnd:
                                  self.cdi_dir, allocate_timeout_s=self.allocate_timeout_s)
             service.metrics = self.metrics
             service.tainted = self._tainted
+            service.metadata_versions = self._metadata_versions
+            service.data_dir = os.path.dirname(self.socket_path(dra_driver))
             self.services[dra_driver] = service
             # The health services are advertised too: newer DRA managers open the health
             # stream only for plugins that list one (pickHealthService, v1 first); the
@@ -117,6 +122,10 @@ class DraFrontEnd:
             self.endpoints[dra_driver] = endpoint
             endpoint.start()
         return service
+
+    def _metadata_versions(self) -> Tuple[str, ...]:
+        version = self.device_metadata()
+        return () if version == "off" else (version,)
 
     def _tainted(self) -> bool:
         if self.publisher is not None:

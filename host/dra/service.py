@@ -44,7 +44,7 @@ from typing import (
 import grpc
 
 from host import allocation
-from host.dra import claim_cdi, hardware, sharing, taints
+from host.dra import claim_cdi, hardware, metadata, sharing, taints
 from host.dra.atomic import remove_file
 from host.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from host.dra.protocol import (
@@ -143,6 +143,10 @@ class DraService:
         # Whether unhealthy devices are published with taints (dra_unhealthy = "taint"): then
         # a claim that tolerates a device's taint may use it.
         self.tainted: Callable[[], bool] = lambda: False
+        # Device metadata (host.dra.metadata): the versions to write, () when off; and the
+        # plugin data directory the files go to (beside the DRA socket).
+        self.metadata_versions: Callable[[], Sequence[str]] = lambda: ()
+        self.data_dir = ""
 
     # -- gRPC plumbing --------------------------------------------------------------------
     def handlers(self, tag: object = None) -> List[grpc.GenericRpcHandler]:
@@ -336,7 +340,8 @@ class DraService:
                       for result, device in picked}
         self._reserve(uid, picked, footprints)
         try:
-            return await self._prepare_devices(namespace, name, uid, pods, picked, footprints)
+            return await self._prepare_devices(namespace, name, uid, pods, picked, footprints,
+                                               claim)
         finally:
             self.checkpoint.reserved.pop(uid, None)
             self.checkpoint.reserved_shares.pop(uid, None)
@@ -421,11 +426,13 @@ class DraService:
     async def _prepare_devices(
         self, namespace: str, name: str, uid: str, pods: List[Dict[str, Any]],
         picked: List[Tuple[Dict[str, Any], Device]], footprints: Dict[str, Tuple[str, ...]],
+        claim: Dict[str, Any],
     ) -> PreparedClaim:
         by_pool: Dict[str, List[Tuple[Dict[str, Any], Device]]] = {}
         for result, device in picked:
             by_pool.setdefault(result["pool"], []).append((result, device))
         prepared: List[PreparedDevice] = []
+        in_order: List[Tuple[Dict[str, Any], Device]] = []  # parallel to prepared
         files: List[str] = []
         specs: Dict[str, Any] = {}
         try:
@@ -453,6 +460,7 @@ class DraService:
                 specs[path] = spec
                 for result, device in items:
                     share_id = _share_id(result)
+                    in_order.append((result, device))
                     prepared.append(PreparedDevice(
                         request_names=_request_names(str(result.get("request", ""))),
                         pool_name=pool_name, device_name=str(result["device"]),
@@ -462,6 +470,10 @@ class DraService:
                         shares=(sharing.consumed_shares(result) if share_id else
                                 1 if sharing.is_replica(device) else 0),
                     ))
+            versions = self.metadata_versions() if self.data_dir else ()
+            if versions and prepared:
+                prepared = await self._write_metadata(claim, in_order, prepared, versions,
+                                                      files, specs)
             record = PreparedClaim(uid=uid, namespace=namespace, name=name,
                                    devices=tuple(prepared), cdi_files=tuple(files),
                                    pod_uids=tuple(str(p.get("uid", "")) for p in pods),
@@ -474,10 +486,44 @@ class DraService:
         except BaseException:
             for path in files:  # nothing half prepared stays behind
                 remove_file(path)
+            if self.metadata_versions() and self.data_dir:
+                with contextlib.suppress(OSError):
+                    metadata.remove_claim(self.data_dir, namespace, name)
             raise
         log.info("driver %s: prepared claim %s/%s (%s): %s", self.driver_name, namespace, name,
                  uid, ", ".join(f"{d.pool_name}/{d.device_name}" for d in prepared) or "none")
         return record
+
+    async def _write_metadata(
+        self, claim: Dict[str, Any], picked: List[Tuple[Dict[str, Any], Device]],
+        prepared: List[PreparedDevice], versions: Sequence[str], files: List[str],
+        specs: Dict[str, Any],
+    ) -> List[PreparedDevice]:
+        """host.dra.metadata: one file and CDI spec per base request of the claim; the CDI
+        id goes to the first device of each request. ``prepared`` is parallel to ``picked``."""
+        by_request: Dict[str, List[int]] = {}
+        ordered = picked
+        for index, (result, _) in enumerate(ordered):
+            by_request.setdefault(metadata.base_request(str(result.get("request", ""))),
+                                  []).append(index)
+        out = list(prepared)
+        for request, indexes in by_request.items():
+            items = [metadata.MetadataDevice(str(ordered[i][0]["pool"]),
+                                             str(ordered[i][0]["device"]), ordered[i][1])
+                     for i in indexes]
+            ref = str(ordered[indexes[0]][0].get("request", "")) or request
+            try:  # fsynced: off the loop
+                written, spec, cdi_id = await asyncio.get_running_loop().run_in_executor(
+                    None, metadata.write_request, self.data_dir, self.cdi_dir,
+                    self.driver_name, claim, request or "all", ref, items, versions)
+            except OSError as error:
+                raise ClaimError(f"cannot write the device metadata of request "
+                                 f"{request!r}: {error}") from None
+            files.extend(written)
+            specs.update(spec)
+            first = out[indexes[0]]
+            out[indexes[0]] = replace(first, cdi_device_ids=(*first.cdi_device_ids, cdi_id))
+        return out
 
     def _share_view(self, pool: DraPool, result: Dict[str, Any], device: Device) -> Device:
         """The device as its CDI entry shows it: a share (or a replica) also carries which
@@ -578,6 +624,12 @@ class DraService:
                 except OSError as error:
                     self._count("unprepare_failed")
                     return f"cannot remove the CDI spec {path}: {error}"
+            try:  # written only where metadata was on, but it may have been turned off since
+                if self.data_dir:
+                    metadata.remove_claim(self.data_dir, claim.namespace, claim.name)
+            except OSError as error:
+                self._count("unprepare_failed")
+                return f"cannot remove the device metadata of the claim: {error}"
             try:
                 await self.checkpoint.aremove(uid)
             except OSError as error:
