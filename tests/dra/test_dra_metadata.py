@@ -13,6 +13,7 @@ import json
 import os
 import stat
 import uuid
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import pytest
@@ -106,7 +107,7 @@ async def node(root: str, api: Any):
 
 def _stream(path: str) -> List[Dict[str, Any]]:
     """The file as upstream's decoder reads it: JSON objects one after another."""
-    decoder, text, out, at = json.JSONDecoder(), open(path).read(), [], 0
+    decoder, text, out, at = json.JSONDecoder(), Path(path).read_text(), [], 0
     while text[at:].strip():
         while text[at].isspace():
             at += 1
@@ -203,7 +204,7 @@ def test_a_symlink_planted_at_the_file_is_replaced_not_followed(short_dir, run, 
             os.symlink(target, path)
             n.claim("gpus", pod, {"gpu": ["gpu0"]})
             await n.kubelet.prepare(pod, [("default", "gpus")])
-            assert open(target).read() == "keep me\n"
+            assert Path(target).read_text() == "keep me\n"
             assert not os.path.islink(path) and _stream(path)[0]["kind"] == "DeviceMetadata"
 
     run(body())
@@ -215,5 +216,5 @@ def test_the_config_key_is_validated_and_off_by_default():
     assert parse_config(text, "f.toml", drivers).host.dra_device_metadata == "off"
     on = parse_config('[host]\ndra_device_metadata = "v1alpha1"\n' + text, "f.toml", drivers)
     assert on.host.dra_device_metadata == "v1alpha1"
-    with pytest.raises(ConfigError, match="host.dra_device_metadata"):
+    with pytest.raises(ConfigError, match=r"host\.dra_device_metadata"):
         parse_config('[host]\ndra_device_metadata = "yes"\n' + text, "f.toml", drivers)
