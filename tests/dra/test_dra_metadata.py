@@ -85,13 +85,19 @@ class Node:
             meta["annotations"] = {metadata.POD_CLAIM_ANNOTATION: pod_claim}
         return self.api.put_resource_claim({  # type: ignore[no-any-return]
             "metadata": meta,
-            "spec": {"devices": {"requests": [
-                {"name": r.split("/")[0], "exactly": {"deviceClassName": "gpu"}}
-                for r in requests]}},
+            "spec": {"devices": {"requests": [_spec_request(r) for r in requests]}},
             "status": {"allocation": {"devices": {"results": [
                 {"request": r, "driver": DRIVER, "pool": POOL, "device": d}
                 for r, devices in requests.items() for d in devices]}},
                 "reservedFor": [{"resource": "pods", "name": "p", "uid": pod}]}})
+
+
+def _spec_request(request: str) -> Dict[str, Any]:
+    """``gpu``, or ``serve/small``: a request with a first-available subrequest."""
+    base, _, sub = request.partition("/")
+    if sub:
+        return {"name": base, "firstAvailable": [{"name": sub, "deviceClassName": "gpu"}]}
+    return {"name": base, "exactly": {"deviceClassName": "gpu"}}
 
 
 @contextlib.asynccontextmanager
