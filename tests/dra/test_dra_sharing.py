@@ -9,6 +9,7 @@ injects. The real scheduler allocating shares is in test_dra_real_scheduler.py.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -342,5 +343,25 @@ def test_replicas_published_without_the_gate_are_prepared_as_shares(short_dir, r
             n.whole("again", pods[2], naming.dra_device_name(f"{gpu(0).id}::0"))
             with pytest.raises(PrepareError, match="the same replica"):
                 await n.kubelet.prepare(pods[2], [("default", "again")])
+
+    run(body())
+
+
+def test_two_claims_racing_for_the_last_share_get_one_prepared(short_dir, run, kube_api):
+    """The count holds for claims being prepared at the same moment (one gRPC call each,
+    concurrently), not only for those already checkpointed."""
+    async def body():
+        async with node(short_dir, kube_api, [gpu(0)]) as n:
+            pods = [str(uuid.uuid4()) for _ in range(3)]
+            n.claim("first", pods[0], {name(0): 1})
+            await n.kubelet.prepare(pods[0], [("default", "first")])
+            uids = [n.claim(f"race{i}", pods[i + 1], {name(0): 1})["metadata"]["uid"]
+                    for i in range(2)]
+            answers = await asyncio.gather(*(
+                n.kubelet.node_prepare(DRIVER, [("default", f"race{i}", uids[i])])
+                for i in range(2)))
+            errors = [a.claims[u].error for a, u in zip(answers, uids)]
+            assert sorted(bool(e) for e in errors) == [False, True], errors
+            assert "shares are held" in next(e for e in errors if e)
 
     run(body())
