@@ -15,9 +15,10 @@ holds (host.dra.hardware) is refused, and an unhealthy device is prepared only w
 unhealthy devices are published with taints and the claim tolerates its taint
 (host.dra.taints).
 
-It runs to about 520 lines because the per-claim steps (read, map, taints, overlap hold,
-hooks, CDI, checkpoint) and their per-claim errors are read in order against the kubelet's
-DRA manager.
+A device shared by several claims (``replicas``, host.dra.sharing) is prepared per share: the
+result's ``shareID`` is returned as ``share_id``, each share gets a CDI entry of its own, and
+no more shares of a device are handed out than it has. With device metadata on
+(host.dra.metadata), each request's devices are also described in a file mounted by CDI.
 """
 
 from __future__ import annotations

@@ -9,10 +9,9 @@ version chosen at registration, and rejects responses keyed by an unknown claim 
 left out ("skipped N ResourceClaims") and per-claim errors. A restart drops every plugin and
 connection, deletes the node's ResourceSlices (the DRA plugin manager's start-up wipe) and,
 as in the scenario of a node whose kubelet dirs are cleaned, the plugin sockets; the claim
-infos survive as the kubelet's checkpoint does, but as "not prepared".
-
-Near 500 lines: the plugin watcher, the manager's checks and its restarts share the same
-state, as in the kubelet.
+infos survive as the kubelet's checkpoint does, but as "not prepared". A prepared device
+keeps the plugin's ``share_id`` (v1), as claiminfo.go does for shared devices; the health
+stream is opened on the service ``pickHealthService`` would choose (``health_services``).
 """
 
 from __future__ import annotations
