@@ -304,6 +304,10 @@ def test_shares_survive_a_host_restart(short_dir, run, kube_api):
             [info] = await n.kubelet.prepare(pods[0], [("default", "two")])
             share_id = info.devices[DRIVER][0].share_id
             assert n.container("two", info)[sharing.ENV_SHARES] == "2"
+            from host.dra.claims_view import claim_rows
+
+            [row] = claim_rows(n.state)  # what `device-plugin-host pods --claims --json` shows
+            assert (row["share_id"], row["shares"]) == (share_id, 2)
             await n.stop_host()
             await n.start_host()  # a new process: only the checkpoint knows the shares
             await n.kubelet.restart(wipe_sockets=True)
