@@ -10,7 +10,10 @@ times, through the simulator's bare RPC client (``node_prepare``/``node_unprepar
   (its containers' claim references), the driver hook, a fsynced CDI spec and
   a fsynced checkpoint write, the answer (what the kubelet waits for before the sandbox);
 * the same prepare again: the kubelet's retry / restart path, answered from the checkpoint;
-* the unprepare: the spec removed, the checkpoint written again.
+* the unprepare: the spec removed, the checkpoint written again;
+* a first prepare of a share of a device several claims use (``dra_prepare_shared_*``: a
+  claim allocated with a ``shareID`` and ``consumedCapacity`` on a ``replicas`` resource, whose
+  shares are counted and get CDI entries of their own), then its unprepare.
 
 Floor: a grpc.aio echo server in its own process, called from here on a channel with the
 simulator's options, with the same NodePrepareResourcesRequest built and parsed the same way.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import uuid
 from typing import Any, Dict, List, Tuple
 
 import grpc
@@ -36,7 +40,7 @@ from host.testing.apiserver import ApiServerStandIn
 from host.testing.kubelet_dra import DraKubeletSimulator
 
 KEYS = ("dra_prepare_median_ms", "dra_prepare_p99_ms", "dra_prepare_again_median_us",
-        "dra_unprepare_median_ms")
+        "dra_unprepare_median_ms", "dra_prepare_shared_median_ms")
 NODE = "bench-node"
 DEVICES = 8
 
@@ -46,8 +50,10 @@ async def _measure(ctx: Context) -> List[Figure]:
     warmup = ctx.pick(30, 10, 1)
     driver = naming.driver_name(draproc.RESOURCE, None)
     pool = naming.pool_name(draproc.RESOURCE, NODE)
+    shared_driver = naming.driver_name(draproc.SHARED, None)
+    shared_pool = naming.pool_name(draproc.SHARED, NODE)
     samples: dict = {"prepare": [], "again": [], "unprepare": [], "floor": [], "get": [],
-                     "writes": []}
+                     "writes": [], "shared": []}
     with ApiServerStandIn() as api, short_dir() as root:
         api.add_node(NODE)
         client = KubeClient.from_settings(api.kubeconfig_path)
@@ -61,7 +67,7 @@ async def _measure(ctx: Context) -> List[Figure]:
                                       api.kubeconfig_path, "--root", root, "--node", NODE,
                                       "--devices", str(DEVICES)]), child_process(
                     ["-m", "benchmarks.floors", "echo", "--socket", echo_path]):
-                await sim.wait_registered(driver, timeout=30)
+                await sim.wait_registered(driver, shared_driver, timeout=30)
                 channel = grpc.aio.insecure_channel(f"unix:{echo_path}", options=CLIENT_OPTIONS)
                 try:
                     await asyncio.wait_for(channel.channel_ready(), 10)
@@ -91,6 +97,28 @@ async def _measure(ctx: Context) -> List[Figure]:
                         ref = [("bench", name, claim["metadata"]["uid"])]
                         timings = await _cycle(sim, driver, echo, ref)
                         timings.update(await _parts(client, name, root))
+                        shared_pod = api.put_pod({
+                            "metadata": {"name": "ps", "namespace": "bench"},
+                            "spec": {"resourceClaims": [{"name": "c",
+                                                         "resourceClaimName": f"shared-{index}"}],
+                                     "containers": [{"name": "main", "image": "pause",
+                                                     "resources": {"claims": [
+                                                         {"name": "c"}]}}]}})
+                        shared = api.put_resource_claim({
+                            "metadata": {"name": f"shared-{index}", "namespace": "bench"},
+                            "spec": {"devices": {"requests": [
+                                {"name": "dev", "exactly": {"deviceClassName": "bench"}}]}},
+                            "status": {"allocation": {"devices": {"results": [
+                                {"request": "dev", "driver": shared_driver,
+                                 "pool": shared_pool,
+                                 "device": f"shared{index % DEVICES}",
+                                 "shareID": str(uuid.uuid4()),
+                                 "consumedCapacity": {"shares": "1"}}]}},
+                                "reservedFor": [{"resource": "pods", "name": "ps",
+                                                 "uid": shared_pod["metadata"]["uid"]}]}})
+                        timings["shared"] = await _shared_cycle(
+                            sim, shared_driver, [("bench", f"shared-{index}",
+                                                  shared["metadata"]["uid"])])
                         if index >= warmup:
                             for kind, elapsed in timings.items():
                                 samples[kind].append(elapsed)
@@ -115,7 +143,24 @@ async def _measure(ctx: Context) -> List[Figure]:
                median(floor_ms) * 1000, ["a prepared claim again (kubelet retry/restart)"]),
         Figure("dra_unprepare_median_ms", median(unprepare_ms), "ms", median(floor_ms),
                ["spec removed, checkpoint rewritten"]),
+        Figure("dra_prepare_shared_median_ms",
+               median([x * 1000 for x in samples["shared"]]), "ms", median(floor_ms),
+               [f"a share (shareID, consumedCapacity) of a device shared {draproc.SHARES} "
+                f"ways; same floor and cycles as dra_prepare_median_ms"]),
     ]
+
+
+async def _shared_cycle(sim: DraKubeletSimulator, driver: str,
+                        ref: List[Tuple[str, str, str]]) -> float:
+    """Seconds for the first prepare of a share; it is unprepared again afterwards."""
+    started = now()
+    response = await sim.node_prepare(driver, ref)
+    elapsed = now() - started
+    claim = response.claims[ref[0][2]]
+    if claim.error or not claim.devices[0].share_id:
+        raise RuntimeError(f"shared prepare failed: {claim.error or 'no share_id'}")
+    await sim.node_unprepare(driver, ref)
+    return elapsed
 
 
 async def _cycle(sim: DraKubeletSimulator, driver: str, echo: Any,

@@ -3,9 +3,10 @@
     python -m benchmarks.draproc --kubeconfig K --root D --node N [--devices 8]
 
 One resource ``example.com/dra-0`` with ``api = "dra"`` and ``--devices`` MemoryDriver
-devices; the DRA socket and the registration socket live under ``D``, the checkpoint and CDI
-specs too. Prints ``ready`` once the plugin watcher (the simulator in the benchmark process)
-registered the driver; serves until SIGTERM.
+devices, and ``example.com/dra-shared`` with as many devices shared ``SHARES`` ways
+(``replicas``, host.dra.sharing); the DRA sockets and the registration sockets live under
+``D``, the checkpoint and CDI specs too. Prints ``ready`` once the plugin watcher (the
+simulator in the benchmark process) registered the drivers; serves until SIGTERM.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from host.testing.drivers import MemoryDriver, make_devices
 from host.testing.harness import make_config, running_host
 
 RESOURCE = "example.com/dra-0"
+SHARED = "example.com/dra-shared"
+SHARES = 4
 DRIVER = "memory"
 
 
@@ -36,8 +39,11 @@ def dirs(root: str) -> dict:
 async def serve(kubeconfig: str, root: str, node: str, devices: int) -> None:
     os.makedirs(os.path.join(root, "drain"), exist_ok=True)
     os.makedirs(os.path.join(root, "dp"), exist_ok=True)
-    driver = MemoryDriver(DRIVER, {RESOURCE: make_devices("dev", devices)})
-    config = make_config(os.path.join(root, "dp"), [ResourceConfig(RESOURCE, DRIVER, api="dra")],
+    driver = MemoryDriver(DRIVER, {RESOURCE: make_devices("dev", devices),
+                                   SHARED: make_devices("shared", devices)})
+    config = make_config(os.path.join(root, "dp"),
+                         [ResourceConfig(RESOURCE, DRIVER, api="dra"),
+                          ResourceConfig(SHARED, DRIVER, api="dra", replicas=SHARES)],
                          node_name=node, kubeconfig=kubeconfig, metrics_address="",
                          rescan_interval_s=0, **dirs(root))
     stop = asyncio.Event()

@@ -57,6 +57,7 @@ async def start_dra(app: HostApp) -> None:
         allocate_timeout_s=host.allocate_timeout_s, publisher=app.publisher,
         metrics=metrics, host=app.host)
     app.dra.on_registered = app._dra_registered
+    app.dra.device_metadata = lambda: app.config.host.dra_device_metadata  # follows reloads
     # The Node may not exist yet (the kubelet registers it after it starts) or be registered
     # again later with a new uid: the publisher writes nothing without one (nor while the
     # API server has not said yet, during an outage at start) and names the current one as

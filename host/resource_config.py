@@ -213,12 +213,10 @@ def _api_keys(file: str, where: str, entry: Mapping[str, object]) -> Dict[str, A
             raise ConfigError(file, f"{where}.dra_driver_name",
                               f"{show(value)} is not a DNS subdomain: {problem}")
         out["dra_driver_name"] = value
-    if api == "dra":
-        for key in ("replicas", "replica_policy"):
-            if key in entry:
-                raise ConfigError(file, f"{where}.{key}",
-                                  'not supported with api = "dra" (a DRA device is allocated '
-                                  "whole; sharing is the claim's business)")
+    if api == "dra" and "replica_policy" in entry:
+        raise ConfigError(file, f"{where}.replica_policy",
+                          'not supported with api = "dra" (the scheduler picks which shared '
+                          "device a claim gets; replicas = N shares each device N ways)")
     return out
 
 

@@ -51,6 +51,9 @@ class HostSettings:
     # gate, on by default from 1.36; where the server drops the taint the host falls back to
     # leaving devices out).
     dra_unhealthy: str = "omit"
+    # Device metadata (KEP-5304, docs/dra.md): "off", or the metadata API version of the JSON
+    # file of each prepared request's device attributes, mounted into its containers by CDI.
+    dra_device_metadata: str = "off"
     # Installed driver packages the host must not load (a broken third-party driver, a kind
     # of device this node must not advertise); resources naming one are a config error.
     disabled_drivers: Tuple[str, ...] = ()
@@ -104,6 +107,7 @@ _HOST_ENUMS: Mapping[str, Tuple[str, ...]] = {
     "log_level": ("debug", "info", "warning", "error"),
     "log_format": ("plain", "json"),
     "dra_unhealthy": ("omit", "taint"),
+    "dra_device_metadata": ("off", "v1alpha1"),
 }
 
 

@@ -30,7 +30,7 @@ CONTRACT_KEYS = {
     "event_to_kubelet_p99_ms_1", "event_to_kubelet_p99_ms_16", "event_to_kubelet_p99_ms_64",
     "idle_cpu_pct_watching", "reload_max_stall_ms_256",
     "dra_prepare_median_ms", "dra_prepare_p99_ms", "dra_prepare_again_median_us",
-    "dra_unprepare_median_ms",
+    "dra_unprepare_median_ms", "dra_prepare_shared_median_ms",
     "dra_slice_p99_ms_8", "dra_slice_p99_ms_300",
     "dra_requests_per_change_8", "dra_requests_per_change_300",
     "dra_slice_event_p99_ms", "dra_republish_p99_ms",

@@ -53,6 +53,8 @@ class PreparedDevice:
     resource: str  # the configured resource name the pool belongs to
     device_id: str  # Device.id
     hardware: Tuple[str, ...] = ()  # host.dra.hardware.footprint at prepare time
+    share_id: str = ""  # the allocation's shareID: a share of a device (host.dra.sharing)
+    shares: int = 0  # how many shares of the device it holds (a replica: 1)
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,8 @@ class Checkpoint:
         # Footprints of claims being prepared right now, by claim uid: checked and taken in
         # one step on the event loop, so two concurrent prepares cannot both pass the check.
         self.reserved: Dict[str, Tuple[str, ...]] = {}
+        # Shares those claims take, by claim uid: (the shared device's keys, count) each.
+        self.reserved_shares: Dict[str, List[Tuple[Tuple[str, ...], int]]] = {}
         self._io: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     async def aput(self, claim: PreparedClaim) -> None:
@@ -203,6 +207,7 @@ def decode_claims(text: str) -> Dict[str, PreparedClaim]:
                 cdi_device_ids=tuple(str(i) for i in d["cdi_device_ids"]),
                 resource=str(d["resource"]), device_id=str(d["device_id"]),
                 hardware=tuple(str(k) for k in d.get("hardware", ())),
+                share_id=str(d.get("share_id") or ""), shares=int(d.get("shares") or 0),
             )
             for d in raw["devices"]
         ]

@@ -30,7 +30,8 @@ already prepared for an earlier pod is not prepared again for a later one, so th
 other claims never reach its entries. Annotations have no CDI container field and are
 dropped.
 Device names carry the claim UID, so two claims never share an entry and unprepare removes
-exactly its own file.
+exactly its own file; a share of a device (host.dra.sharing) has an entry of its own named
+after its share id too, with the share's env (which share, how much of the device).
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ class RequestGroup:
     request: str  # the allocation result's request ("gpu", or "gpu/large" for a subrequest)
     devices: Sequence[Device]
     merged: ContainerAllocation
+    # Parallel to ``devices`` where given: the share id of each ("" for a device used whole).
+    share_ids: Sequence[str] = ()
+
+
+def device_key(device: Device, share_id: str = "") -> str:
+    """The key of ``build_claim_spec``'s ids: the device id, plus the share id of a share."""
+    return f"{device.id}#share={share_id}" if share_id else device.id
 
 
 def spec_path(cdi_dir: str, claim_uid: str, resource: str) -> str:
@@ -61,8 +69,9 @@ def spec_path(cdi_dir: str, claim_uid: str, resource: str) -> str:
     return os.path.join(cdi_dir, f"{FILE_PREFIX}{claim_uid}_{vendor}-{klass}.json")
 
 
-def entry_name(claim_uid: str, device: Device) -> str:
-    return f"claim-{claim_uid}-{device_name(device.id)}"
+def entry_name(claim_uid: str, device: Device, share_id: str = "") -> str:
+    name = f"claim-{claim_uid}-{device_name(device.id)}"
+    return f"{name}-share-{device_name(share_id)}" if share_id else name
 
 
 def request_entry_name(claim_uid: str, request: str) -> str:
@@ -87,7 +96,7 @@ def _mount(mount: Mount) -> Dict[str, Any]:
 def build_claim_spec(
     claim_uid: str, resource: str, groups: Sequence[RequestGroup]
 ) -> Tuple[Dict[str, Any], Dict[str, Tuple[str, ...]]]:
-    """(spec, {device id: its CDI ids in injection order}) for one claim's devices of one
+    """(spec, {device_key: its CDI ids in injection order}) for one claim's devices of one
     resource: the device's own id, its request's id where that has edits, then CDI names
     the driver's hook added."""
     vendor, klass = cdi_kind(resource)
@@ -99,7 +108,8 @@ def build_claim_spec(
         own_nodes: Set[str] = set()
         own_mounts: Set[str] = set()
         names: List[Tuple[str, str]] = []
-        for device in group.devices:
+        share_ids = list(group.share_ids) or [""] * len(group.devices)
+        for device, share_id in zip(group.devices, share_ids):
             edits: Dict[str, Any] = {}
             nodes = []
             for node in device.device_nodes:
@@ -117,9 +127,9 @@ def build_claim_spec(
                 edits["env"] = [f"{k}={v}" for k, v in sorted(device.env.items())]
             if not edits:  # CDI wants non-empty edits on every device
                 edits["env"] = [f"DEVICE_PLUGIN_HOST_CLAIM={claim_uid}"]
-            name = entry_name(claim_uid, device)
+            name = entry_name(claim_uid, device, share_id)
             entries.append({"name": name, "containerEdits": edits})
-            names.append((device.id, f"{kind}={name}"))
+            names.append((device_key(device, share_id), f"{kind}={name}"))
         shared: Dict[str, Any] = {}
         if group.merged.envs:
             shared["env"] = [f"{k}={v}" for k, v in sorted(group.merged.envs.items())]

@@ -33,6 +33,9 @@ def claim_rows(state_dir: str, resource_filter: Optional[str] = None) -> List[Di
                 "device_id": device.device_id, "pool": device.pool_name,
                 "device": device.device_name, "requests": list(device.request_names),
                 "cdi_device_ids": list(device.cdi_device_ids),
+                # a share of a device several claims use (host.dra.sharing): its id, and
+                # how many of the device's shares it holds (a replica: 1, no id)
+                "share_id": device.share_id or None, "shares": device.shares,
             })
     return rows
 

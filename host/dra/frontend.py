@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from host.dra import naming
 from host.dra.checkpoint import Checkpoint, read_boot_id
-from host.dra.protocol import DRA_HEALTH_SERVICE, DRA_SERVICES
+from host.dra.protocol import DRA_HEALTH_SERVICES, DRA_SERVICES
 from host.dra.registrar import PluginWatcherEndpoint, dra_plugin_info
 from host.dra.service import ClaimReader, DraPool, DraService
 from host.driver import Driver
@@ -66,6 +66,9 @@ class DraFrontEnd:
         # Unhealthy devices published with taints: the publisher's setting where there is
         # one (it follows reloads), else this.
         self.taint_unhealthy = False
+        # [host] dra_device_metadata (host.dra.metadata): "off" or the version to write; the
+        # app points it at its current config, so a reload applies to the next prepare.
+        self.device_metadata: Callable[[], str] = lambda: "off"
 
     def driver_name(self, resource: ResourceConfig) -> str:
         return naming.driver_name(resource.name, resource.dra_driver_name, resource.driver)
@@ -89,10 +92,13 @@ class DraFrontEnd:
             service = self._service(dra_driver)
             service.pools[pool.pool_name] = pool
         pool.resource, pool.driver = resource, driver
+        # replicas = N: each device is shared N ways (host.dra.sharing); ``devices`` are
+        # its replicas, as the device plugin side gets them.
+        pool.shares = resource.replicas if resource.replicas > 1 else 0
         pool.set_devices(devices)
         self.services[dra_driver].devices_changed()
         if self.publisher is not None:
-            self.publisher.set_pool(dra_driver, pool.pool_name, list(devices))
+            self.publisher.set_pool(dra_driver, pool.pool_name, list(devices), pool.shares)
 
     def _service(self, dra_driver: str) -> DraService:
         service = self.services.get(dra_driver)
@@ -101,18 +107,25 @@ class DraFrontEnd:
                                  self.cdi_dir, allocate_timeout_s=self.allocate_timeout_s)
             service.metrics = self.metrics
             service.tainted = self._tainted
+            service.metadata_versions = self._metadata_versions
+            service.data_dir = os.path.dirname(self.socket_path(dra_driver))
             self.services[dra_driver] = service
-            # The health service is advertised too: newer DRA managers open the health
-            # stream only for plugins that list it (pickHealthService); the kubelet picks
-            # its DRAPlugin service from the same list and ignores names it does not know.
+            # The health services are advertised too: newer DRA managers open the health
+            # stream only for plugins that list one (pickHealthService, v1 first); the
+            # kubelet picks its DRAPlugin service from the same list and ignores names it
+            # does not know.
             info = dra_plugin_info(dra_driver, self.socket_path(dra_driver),
-                                   (*DRA_SERVICES, DRA_HEALTH_SERVICE))
+                                   (*DRA_SERVICES, *DRA_HEALTH_SERVICES))
             endpoint = PluginWatcherEndpoint(info, self.registry_dir, service.handlers,
                                              label=f"DRA driver {dra_driver}",
                                              on_registered=self._registered)
             self.endpoints[dra_driver] = endpoint
             endpoint.start()
         return service
+
+    def _metadata_versions(self) -> Tuple[str, ...]:
+        version = self.device_metadata()
+        return () if version == "off" else (version,)
 
     def _tainted(self) -> bool:
         if self.publisher is not None:

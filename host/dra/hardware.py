@@ -14,16 +14,21 @@ A footprint is a tuple of keys, read from Device facts only:
   ``pci:<address>#part:<n>`` for a compute partition (``partition_index``) of that function;
 * ``node:<path>`` for each device node of a device without a PCI address that no other
   device of its pool has (a control node such as ``/dev/nvidiactl`` is on all of them);
-* ``replica:<id>`` alone for a shared replica (``replica_of``): replicas exist to be shared.
+* ``share:<key>`` for each key of a device used by several claims at once (a share of a
+  device published for several allocations, host.dra.sharing); a replica (``replica_of``: a
+  share published as a device of its own) has those of its device plus ``replica:<id>``.
 
 Two footprints overlap where a whole function meets anything on that function (parent and
 child), two keys are equal (the same partition twice, a shared device node), or the same
-replica is handed out twice. Partitions of one function with different indexes do not.
+replica is handed out twice. Partitions of one function with different indexes do not, and
+neither do two shares of one device (how many shares are out is counted apart); a share and
+the whole device, or a share and a partition of its function, do.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Iterable, Mapping, Optional, Sequence, Tuple
 
 from host.model import Device
@@ -39,7 +44,9 @@ def footprint(device: Device, counts: Mapping[str, int]) -> Tuple[str, ...]:
     (a node more than one of them has is a control node)."""
     attributes = device.attributes
     if attributes.get("replica_of"):
-        return (f"replica:{device.id}",)
+        whole = footprint(replace(device, attributes={
+            k: v for k, v in attributes.items() if k != "replica_of"}), counts)
+        return (f"replica:{device.id}", *shared(whole))
     address = attributes.get("pci_address")
     if address:
         gi, ci = attributes.get("mig_gi"), attributes.get("mig_ci")
@@ -54,6 +61,11 @@ def footprint(device: Device, counts: Mapping[str, int]) -> Tuple[str, ...]:
     return tuple(keys) if keys else (f"device:{device.id}",)
 
 
+def shared(keys: Sequence[str]) -> Tuple[str, ...]:
+    """The footprint of a share of a device whose whole footprint is ``keys``."""
+    return tuple(k if k.startswith(("share:", "replica:")) else f"share:{k}" for k in keys)
+
+
 def conflict(mine: Sequence[str], theirs: Sequence[str]) -> Optional[str]:
     """Why two footprints overlap ("the same GPU function 0000:3b:00.0"), or None."""
     for a in mine:
@@ -65,6 +77,12 @@ def conflict(mine: Sequence[str], theirs: Sequence[str]) -> Optional[str]:
 
 
 def _pair(a: str, b: str) -> Optional[str]:
+    share_a, share_b = a.startswith("share:"), b.startswith("share:")
+    if share_a or share_b:
+        if share_a and share_b:
+            return None  # shares of one device coexist; their number is counted apart
+        why = _pair(a[6:] if share_a else a, b[6:] if share_b else b)
+        return f"a share of a device used whole or partitioned elsewhere: {why}" if why else None
     if a == b:
         kind, _, what = a.partition(":")
         return {"pci": f"the same PCI function {what}",

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from host.dra.kube import KubeClient, KubeError
-from host.dra.slices import build_slices, has_taints, same_content, uses_counters
+from host.dra.slices import build_slices, has_taints, is_shareable, same_content, uses_counters
 from host.model import Device
 from host.tasks import cancel_and_wait
 
@@ -74,6 +74,10 @@ class _Pool:
     rejected_reasons: Set[str] = field(default_factory=set)
     taints_dropped: bool = False
     counters_dropped: bool = False  # the server drops sharedCounters / consumesCounters
+    shares: int = 0  # > 1: the devices are replicas of shared devices (host.dra.sharing)
+    # The server drops allowMultipleAllocations / requestPolicy (DRAConsumableCapacity off):
+    # the replicas are published as devices of their own.
+    capacity_dropped: bool = False
     # Bumped whenever ``observed`` is dropped: an answer that was in flight meanwhile is stale.
     epoch: int = 0
     # The newest resourceVersion known per slice name (reads, our writes, events): an event
@@ -221,6 +225,7 @@ class SlicePublisher:
         # current one, never read here, and while it is None (no Node) nothing is written.
         self._node_followed = False
         self._counters_warned = False
+        self._capacity_warned = False
         self._metrics = _Metrics.of(metrics) if metrics is not None else None
         self.requests = 0  # API requests sent, for the benchmarks
         self.failures = 0  # reconcile rounds that ended in a retry
@@ -228,9 +233,11 @@ class SlicePublisher:
 
     # -- the event side -----------------------------------------------------------------------
 
-    def set_pool(self, driver: str, pool: str, devices: Sequence[Device]) -> None:
-        """Record the pool's devices; never blocks, never fails on the API server's state."""
-        self._mark((driver, pool), tuple(devices))
+    def set_pool(self, driver: str, pool: str, devices: Sequence[Device],
+                 shares: int = 0) -> None:
+        """Record the pool's devices (``shares`` > 1: replicas of devices shared that many
+        ways); never blocks, never fails on the API server's state."""
+        self._mark((driver, pool), tuple(devices), shares)
 
     def remove_pool(self, driver: str, pool: str) -> None:
         self._mark((driver, pool), None)
@@ -245,6 +252,7 @@ class SlicePublisher:
             for state in self._pools.values():
                 state.taints_dropped = False
                 state.counters_dropped = False
+                state.capacity_dropped = False
                 state.version += 1
         self._poke()
 
@@ -267,12 +275,15 @@ class SlicePublisher:
                 state.invalidate()
         self._poke()
 
-    def _mark(self, key: PoolKey, devices: Optional[Sequence[Device]]) -> None:
+    def _mark(self, key: PoolKey, devices: Optional[Sequence[Device]],
+              shares: int = 0) -> None:
         with self._lock:
             state = self._pools.get(key)
             if state is None:
                 state = self._pools[key] = _Pool(devices)
             state.devices = devices
+            if devices is not None:
+                state.shares = shares
             state.version += 1
         self._poke()
 
@@ -558,7 +569,7 @@ class SlicePublisher:
         with self._lock:
             state = self._pools[key]
             version, devices, epoch = state.version, state.devices, state.epoch
-            observed = state.observed
+            observed, shares = state.observed, state.shares
         if observed is None:
             listed = await self._observe(key)
             with self._lock:
@@ -581,7 +592,8 @@ class SlicePublisher:
                       default=0)
         desired = build_slices(driver, self.node_name, pool, devices, current, node_uid,
                                taint_unhealthy=taint, counters=not state.counters_dropped,
-                               partition_taints=not state.taints_dropped)
+                               partition_taints=not state.taints_dropped, shares=shares,
+                               consumable=not state.capacity_dropped)
         copy_taint_times(desired, list(observed.values()))
         names = {d["metadata"]["name"] for d in desired}
         in_sync = set(observed) == names and all(
@@ -608,6 +620,14 @@ class SlicePublisher:
                         log.warning("DRA: the API server dropped device taints "
                                     "(DRADeviceTaints is off); unhealthy devices of %s are "
                                     "left out instead", pool)
+                if is_shareable(obj) and not is_shareable(stored):
+                    state.capacity_dropped = True
+                    if not self._capacity_warned:
+                        self._capacity_warned = True
+                        log.warning("DRA: the API server dropped allowMultipleAllocations "
+                                    "(DRAConsumableCapacity is off or not known); shared "
+                                    "devices are published as one device per replica "
+                                    "instead")
                 if uses_counters(obj) and not uses_counters(stored):
                     state.counters_dropped = True
                     if not self._counters_warned:
@@ -621,7 +641,8 @@ class SlicePublisher:
                 if gone is not None and not await self._delete(state, epoch, name, gone):
                     return
             if (state.taints_dropped and any(has_taints(d) for d in desired)) or (
-                    state.counters_dropped and any(uses_counters(d) for d in desired)):
+                    state.counters_dropped and any(uses_counters(d) for d in desired)) or (
+                    state.capacity_dropped and any(is_shareable(d) for d in desired)):
                 # What we wrote shows unhealthy devices as usable: write it again without them.
                 await self._reconcile_once(key)
                 return

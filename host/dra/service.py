@@ -21,9 +21,10 @@ claims (host.dra.containers, host.dra.claim_cdi); where that cannot be known for
 alike, a request's env names its own devices (one warning per claim, counted). A claim already
 prepared for an earlier pod is not prepared again for a later one.
 
-It runs to about 520 lines because the per-claim steps (read, map, taints, overlap hold,
-hooks, CDI, checkpoint) and their per-claim errors are read in order against the kubelet's
-DRA manager.
+A device shared by several claims (``replicas``, host.dra.sharing) is prepared per share: the
+result's ``shareID`` is returned as ``share_id``, each share gets a CDI entry of its own, and
+no more shares of a device are handed out than it has. With device metadata on
+(host.dra.metadata), each request's devices are also described in a file mounted by CDI.
 """
 
 from __future__ import annotations
@@ -50,10 +51,18 @@ from typing import (
 import grpc
 
 from host import allocation
-from host.dra import claim_cdi, containers, hardware, taints
+from host.dra import claim_cdi, containers, hardware, metadata, sharing, taints
 from host.dra.atomic import remove_file
 from host.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
-from host.dra.protocol import DRA_HEALTH_SERVICE, DRA_WIRE_SERVICES, dra_health, dra_v1, dra_v1beta1
+from host.dra.protocol import (
+    DRA_HEALTH_SERVICE,
+    DRA_HEALTH_SERVICE_V1,
+    DRA_WIRE_SERVICES,
+    dra_health,
+    dra_health_v1,
+    dra_v1,
+    dra_v1beta1,
+)
 from host.driver import Driver, implements
 from host.isolation import DriverCallError, DriverCalls
 from host.model import ContainerAllocation, Device, ResourceConfig
@@ -91,15 +100,23 @@ class DraPool:
     naming: Callable[[str], str]  # Device.id -> the DNS-label device name in the slice
     by_name: Dict[str, Device] = field(default_factory=dict)
     _node_counts: Optional[Mapping[str, int]] = None
+    # > 1: each device is shared that many ways (replicas = N; host.dra.sharing): by_name
+    # holds both the shared devices and their replicas (what a server without consumable
+    # capacity is given instead), so claims allocated from either are prepared.
+    shares: int = 0
 
     def set_devices(self, devices: Sequence[Device]) -> None:
         self.by_name = {self.naming(device.id): device for device in devices}
+        if self.shares > 1:
+            for base in sharing.bases(devices):
+                self.by_name.setdefault(self.naming(base.id), base)
         self._node_counts = None
 
     def footprint(self, device: Device) -> Tuple[str, ...]:
         """host.dra.hardware.footprint among this pool's devices (counted once per change)."""
         if self._node_counts is None:
-            self._node_counts = hardware.node_counts(self.by_name.values())
+            self._node_counts = hardware.node_counts(
+                d for d in self.by_name.values() if not sharing.is_replica(d))
         return hardware.footprint(device, self._node_counts)
 
 
@@ -136,19 +153,29 @@ class DraService:
         # Whether unhealthy devices are published with taints (dra_unhealthy = "taint"): then
         # a claim that tolerates a device's taint may use it.
         self.tainted: Callable[[], bool] = lambda: False
+        # Device metadata (host.dra.metadata): the versions to write, () when off; and the
+        # plugin data directory the files go to (beside the DRA socket).
+        self.metadata_versions: Callable[[], Sequence[str]] = lambda: ()
+        self.data_dir = ""
 
     # -- gRPC plumbing --------------------------------------------------------------------
     def handlers(self, tag: object = None) -> List[grpc.GenericRpcHandler]:
-        """Both API versions on one server; the kubelet picks one at registration."""
+        """Both API versions on one server; the kubelet picks one at registration. The
+        health stream likewise in v1 and v1alpha1 (same messages, two proto packages)."""
         return [self._handler("v1.DRAPlugin", dra_v1),
                 self._handler("v1beta1.DRAPlugin", dra_v1beta1),
-                grpc.method_handlers_generic_handler(DRA_HEALTH_SERVICE, {
-                    "NodeWatchResources": grpc.unary_stream_rpc_method_handler(
-                        self._watch_health,
-                        request_deserializer=dra_health.NodeWatchResourcesRequest.FromString,
-                        response_serializer=(
-                            dra_health.NodeWatchResourcesResponse.SerializeToString)),
-                })]
+                self._health_handler(DRA_HEALTH_SERVICE, dra_health),
+                self._health_handler(DRA_HEALTH_SERVICE_V1, dra_health_v1)]
+
+    def _health_handler(self, service: str, api: Any) -> grpc.GenericRpcHandler:
+        async def watch(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for response in self._watch_health(api):
+                yield response
+
+        return grpc.method_handlers_generic_handler(service, {
+            "NodeWatchResources": grpc.unary_stream_rpc_method_handler(
+                watch, request_deserializer=api.NodeWatchResourcesRequest.FromString,
+                response_serializer=api.NodeWatchResourcesResponse.SerializeToString)})
 
     # -- DRAResourceHealth -----------------------------------------------------------------
     def devices_changed(self) -> None:
@@ -158,8 +185,7 @@ class DraService:
         if wake is not None and not wake.done():
             wake.set_result(None)
 
-    async def _watch_health(self, request: Any, context: grpc.aio.ServicerContext
-                            ) -> AsyncIterator[Any]:
+    async def _watch_health(self, api: Any) -> AsyncIterator[Any]:
         """The complete list of the driver's devices now, then on every change and every
         HEALTH_RESEND_S; never ends on its own (the kubelet reconnects every 5 s if it does)."""
         seen = -1
@@ -169,7 +195,7 @@ class DraService:
                 if self._health_version == seen:
                     await self._health_changed(HEALTH_RESEND_S)
                 seen = self._health_version
-                yield self._health_response()
+                yield self._health_response(api)
         finally:
             self.health_streams -= 1
 
@@ -181,14 +207,16 @@ class DraService:
         except asyncio.TimeoutError:
             pass
 
-    def _health_response(self) -> Any:
+    def _health_response(self, api: Any) -> Any:
+        """Every device of the driver, each with its health reason as ``message`` (what the
+        kubelet shows in the pod's allocatedResourcesStatus) and the timeout we promise."""
         now = int(time.time())
-        response = dra_health.NodeWatchResourcesResponse()
+        response = api.NodeWatchResourcesResponse()
         for pool_name, pool in self.pools.items():
             for name, device in pool.by_name.items():
                 response.devices.add(
-                    device=dra_health.DeviceIdentifier(pool_name=pool_name, device_name=name),
-                    health=dra_health.HEALTHY if device.healthy else dra_health.UNHEALTHY,
+                    device=api.DeviceIdentifier(pool_name=pool_name, device_name=name),
+                    health=api.HEALTHY if device.healthy else api.UNHEALTHY,
                     last_updated_time=now, health_check_timeout_seconds=HEALTH_TIMEOUT_S,
                     message=device.health_reason[:HEALTH_MESSAGE_MAX])
         return response
@@ -227,9 +255,11 @@ class DraService:
                 entry.error = error
                 continue
             for device in devices:
-                entry.devices.add(request_names=list(device.request_names),
-                                  pool_name=device.pool_name, device_name=device.device_name,
-                                  cdi_device_ids=list(device.cdi_device_ids))
+                added = entry.devices.add(
+                    request_names=list(device.request_names), pool_name=device.pool_name,
+                    device_name=device.device_name, cdi_device_ids=list(device.cdi_device_ids))
+                if device.share_id and "share_id" in added.DESCRIPTOR.fields_by_name:
+                    added.share_id = device.share_id  # v1 only; v1beta1 has no field for it
         self.prepared_calls += 1
         self._observe("prepare", started)
         return response
@@ -316,15 +346,57 @@ class DraService:
         results = [r for r in ((allocation_.get("devices") or {}).get("results") or ())
                    if isinstance(r, dict) and r.get("driver") == self.driver_name]
         picked = [self._resolve(r, claim, f"{namespace}/{name}") for r in results]
-        footprints = {device.id: self.pools[str(result["pool"])].footprint(device)
+        footprints = {_key(result, device): self._footprint(result, device)
                       for result, device in picked}
         self._reserve(uid, picked, footprints)
         try:
             unions = await self._container_unions(namespace, name, pods, picked)
             return await self._prepare_devices(namespace, name, uid, pods, picked, footprints,
-                                               unions)
+                                               unions, claim)
         finally:
             self.checkpoint.reserved.pop(uid, None)
+            self.checkpoint.reserved_shares.pop(uid, None)
+
+    def _footprint(self, result: Dict[str, Any], device: Device) -> Tuple[str, ...]:
+        """The device's hardware keys; those of a share where it was allocated as one."""
+        keys = self.pools[str(result["pool"])].footprint(device)
+        return hardware.shared(keys) if _share_id(result) else keys
+
+    def _check_shares(self, uid: str, picked: Sequence[Tuple[Dict[str, Any], Device]],
+                      footprints: Dict[str, Tuple[str, ...]]) -> None:
+        """Refuse shares beyond what a shared device has (``replicas``), counting those of
+        prepared claims and of claims being prepared now; else hold this claim's shares."""
+        wanted: Dict[Tuple[str, ...], int] = {}
+        limits: Dict[Tuple[str, ...], Tuple[int, str]] = {}
+        for result, device in picked:
+            keys = _share_keys(footprints[_key(result, device)])
+            if not keys:
+                continue
+            count = sharing.consumed_shares(result) if _share_id(result) else 1
+            wanted[keys] = wanted.get(keys, 0) + count
+            pool = self.pools[str(result["pool"])]
+            limits[keys] = (pool.shares, str(result.get("device")))
+        if not wanted:
+            return
+        held: Dict[Tuple[str, ...], int] = {}
+        for other in self.checkpoint.claims.values():
+            if other.uid == uid:
+                continue
+            for device_ in other.devices:
+                keys = _share_keys(device_.hardware)
+                if keys in wanted:
+                    held[keys] = held.get(keys, 0) + max(device_.shares, 1)
+        for other_uid, taken in self.checkpoint.reserved_shares.items():
+            for keys, count in taken if other_uid != uid else ():
+                if keys in wanted:
+                    held[keys] = held.get(keys, 0) + count
+        for keys, count in wanted.items():
+            limit, name = limits[keys]
+            if limit > 1 and held.get(keys, 0) + count > limit:
+                raise ClaimError(f"allocated device {name!r} is shared {limit} ways and "
+                                 f"{held.get(keys, 0)} shares are held by other claims on this "
+                                 f"node: {count} more do not fit")
+        self.checkpoint.reserved_shares[uid] = list(wanted.items())
 
     def _reserve(self, uid: str, picked: Sequence[Tuple[Dict[str, Any], Device]],
                  footprints: Dict[str, Tuple[str, ...]]) -> None:
@@ -332,7 +404,7 @@ class DraService:
         not unprepared, or being prepared now), else hold this claim's hardware. No await
         between the check and the hold: concurrent prepares see each other."""
         for result, device in picked:
-            mine = footprints[device.id]
+            mine = footprints[_key(result, device)]
             for other in self.checkpoint.claims.values():
                 if other.uid == uid:
                     continue
@@ -350,6 +422,7 @@ class DraService:
                     raise ClaimError(
                         f"allocated device {result.get('device')!r} ({device.id}) overlaps a "
                         f"device of claim {other_uid}, being prepared on this node: {why}")
+        self._check_shares(uid, picked, footprints)
         self.checkpoint.reserved[uid] = tuple(k for keys in footprints.values() for k in keys)
 
     def _footprint_now(self, held: PreparedDevice) -> Tuple[str, ...]:
@@ -365,21 +438,25 @@ class DraService:
         self, namespace: str, name: str, uid: str, pods: List[Dict[str, Any]],
         picked: List[Tuple[Dict[str, Any], Device]], footprints: Dict[str, Tuple[str, ...]],
         unions: Dict[containers.Entry, List[Device]],
+        claim: Dict[str, Any],
     ) -> PreparedClaim:
         by_pool: Dict[str, List[Tuple[Dict[str, Any], Device]]] = {}
         for result, device in picked:
             by_pool.setdefault(result["pool"], []).append((result, device))
         prepared: List[PreparedDevice] = []
+        in_order: List[Tuple[Dict[str, Any], Device]] = []  # parallel to prepared
         files: List[str] = []
         specs: Dict[str, Any] = {}
         try:
             for pool_name, items in by_pool.items():
                 pool = self.pools[pool_name]
-                by_request: Dict[str, List[Device]] = {}
+                by_request: Dict[str, List[Tuple[Dict[str, Any], Device]]] = {}
                 for result, device in items:
-                    by_request.setdefault(str(result.get("request", "")), []).append(device)
+                    by_request.setdefault(str(result.get("request", "")), []).append(
+                        (result, device))
                 groups = []
-                for request, devices in by_request.items():
+                for request, pairs in by_request.items():
+                    devices = [d for _, d in pairs]
                     merged = await self._hooks(pool, devices)
                     union = unions.get((pool_name, request))
                     if union is not None and [d.id for d in union] != [d.id for d in devices]:
@@ -387,7 +464,9 @@ class DraService:
                         # pool over all its claims: its list-valued env, in every such entry.
                         whole = await self._merge(pool, union)
                         merged = replace(merged, envs=dict(merged.envs, **whole.envs))
-                    groups.append(claim_cdi.RequestGroup(request, devices, merged))
+                    groups.append(claim_cdi.RequestGroup(
+                        request, [self._share_view(pool, r, d) for r, d in pairs], merged,
+                        [_share_id(r) for r, _ in pairs]))
                 spec, ids = claim_cdi.build_claim_spec(uid, pool.resource.name, groups)
                 path = claim_cdi.spec_path(self.cdi_dir, uid, pool.resource.name)
                 try:  # fsynced: off the loop, which serves every other resource meanwhile
@@ -398,13 +477,21 @@ class DraService:
                 files.append(path)
                 specs[path] = spec
                 for result, device in items:
+                    share_id = _share_id(result)
+                    in_order.append((result, device))
                     prepared.append(PreparedDevice(
                         request_names=_request_names(str(result.get("request", ""))),
                         pool_name=pool_name, device_name=str(result["device"]),
-                        cdi_device_ids=ids[device.id],
+                        cdi_device_ids=ids[claim_cdi.device_key(device, share_id)],
                         resource=pool.resource.name, device_id=device.id,
-                        hardware=footprints[device.id],
+                        hardware=footprints[_key(result, device)], share_id=share_id,
+                        shares=(sharing.consumed_shares(result) if share_id else
+                                1 if sharing.is_replica(device) else 0),
                     ))
+            versions = self.metadata_versions() if self.data_dir else ()
+            if versions and prepared:
+                prepared = await self._write_metadata(claim, in_order, prepared, versions,
+                                                      files, specs)
             record = PreparedClaim(uid=uid, namespace=namespace, name=name,
                                    devices=tuple(prepared), cdi_files=tuple(files),
                                    pod_uids=tuple(str(p.get("uid", "")) for p in pods),
@@ -417,10 +504,57 @@ class DraService:
         except BaseException:
             for path in files:  # nothing half prepared stays behind
                 remove_file(path)
+            if self.metadata_versions() and self.data_dir:
+                with contextlib.suppress(OSError):
+                    metadata.remove_claim(self.data_dir, namespace, name)
             raise
         log.info("driver %s: prepared claim %s/%s (%s): %s", self.driver_name, namespace, name,
                  uid, ", ".join(f"{d.pool_name}/{d.device_name}" for d in prepared) or "none")
         return record
+
+    async def _write_metadata(
+        self, claim: Dict[str, Any], picked: List[Tuple[Dict[str, Any], Device]],
+        prepared: List[PreparedDevice], versions: Sequence[str], files: List[str],
+        specs: Dict[str, Any],
+    ) -> List[PreparedDevice]:
+        """host.dra.metadata: one file and CDI spec per base request of the claim; the CDI
+        id goes to the first device of each request. ``prepared`` is parallel to ``picked``."""
+        by_request: Dict[str, List[int]] = {}
+        ordered = picked
+        for index, (result, _) in enumerate(ordered):
+            by_request.setdefault(metadata.base_request(str(result.get("request", ""))),
+                                  []).append(index)
+        out = list(prepared)
+        for request, indexes in by_request.items():
+            items = [metadata.MetadataDevice(str(ordered[i][0]["pool"]),
+                                             str(ordered[i][0]["device"]), ordered[i][1])
+                     for i in indexes]
+            ref = str(ordered[indexes[0]][0].get("request", "")) or request
+            try:  # fsynced: off the loop
+                written, spec, cdi_id = await asyncio.get_running_loop().run_in_executor(
+                    None, metadata.write_request, self.data_dir, self.cdi_dir,
+                    self.driver_name, claim, request or "all", ref, items, versions)
+            except OSError as error:
+                raise ClaimError(f"cannot write the device metadata of request "
+                                 f"{request!r}: {error}") from None
+            files.extend(written)
+            specs.update(spec)
+            first = out[indexes[0]]
+            out[indexes[0]] = replace(first, cdi_device_ids=(*first.cdi_device_ids, cdi_id))
+        return out
+
+    def _share_view(self, pool: DraPool, result: Dict[str, Any], device: Device) -> Device:
+        """The device as its CDI entry shows it: a share (or a replica) also carries which
+        share and how much of the device (host.dra.sharing.share_env)."""
+        share_id = _share_id(result)
+        if share_id:
+            env = sharing.share_env(device, sharing.consumed_shares(result), pool.shares,
+                                    share_id)
+        elif sharing.is_replica(device) and pool.shares > 1:
+            env = sharing.share_env(device, 1, pool.shares)
+        else:
+            return device
+        return replace(device, env={**device.env, **env})
 
     def _resolve(self, result: Dict[str, Any], claim: Dict[str, Any], label: str
                  ) -> Tuple[Dict[str, Any], Device]:
@@ -435,6 +569,10 @@ class DraService:
         if device is None:
             raise ClaimError(f"allocated device {device_name!r} is not in pool {pool_name} "
                              f"any more (removed since the allocation?)")
+        if _share_id(result) and (pool.shares <= 1 or sharing.is_replica(device)):
+            raise ClaimError(f"allocated device {device_name!r} ({device.id}) was allocated as "
+                             f"a share ({_share_id(result)}), but it is not shared on this "
+                             f"node (replicas of {pool.resource.name})")
         if not device.healthy:
             reason = f": {device.health_reason}" if device.health_reason else ""
             if not self.tainted():
@@ -606,6 +744,12 @@ class DraService:
                 except OSError as error:
                     self._count("unprepare_failed")
                     return f"cannot remove the CDI spec {path}: {error}"
+            try:  # written only where metadata was on, but it may have been turned off since
+                if self.data_dir:
+                    metadata.remove_claim(self.data_dir, claim.namespace, claim.name)
+            except OSError as error:
+                self._count("unprepare_failed")
+                return f"cannot remove the device metadata of the claim: {error}"
             try:
                 await self.checkpoint.aremove(uid)
             except OSError as error:
@@ -630,6 +774,20 @@ class DraService:
                 self.metrics.claim(self.driver_name, outcome)
             except Exception:
                 log.exception("DRA metrics failed")
+
+
+def _share_id(result: Mapping[str, Any]) -> str:
+    return str(result.get("shareID") or "")
+
+
+def _key(result: Mapping[str, Any], device: Device) -> str:
+    """One allocated device of a claim: two shares of one device are two."""
+    return claim_cdi.device_key(device, _share_id(result))
+
+
+def _share_keys(keys: Sequence[str]) -> Tuple[str, ...]:
+    """The shared device a footprint is a share of (its share: keys), () for a whole one."""
+    return tuple(k for k in keys if k.startswith("share:"))
 
 
 def _request_names(request: str) -> Tuple[str, ...]:

@@ -45,7 +45,7 @@ import hashlib
 import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
 
-from host.dra import taints
+from host.dra import sharing, taints
 from host.dra.naming import DNS_LABEL_MAX, dra_device_name
 from host.model import Device
 
@@ -169,12 +169,16 @@ def taint_value(reason: str) -> str:
 
 def slice_device(device: Device, taint: bool = False,
                  consumes: Optional[List[Dict[str, Any]]] = None,
-                 partitioned: bool = False) -> Dict[str, Any]:
+                 partitioned: bool = False, shares: int = 0) -> Dict[str, Any]:
+    """One device entry; ``shares`` > 1: a device several claims share (host.dra.sharing)."""
     entry: Dict[str, Any] = {"name": dra_device_name(device.id)}
     attributes = device_attributes(device)
     if attributes:
         entry["attributes"] = attributes
     capacity = device_capacity(device)
+    if shares > 1:
+        entry["allowMultipleAllocations"] = True
+        capacity = sharing.capacity(shares, capacity.get("memory"))
     if capacity:
         entry["capacity"] = capacity
     if consumes:
@@ -232,13 +236,21 @@ def slice_name(node_name: str, driver: str, pool: str, index: int) -> str:
 def build_slices(driver: str, node_name: str, pool: str, devices: Sequence[Device],
                  generation: int, node_uid: Optional[str] = None,
                  taint_unhealthy: bool = False, counters: bool = True,
-                 partition_taints: bool = True) -> List[Dict[str, Any]]:
+                 partition_taints: bool = True, shares: int = 0,
+                 consumable: bool = True) -> List[Dict[str, Any]]:
     """The pool's ResourceSlices: devices sorted by name, chunked, then the counter sets
     (partitions, see the module docstring) in slices of their own; one slice even when empty.
+
+    ``shares`` > 1: ``devices`` are the replicas of shared devices (host.dra.sharing), each
+    published once as shareable (``consumable``) or, where the server drops those fields,
+    each replica as a device of its own.
 
     An empty pool still gets a slice (resourceSliceCount 1, no devices): it tells the
     scheduler the driver runs on this node and has nothing, unlike a missing pool.
     """
+    shared = shares > 1 and consumable
+    if shared:
+        devices = sharing.bases(devices)
     layout = Partitions(devices) if counters else None
     entries: Dict[str, Dict[str, Any]] = {}
     for device in devices:
@@ -249,8 +261,9 @@ def build_slices(driver: str, node_name: str, pool: str, devices: Sequence[Devic
             continue
         consumes = layout.consumes.get(device.id) if layout is not None else None
         entry = slice_device(device, taint=not device.healthy, consumes=consumes,
-                             partitioned=partitioned and partition_taints)
-        entries.setdefault(entry["name"], entry)  # replicas of one device share a name
+                             partitioned=partitioned and partition_taints,
+                             shares=shares if shared else 0)
+        entries.setdefault(entry["name"], entry)
     ordered = [entries[name] for name in sorted(entries)]
     advanced = taint_unhealthy or any("consumesCounters" in e or "taints" in e for e in ordered)
     per_slice = MAX_DEVICES_WITH_TAINTS if advanced else MAX_DEVICES
@@ -285,6 +298,12 @@ def uses_counters(obj: Mapping[str, Any]) -> bool:
     spec = obj.get("spec") or {}
     return bool(spec.get("sharedCounters")) or any(
         d.get("consumesCounters") for d in spec.get("devices") or [])
+
+
+def is_shareable(obj: Mapping[str, Any]) -> bool:
+    """Whether a slice has a device published for several allocations."""
+    return any(d.get("allowMultipleAllocations")
+               for d in (obj.get("spec") or {}).get("devices") or [])
 
 
 def has_taints(obj: Mapping[str, Any]) -> bool:

@@ -14,7 +14,11 @@ Like the real server it
     missing object is 404 (AllowCreateOnUpdate is false); create with a resourceVersion is 400;
     a create of an existing name is 409 AlreadyExists; generateName gets 5 random characters;
   * drops ``devices[].taints`` while the DRADeviceTaints gate is off, as 1.34 and 1.35 do by
-    default (dropDisabledFields), unless ``device_taints=True`` (1.36 default);
+    default (dropDisabledFields), unless ``device_taints=True`` (1.36 default); drops
+    ``allowMultipleAllocations`` and every capacity's ``requestPolicy`` with
+    ``consumable_capacity=False`` (DRAConsumableCapacity off: 1.33, 1.34 by default, or
+    turned off), and ``sharedCounters`` / ``consumesCounters`` with
+    ``partitionable_devices=False``, each unless the old object used them;
   * goes away on ``stop()``: the listening socket closes (connections refused) and open
     keep-alive connections are cut, as when the process dies; ``start()`` comes back on the
     same port.
@@ -213,9 +217,10 @@ class ApiServerStandIn:
     def __init__(self, device_taints: bool = False, latency_s: float = 0.0,
                  tls: bool = False, events_before_answers: bool = True,
                  answer_jitter_s: float = 0.0, seed: Optional[int] = None,
-                 partitionable_devices: bool = True) -> None:
+                 partitionable_devices: bool = True, consumable_capacity: bool = True) -> None:
         self.device_taints = device_taints
         self.partitionable_devices = partitionable_devices
+        self.consumable_capacity = consumable_capacity
         self.latency_s = latency_s
         self.events_before_answers = events_before_answers
         self.answer_jitter_s = answer_jitter_s
@@ -916,6 +921,17 @@ class ApiServerStandIn:
         kept taint without ``timeAdded`` gets the time of this write, as defaulting does); so
         do sharedCounters and consumesCounters without DRAPartitionableDevices."""
         old_spec = (old or {}).get("spec") or {}
+        if not self.consumable_capacity and not any(
+                d.get("allowMultipleAllocations") is not None or any(
+                    isinstance(c, dict) and c.get("requestPolicy") is not None
+                    for c in (d.get("capacity") or {}).values())
+                for d in old_spec.get("devices") or [] if isinstance(d, dict)):
+            for device in (obj.get("spec") or {}).get("devices") or []:
+                if isinstance(device, dict):
+                    device.pop("allowMultipleAllocations", None)
+                    for value in (device.get("capacity") or {}).values():
+                        if isinstance(value, dict):
+                            value.pop("requestPolicy", None)
         if not self.partitionable_devices and not old_spec.get("sharedCounters") and not any(
                 d.get("consumesCounters") for d in old_spec.get("devices") or []):
             spec = obj.get("spec") or {}
@@ -1070,10 +1086,11 @@ class RealApiServer:
     TOKEN = "dph-envtest-token"
 
     def __init__(self, assets: str, device_taints: bool = False,
-                 partitionable_devices: bool = True) -> None:
+                 partitionable_devices: bool = True, consumable_capacity: bool = True) -> None:
         self.assets = assets
         self.device_taints = device_taints
         self.partitionable_devices = partitionable_devices
+        self.consumable_capacity = consumable_capacity
         self._dir = tempfile.mkdtemp(prefix="dph-envtest-")
         self.kubeconfig_path = os.path.join(self._dir, "kubeconfig")
         self.port = _free_port()
@@ -1130,7 +1147,8 @@ class RealApiServer:
             handle.write(f'{self.TOKEN},admin,admin-uid,"system:masters"\n')
         gates = ",".join(g for g in (
             "DRADeviceTaints=true" if self.device_taints else "",
-            "" if self.partitionable_devices else "DRAPartitionableDevices=false") if g)
+            "" if self.partitionable_devices else "DRAPartitionableDevices=false",
+            "" if self.consumable_capacity else "DRAConsumableCapacity=false") if g)
         args = [os.path.join(self.assets, "kube-apiserver"),
                 "--etcd-servers", f"http://127.0.0.1:{self._etcd_port}",
                 "--secure-port", str(self.port), "--bind-address", "127.0.0.1",

@@ -303,6 +303,16 @@ def canonicalize_quantities(obj: Dict[str, Any]) -> None:
         for capacity in (device.get("capacity") or {}).values():
             if isinstance(capacity, dict) and "value" in capacity:
                 capacity["value"] = canonical_quantity(capacity["value"])
+            policy = capacity.get("requestPolicy") if isinstance(capacity, dict) else None
+            if isinstance(policy, dict):
+                if "default" in policy:
+                    policy["default"] = canonical_quantity(policy["default"])
+                if isinstance(policy.get("validValues"), list):
+                    policy["validValues"] = [canonical_quantity(v)
+                                             for v in policy["validValues"]]
+                if isinstance(policy.get("validRange"), dict):
+                    for key, value in list(policy["validRange"].items()):
+                        policy["validRange"][key] = canonical_quantity(value)
 
 
 def _capacity_errors(value: Any, field: str, multi: bool) -> List[FieldError]:
@@ -313,10 +323,67 @@ def _capacity_errors(value: Any, field: str, multi: bool) -> List[FieldError]:
             not _QUANTITY.match(str(quantity)):
         raise DecodeError(f"{field}.value: quantities must match the regular expression "
                           "'^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'")
-    if value.get("requestPolicy") is not None and not multi:
+    policy = value.get("requestPolicy")
+    if policy is not None and not multi:
         return [FieldError("FieldValueForbidden", f"{field}.requestPolicy",
                            "allowMultipleAllocations must be true")]
+    if policy is not None:
+        return _request_policy_errors(policy, _amount(quantity), f"{field}.requestPolicy")
     return []
+
+
+def _amount(text: Any) -> int:
+    """A whole quantity's value (what requestPolicy checks compare); 0 where it is not one."""
+    match = _INTEGER_QUANTITY.match(str(canonical_quantity(text)))
+    if not match:
+        return 0
+    suffix = match.group(2) or ""
+    return int(match.group(1)) * (_BINARY.get(suffix) or _DECIMAL[suffix])
+
+
+def _request_policy_errors(policy: Any, maximum: int, field: str) -> List[FieldError]:
+    """validateRequestPolicy: one of validValues / validRange; a default that fits it."""
+    if not isinstance(policy, dict):
+        raise DecodeError(f"{field}: expected an object")
+    values, valid_range = policy.get("validValues") or [], policy.get("validRange")
+    if values and valid_range is not None:
+        return [FieldError("FieldValueForbidden", field, 'exactly one policy can be specified, '
+                           'cannot specify "validValues" and "validRange" at the same time')]
+    default = policy.get("default")
+    if (values or valid_range is not None) and default is None:
+        what = "validValues" if values else "validRange"
+        return [_required(f"{field}.default", f"required when {what} is defined")]
+    errs: List[FieldError] = []
+    if values:
+        amounts = [_amount(v) for v in values]
+        if amounts != sorted(amounts):
+            errs.append(_invalid(f"{field}.validValues", values,
+                                 "values must be sorted in ascending order"))
+        if any(a > maximum for a in amounts):
+            errs.append(_invalid(f"{field}.validValues", values,
+                                 "option is larger than capacity value"))
+        if _amount(default) not in amounts:
+            errs.append(_invalid(f"{field}.validValues", default,
+                                 "default value is not valid according to the requestPolicy"))
+    elif isinstance(valid_range, dict):
+        if valid_range.get("min") is None:
+            return [_required(f"{field}.validRange.min", "required when validRange is defined")]
+        low, fallback = _amount(valid_range["min"]), _amount(default)
+        high = _amount(valid_range["max"]) if valid_range.get("max") is not None else None
+        if low > maximum:
+            errs.append(_invalid(f"{field}.validRange.min", valid_range["min"],
+                                 "min is larger than capacity value"))
+        if fallback < low:
+            errs.append(_invalid(f"{field}.validRange.min", default, "default is less than min"))
+        if high is not None and (high > maximum or low > high or fallback > high):
+            errs.append(_invalid(f"{field}.validRange.max", valid_range["max"],
+                                 "max is larger than capacity value, less than min or less "
+                                 "than default"))
+        step = valid_range.get("step")
+        if step is not None and _amount(step) > 0 and (fallback - low) % _amount(step):
+            errs.append(_invalid(f"{field}.validRange.step", default,
+                                 "value is not a multiple of a given step"))
+    return errs
 
 
 def _taint_errors(taint: Any, field: str) -> List[FieldError]:

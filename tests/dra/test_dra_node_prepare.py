@@ -424,6 +424,50 @@ def test_health_is_advertised_for_kubelets_that_watch_only_advertised_services(s
             await kubelet.watcher.wait_for(lambda w: kubelet.health_messages > before,
                                            what="the health stream of a newer kubelet")
             assert kubelet.health(DRIVER, POOL, "gpu0") == ("Healthy", "")
+            # Both health services are listed: a kubelet that knows v1 streams v1.
+            assert kubelet.health_services[DRIVER] == "v1.DRAResourceHealth"
+
+    run(body())
+
+
+def test_the_v1_health_stream_carries_the_unhealthy_reason_and_the_timeout(short_dir, run,
+                                                                          kube_api):
+    """dra-health/v1 over a real socket: a newer kubelet's stream gets each device's reason
+    as ``message`` (cut as the kubelet cuts it) and our timeout; v1alpha1 stays served for
+    1.36 kubelets on the same server."""
+    async def body():
+        driver = _driver(2)
+        async with node(short_dir, kube_api, driver) as n:
+            kubelet = n.kubelet
+            kubelet.health_requires_advertised = True
+            await kubelet.restart(wipe_sockets=True)
+            await kubelet.wait_registered(DRIVER)
+            sick = make_devices("gpu", 2)
+            sick[0] = sick[0].with_health(Health.UNHEALTHY,
+                                          "drained by an operator: " + "x" * 2000)
+            n.front.sync(RESOURCE, driver, sick)
+            await kubelet.watcher.wait_for(
+                lambda w: kubelet.health(DRIVER, POOL, "gpu0")[0] == "Unhealthy",
+                what="the Unhealthy device on the v1 stream")
+            _, message = kubelet.health(DRIVER, POOL, "gpu0")
+            assert message.startswith("drained by an operator: xxx") and len(message) == 1024
+            assert kubelet.health_services[DRIVER] == "v1.DRAResourceHealth"
+            assert kubelet.device_health[DRIVER][f"{POOL}/gpu0"].timeout_s == 60.0
+            from host.dra.protocol import dra_health, dra_health_v1
+            for service, api in (("v1.DRAResourceHealth", dra_health_v1),
+                                 ("v1alpha1.DRAResourceHealth", dra_health)):
+                call = kubelet._channel(kubelet.plugin(DRIVER)).unary_stream(
+                    f"/{service}/NodeWatchResources",
+                    request_serializer=api.NodeWatchResourcesRequest.SerializeToString,
+                    response_deserializer=api.NodeWatchResourcesResponse.FromString)
+                stream = call(api.NodeWatchResourcesRequest())
+                first = await stream.read()
+                stream.cancel()
+                got = {d.device.device_name: (d.health, d.message[:24],
+                                              d.health_check_timeout_seconds)
+                       for d in first.devices}
+                assert got == {"gpu0": (api.UNHEALTHY, "drained by an operator: ", 60),
+                               "gpu1": (api.HEALTHY, "", 60)}, service
 
     run(body())
 

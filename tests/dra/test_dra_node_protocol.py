@@ -30,8 +30,11 @@ def test_dra_wire_contract(module, version):
     assert [m.name for m in service.methods] == ["NodePrepareResources",
                                                  "NodeUnprepareResources"]
     numbers = {f.name: f.number for f in module.Device.DESCRIPTOR.fields}
+    shared = {"share_id": 5} if version == "v1" else {}  # v1 only: optional string share_id
     assert numbers == {"request_names": 1, "pool_name": 2, "device_name": 3,
-                       "cdi_device_ids": 4}
+                       "cdi_device_ids": 4, **shared}
+    if shared:
+        assert module.Device.DESCRIPTOR.fields_by_name["share_id"].has_presence
     assert {f.name: f.number for f in module.Claim.DESCRIPTOR.fields} == {
         "namespace": 1, "uid": 2, "name": 3}
     entry = module.NodePrepareResourceResponse.DESCRIPTOR.fields_by_name
@@ -54,12 +57,16 @@ def test_registration_wire_contract():
         "plugin_registered": 1, "error": 2}
 
 
-def test_dra_health_wire_contract():
-    """kubernetes/kubelet pkg/apis/dra-health/v1alpha1 (as the 1.36 kubelet calls it)."""
-    from host.dra.protocol import dra_health
+@pytest.mark.parametrize("version", ["v1alpha1", "v1"])
+def test_dra_health_wire_contract(version):
+    """kubernetes/kubelet pkg/apis/dra-health/v1alpha1 (as the 1.36 kubelet calls it) and
+    dra-health/v1 (newer kubelets, package "v1"): the same messages and numbers."""
+    from host.dra.protocol import dra_health as v1alpha1
+    from host.dra.protocol import dra_health_v1 as v1
 
+    dra_health = {"v1alpha1": v1alpha1, "v1": v1}[version]
     file = dra_health.DESCRIPTOR
-    assert file.package == "v1alpha1"
+    assert file.package == version
     service = file.services_by_name["DRAResourceHealth"]
     [method] = service.methods
     assert method.name == "NodeWatchResources" and method.server_streaming

@@ -691,3 +691,62 @@ def test_a_container_with_two_claims_is_told_both_gpus_after_cdi_injection(clust
     assert lists, own  # the GPUs' own entries name each GPU (NVIDIA_VISIBLE_DEVICES, ...)
     for key, values in lists.items():
         assert sorted(environ[key].split(",")) == sorted(values), (key, environ[key])
+
+
+SHARED_NODE = "dra-shared-1"
+SHARING = REPO / "examples" / "dra-sharing"
+
+
+@pytest.fixture(scope="module")
+def shared_node(control_plane: ControlPlane) -> NodeHost:
+    """A Node with examples/dra-sharing/config.toml: each GPU shared four ways, published
+    once with allowMultipleAllocations and a ``shares`` capacity of 4."""
+    shipped = (SHARING / "config.toml").read_text()
+    return control_plane.add_node(
+        SHARED_NODE, MACHINE, shipped[shipped.index("[[resource]]"):], [DRIVER],
+        lambda server: len(server.devices(DRIVER, SHARED_NODE)) == GPUS)
+
+
+def _example_template(name: str, pin_bus: str) -> Dict[str, Any]:
+    """A ResourceClaimTemplate of examples/dra-sharing/claims.yaml, pinned to one GPU."""
+    [template] = [d for d in yaml.safe_load_all((SHARING / "claims.yaml").read_text())
+                  if d and d["kind"] == "ResourceClaimTemplate"
+                  and d["metadata"]["name"] == name]
+    [request] = template["spec"]["spec"]["devices"]["requests"]
+    request["exactly"]["selectors"] = [{"cel": {"expression": (
+        f'device.attributes["resource.kubernetes.io"].pciBusID == "{pin_bus}"')}}]
+    return template  # type: ignore[no-any-return]
+
+
+def test_claims_get_shares_of_one_gpu_until_its_capacity_is_spent(cluster, shared_node):
+    """The real scheduler's consumable-capacity allocator with the example's config and
+    claims: two claims of two shares each (``gpu-half``) get one GPU of four shares, each
+    its own shareID; a one-share claim (``gpu-share``) then finds it spent. Our prepare
+    returns each share's id, and each share has CDI entries of its own."""
+    published = cluster.plane.server.devices(DRIVER, SHARED_NODE)
+    target, entry = sorted(published.items())[0]
+    assert entry["allowMultipleAllocations"] is True
+    assert entry["capacity"]["shares"]["value"] == "4"
+    bus = entry["attributes"]["resource.kubernetes.io/pciBusID"]["string"]
+    for name in ("gpu-half", "gpu-share"):
+        cluster.api.create(f"{cluster._rs}/resourceclaimtemplates",
+                           _example_template(name, bus))
+    infos, shares = [], set()
+    for name in ("a", "b"):
+        cluster.pod(name, {"gpu": "gpu-half"}, node=SHARED_NODE)
+        [claim] = cluster.wait_allocated(name)
+        [result] = _results(claim)
+        assert result["device"] == target and result["shareID"]
+        assert result["consumedCapacity"] == {"shares": "2"}
+        shares.add(result["shareID"])
+        [info] = cluster.prepare(name)
+        [device] = info.devices[DRIVER]
+        assert device.share_id == result["shareID"] and device.device_name == target
+        infos.append(info)
+    assert len(shares) == 2
+    ids = [set(info.cdi_devices()) for info in infos]
+    assert not ids[0] & ids[1]
+    on_disk = cluster.cdi_ids_on_disk(SHARED_NODE)
+    assert all(i in on_disk for i in ids[0] | ids[1])
+    cluster.pod("c", {"gpu": "gpu-share"}, node=SHARED_NODE)
+    cluster.wait_unschedulable("c", "cannot allocate all claims")

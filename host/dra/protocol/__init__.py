@@ -4,6 +4,7 @@
 picks one by the ``supported_versions`` we register with, so both services are served.
 """
 
+from host.dra.protocol import dra_health_v1_pb2 as dra_health_v1
 from host.dra.protocol import dra_health_v1alpha1_pb2 as dra_health
 from host.dra.protocol import dra_health_v1alpha1_pb2_grpc as dra_health_grpc
 from host.dra.protocol import dra_v1_pb2 as dra_v1
@@ -22,9 +23,12 @@ DRA_WIRE_SERVICES = {
     "v1beta1.DRAPlugin": "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin",
 }
 REGISTRATION_SERVICE = "pluginregistration.Registration"
-#: The health stream's full service name on the wire (not a "supported version": the kubelet
-#: calls it on every DRA plugin when ResourceHealthStatus is on).
+#: The health stream's full service names on the wire, also listed among the supported
+#: versions: the 1.36 kubelet calls v1alpha1 on every DRA plugin when ResourceHealthStatus is
+#: on; newer ones call the one a plugin lists, v1 where it lists both (pickHealthService).
 DRA_HEALTH_SERVICE = "v1alpha1.DRAResourceHealth"
+DRA_HEALTH_SERVICE_V1 = "v1.DRAResourceHealth"
+DRA_HEALTH_SERVICES = (DRA_HEALTH_SERVICE_V1, DRA_HEALTH_SERVICE)
 DRA_PLUGIN_TYPE = "DRAPlugin"
 DEVICE_PLUGIN_TYPE = "DevicePlugin"
 PLUGINS_REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
@@ -33,6 +37,8 @@ DRA_PLUGINS_DIR = "/var/lib/kubelet/plugins"
 __all__ = [
     "DEVICE_PLUGIN_TYPE",
     "DRA_HEALTH_SERVICE",
+    "DRA_HEALTH_SERVICES",
+    "DRA_HEALTH_SERVICE_V1",
     "DRA_PLUGINS_DIR",
     "DRA_PLUGIN_TYPE",
     "DRA_SERVICES",
@@ -41,6 +47,7 @@ __all__ = [
     "REGISTRATION_SERVICE",
     "dra_health",
     "dra_health_grpc",
+    "dra_health_v1",
     "dra_v1",
     "dra_v1_grpc",
     "dra_v1beta1",

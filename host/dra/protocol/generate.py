@@ -17,7 +17,7 @@ from host.protocol.generate import compile_protos, write
 
 HERE = Path(__file__).resolve().parent
 PROTOS = ("dra_v1.proto", "dra_v1beta1.proto", "dra_health_v1alpha1.proto",
-          "pluginregistration_v1.proto")
+          "dra_health_v1.proto", "pluginregistration_v1.proto")
 
 
 def generate() -> Dict[str, str]:

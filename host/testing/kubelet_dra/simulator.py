@@ -9,10 +9,9 @@ version chosen at registration, and rejects responses keyed by an unknown claim 
 left out ("skipped N ResourceClaims") and per-claim errors. A restart drops every plugin and
 connection, deletes the node's ResourceSlices (the DRA plugin manager's start-up wipe) and,
 as in the scenario of a node whose kubelet dirs are cleaned, the plugin sockets; the claim
-infos survive as the kubelet's checkpoint does, but as "not prepared".
-
-Near 500 lines: the plugin watcher, the manager's checks and its restarts share the same
-state, as in the kubelet.
+infos survive as the kubelet's checkpoint does, but as "not prepared". A prepared device
+keeps the plugin's ``share_id`` (v1), as claiminfo.go does for shared devices; the health
+stream is opened on the service ``pickHealthService`` would choose (``health_services``).
 """
 
 from __future__ import annotations
@@ -27,7 +26,15 @@ from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Set
 
 import grpc
 
-from host.dra.protocol import DRA_HEALTH_SERVICE, DRA_WIRE_SERVICES, dra_health, dra_v1, dra_v1beta1
+from host.dra.protocol import (
+    DRA_HEALTH_SERVICE,
+    DRA_HEALTH_SERVICE_V1,
+    DRA_WIRE_SERVICES,
+    dra_health,
+    dra_health_v1,
+    dra_v1,
+    dra_v1beta1,
+)
 from host.protocol import api as dp_api
 from host.testing.kubelet_dra.watcher import PluginWatcher, RegisteredPlugin
 
@@ -38,6 +45,8 @@ WIPING_DELAY_S = 30.0  # kubelet: the DRA plugin manager's wipingDelay
 HEALTH_RETRY_S = 5.0  # dra_plugin_manager.go: wait.UntilWithContext(..., 5*time.Second)
 HEALTH_DEFAULT_TIMEOUT_S = 30.0  # cm/dra/healthinfo.go DefaultHealthTimeout
 _MODULES = {"v1.DRAPlugin": dra_v1, "v1beta1.DRAPlugin": dra_v1beta1}
+_HEALTH_MODULES = {DRA_HEALTH_SERVICE: dra_health, DRA_HEALTH_SERVICE_V1: dra_health_v1}
+HEALTH_MESSAGE_MAX = 1024  # healthinfo.go: longer ones become the first 1021 + "..."
 
 ClaimGetter = Callable[[str, str], Awaitable[Dict[str, Any]]]
 SliceWiper = Callable[[str], Union[Awaitable[None], None]]
@@ -53,6 +62,7 @@ class PreparedDevice:
     pool_name: str
     device_name: str
     cdi_device_ids: List[str]
+    share_id: str = ""  # v1's optional share_id: a share of a device several claims use
 
 
 @dataclass
@@ -139,9 +149,10 @@ class DraKubeletSimulator:
         # "pool/device"; the stream errors the kubelet would log every 5 s.
         self.watch_health = True
         # Newer DRA plugin managers (pickHealthService) open the health stream only for a
-        # plugin that lists the health service ("v1alpha1.DRAResourceHealth") among its
-        # supported_versions; 1.36.2 opens it for every plugin.
+        # plugin that lists a health service among its supported_versions, and take
+        # "v1.DRAResourceHealth" where it lists both; 1.36.2 opens v1alpha1 for every plugin.
         self.health_requires_advertised = False
+        self.health_services: Dict[str, str] = {}  # driver -> the health service it streams
         self.device_health: Dict[str, Dict[str, DeviceHealth]] = {}
         self.health_errors: List[str] = []
         self.health_messages = 0
@@ -238,13 +249,17 @@ class DraKubeletSimulator:
                 # grpc.NewClient + Connect(): created once, connects on demand.
                 self._channels[plugin.endpoint] = grpc.aio.insecure_channel(
                     f"unix://{plugin.endpoint}", options=[("grpc.enable_http_proxy", 0)])
-            advertised = DRA_HEALTH_SERVICE in plugin.supported
-            if self.watch_health and (advertised or not self.health_requires_advertised):
+            service: Optional[str] = DRA_HEALTH_SERVICE
+            if self.health_requires_advertised:
+                service = next((s for s in (DRA_HEALTH_SERVICE_V1, DRA_HEALTH_SERVICE)
+                                if s in plugin.supported), None)
+            if self.watch_health and service is not None:
                 old = self._health_tasks.pop(plugin.name, None)
                 if old is not None:
                     old.cancel()
+                self.health_services[plugin.name] = service
                 self._health_tasks[plugin.name] = asyncio.get_running_loop().create_task(
-                    self._health_stream(plugin))
+                    self._health_stream(plugin, service))
         elif plugin.type == "DevicePlugin":
             self._connect_device_plugin(plugin)
 
@@ -317,17 +332,18 @@ class DraKubeletSimulator:
             self.watcher._changed.set()
 
     # -- DRAResourceHealth ----------------------------------------------------------------------
-    async def _health_stream(self, plugin: RegisteredPlugin) -> None:
+    async def _health_stream(self, plugin: RegisteredPlugin, service: str) -> None:
         """dra_plugin_manager.go: open NodeWatchResources, feed every message to the health
         cache, and when the stream fails or ends, try again 5 s later, for as long as the
         plugin is registered."""
+        api = _HEALTH_MODULES[service]
         while True:
             call = self._channel(plugin).unary_stream(
-                f"/{DRA_HEALTH_SERVICE}/NodeWatchResources",
-                request_serializer=dra_health.NodeWatchResourcesRequest.SerializeToString,
-                response_deserializer=dra_health.NodeWatchResourcesResponse.FromString)
+                f"/{service}/NodeWatchResources",
+                request_serializer=api.NodeWatchResourcesRequest.SerializeToString,
+                response_deserializer=api.NodeWatchResourcesResponse.FromString)
             try:
-                async for response in call(dra_health.NodeWatchResourcesRequest()):
+                async for response in call(api.NodeWatchResourcesRequest()):
                     self._update_health(plugin.name, response)
                 self.health_errors.append(f"{plugin.name}: WatchResources stream ended")
             except grpc.aio.AioRpcError as error:
@@ -348,7 +364,10 @@ class DraKubeletSimulator:
             key = f"{device.device.pool_name}/{device.device.device_name}"
             reported.add(key)
             timeout = device.health_check_timeout_seconds
-            cache[key] = DeviceHealth(names.get(device.health, "Unknown"), device.message[:1024],
+            message = device.message
+            if len(message) > HEALTH_MESSAGE_MAX:
+                message = message[:HEALTH_MESSAGE_MAX - 3] + "..."
+            cache[key] = DeviceHealth(names.get(device.health, "Unknown"), message,
                                       now, float(timeout) if timeout > 0
                                       else HEALTH_DEFAULT_TIMEOUT_S)
         for key, known in cache.items():
@@ -450,7 +469,7 @@ class DraKubeletSimulator:
                                    f"{info.name}: {result.error}")
             info.devices[plugin.name] = [
                 PreparedDevice(list(d.request_names), d.pool_name, d.device_name,
-                               list(d.cdi_device_ids)) for d in result.devices]
+                               list(d.cdi_device_ids), _share_id(d)) for d in result.devices]
         missing = len(set(wanted) - set(response.claims))
         if missing:
             raise PrepareError(f"NodePrepareResources skipped {missing} ResourceClaims")
@@ -496,6 +515,13 @@ class DraKubeletSimulator:
                                                 options=[("grpc.enable_http_proxy", 0)])
             self._channels[plugin.endpoint] = channel
         return channel
+
+
+def _share_id(device: Any) -> str:
+    """claiminfo.go: the device's ShareID where the plugin set one (v1 only)."""
+    if "share_id" in device.DESCRIPTOR.fields_by_name and device.HasField("share_id"):
+        return str(device.share_id)
+    return ""
 
 
 def _go_code(code: grpc.StatusCode) -> str:
