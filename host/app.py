@@ -119,6 +119,10 @@ class HostApp:
         self.node_watch: Optional[Any] = None  # host.dra.node.NodeWatch
         self.watched: Dict[str, PluginWatcherEndpoint] = {}
         self._dra_deferred: Set[str] = set()
+        # Names this process's plugin-watcher sockets, so that an old and a new host overlap
+        # during an upgrade (host/socket_names.py instance_id; set by `run`, "" keeps the
+        # fixed names of a single instance).
+        self.instance = ""
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:

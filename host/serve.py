@@ -23,7 +23,7 @@ from host.lock import HostLock, LockHeld, state_dir_of
 from host.plugins import DriverRegistry
 from host.process import collect_again, return_freed_heap
 from host.reload import ConfigReloader
-from host.socket_names import KUBELET_SOCKET
+from host.socket_names import KUBELET_SOCKET, instance_id
 from host.systemd import Notifier
 
 if TYPE_CHECKING:
@@ -87,6 +87,7 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
 
     async def serve() -> None:
         app = HostApp(config, drivers)
+        app.instance = instance_id()
         reloader = ConfigReloader(app, config_path, registry, {
             "plugin_dir": config.host.plugin_dir, "host_root": config.host.host_root})
         notifier = Notifier()

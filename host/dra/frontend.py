@@ -45,8 +45,13 @@ class DraFrontEnd:
         publisher: Optional[Any] = None,
         metrics: Optional[Any] = None,
         host: Optional[HostFS] = None,
+        instance: str = "",
     ) -> None:
+        """``instance``: this process's instance id (host.dra.naming.instance_id): with one,
+        each driver's sockets are named per instance so that an old and a new host can be
+        registered with the kubelet at once during an upgrade."""
         self.node_name = node_name
+        self.instance = instance
         self.claims = claims
         self.calls = calls
         self.registry_dir = registry_dir
@@ -71,7 +76,8 @@ class DraFrontEnd:
         return naming.driver_name(resource.name, resource.dra_driver_name, resource.driver)
 
     def socket_path(self, driver_name: str) -> str:
-        return os.path.join(self.plugins_dir, driver_name, DRA_SOCKET)
+        return os.path.join(self.plugins_dir, driver_name,
+                            naming.service_socket_file("dra", self.instance))
 
     def sync(self, resource: ResourceConfig, driver: Driver, devices: Sequence[Device]) -> None:
         """The resource's devices changed (or it is new): cheap, never waits on anything."""
@@ -109,7 +115,8 @@ class DraFrontEnd:
                                    (*DRA_SERVICES, DRA_HEALTH_SERVICE))
             endpoint = PluginWatcherEndpoint(info, self.registry_dir, service.handlers,
                                              label=f"DRA driver {dra_driver}",
-                                             on_registered=self._registered)
+                                             on_registered=self._registered,
+                                             instance=self.instance)
             self.endpoints[dra_driver] = endpoint
             endpoint.start()
         return service
@@ -155,10 +162,14 @@ class DraFrontEnd:
     def prepared_claims(self) -> List[Any]:
         return list(self.checkpoint.claims.values())
 
-    async def close(self) -> None:
-        """Stop serving; ResourceSlices stay (the kubelet wipes them if we do not return)."""
+    async def close(self, grace_s: Optional[float] = None) -> None:
+        """Stop serving; ResourceSlices stay (the kubelet wipes them if we do not return).
+        ``grace_s``: how long calls in flight may still finish (a drain)."""
         for endpoint in list(self.endpoints.values()):
-            await endpoint.close()
+            if grace_s is None:
+                await endpoint.close()
+            else:
+                await endpoint.close(grace_s)
         self.endpoints.clear()
         self.services.clear()
         self.checkpoint.close()
