@@ -210,8 +210,9 @@ class DraService:
         started = time.perf_counter()
         response = api.NodePrepareResourcesResponse()
         claims = list(request.claims)[:MAX_CLAIMS_PER_CALL]
-        results = await asyncio.gather(*(self._prepare_one(c.namespace, c.name, c.uid)
-                                         for c in claims))
+        async with self.checkpoint.shared():  # another host may serve the driver too
+            results = await asyncio.gather(*(self._prepare_one(c.namespace, c.name, c.uid)
+                                             for c in claims))
         for claim, (devices, error) in zip(claims, results):
             entry = response.claims[claim.uid]
             if error:
@@ -466,7 +467,8 @@ class DraService:
         started = time.perf_counter()
         response = api.NodeUnprepareResourcesResponse()
         claims = list(request.claims)[:MAX_CLAIMS_PER_CALL]
-        errors = await asyncio.gather(*(self._unprepare_one(c.uid) for c in claims))
+        async with self.checkpoint.shared():
+            errors = await asyncio.gather(*(self._unprepare_one(c.uid) for c in claims))
         for claim, error in zip(claims, errors):
             entry = response.claims[claim.uid]
             if error:
