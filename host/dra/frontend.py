@@ -11,8 +11,10 @@ every ResourceSlice of the node (facts §4) and registers us again afterwards.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from host.dra import naming
@@ -28,6 +30,7 @@ from host.model import Device, ResourceConfig
 log = logging.getLogger(__name__)
 
 DRA_SOCKET = "dra.sock"
+QUIET_S = 0.2  # a drain deregisters once no call came for this long
 
 
 class DraFrontEnd:
@@ -156,6 +159,11 @@ class DraFrontEnd:
         if self.on_registered is not None:
             self.on_registered(endpoint)
 
+    def _quiet(self) -> bool:
+        now = time.monotonic()
+        return all(s.in_flight == 0 and now - s.last_call_end >= QUIET_S
+                   for s in self.services.values())
+
     def all_registered(self) -> bool:
         return all(endpoint.registered for endpoint in self.endpoints.values())
 
@@ -164,12 +172,17 @@ class DraFrontEnd:
 
     async def close(self, grace_s: Optional[float] = None) -> None:
         """Stop serving; ResourceSlices stay (the kubelet wipes them if we do not return).
-        ``grace_s``: how long calls in flight may still finish (a drain)."""
+        ``grace_s``: a drain (another host serves the drivers now): first wait, up to that
+        long, until no call has been in flight for QUIET_S, because the kubelet closes its
+        connection to an instance the moment it deregisters, failing the calls in flight on
+        its side; it sends new calls to the newest connected instance, so an old one falls
+        quiet once the new one registered."""
+        if grace_s is not None:
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and not self._quiet():
+                await asyncio.sleep(QUIET_S / 4)
         for endpoint in list(self.endpoints.values()):
-            if grace_s is None:
-                await endpoint.close()
-            else:
-                await endpoint.close(grace_s)
+            await endpoint.close()
         self.endpoints.clear()
         self.services.clear()
         self.checkpoint.close()

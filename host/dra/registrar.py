@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 5.0
 SERVER_STOP_GRACE_S = 0.05
-DEREGISTER_SETTLE_S = 1.0  # pluginmanager's reconciler loopSleepDuration
 
 HandlersFor = Callable[[int], Sequence[grpc.GenericRpcHandler]]
 
@@ -246,11 +245,6 @@ class PluginWatcherEndpoint:
         self._watches.clear()
         await cancel_and_wait(self._task)
         await self.registration.stop()
-        if grace_s > SERVER_STOP_GRACE_S and self.service.server is not None:
-            # A drain: the kubelet's plugin manager notices the deleted registration socket
-            # in its next reconciler pass (every second); until then it may still route a
-            # call here, which must not fail.
-            await asyncio.sleep(DEREGISTER_SETTLE_S)
         await self.service.stop(grace_s)
         self.registered = False
 

@@ -120,6 +120,8 @@ class DraService:
         self.claim_get_timeout_s = claim_get_timeout_s
         self._locks: Dict[str, Tuple[asyncio.Lock, int]] = {}  # claim uid -> (lock, users)
         self.prepared_calls = 0
+        self.in_flight = 0  # prepare/unprepare calls being answered now
+        self.last_call_end = 0.0  # time.monotonic() the last one was answered
         self.metrics: Optional[Any] = None  # host.dra.metrics.DraMetrics
         self._health_version = 0
         self._health_wake: Optional[asyncio.Future] = None
@@ -207,6 +209,14 @@ class DraService:
 
     # -- NodePrepareResources ---------------------------------------------------------------
     async def _prepare_call(self, api: Any, request: Any) -> Any:
+        self.in_flight += 1
+        try:
+            return await self._prepare_call_counted(api, request)
+        finally:
+            self.in_flight -= 1
+            self.last_call_end = time.monotonic()
+
+    async def _prepare_call_counted(self, api: Any, request: Any) -> Any:
         started = time.perf_counter()
         response = api.NodePrepareResourcesResponse()
         claims = list(request.claims)[:MAX_CLAIMS_PER_CALL]
@@ -464,6 +474,14 @@ class DraService:
 
     # -- NodeUnprepareResources ------------------------------------------------------------
     async def _unprepare_call(self, api: Any, request: Any) -> Any:
+        self.in_flight += 1
+        try:
+            return await self._unprepare_call_counted(api, request)
+        finally:
+            self.in_flight -= 1
+            self.last_call_end = time.monotonic()
+
+    async def _unprepare_call_counted(self, api: Any, request: Any) -> Any:
         started = time.perf_counter()
         response = api.NodeUnprepareResourcesResponse()
         claims = list(request.claims)[:MAX_CLAIMS_PER_CALL]
