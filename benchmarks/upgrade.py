@@ -98,7 +98,7 @@ async def start_host(config: str, root: str, instance: str) -> asyncio.subproces
 async def scenario(root: str, short: str, api: Any, *, mode: str,
                    kubelet_version: Tuple[int, int] = (1, 36)) -> Outcome:
     """One upgrade (``mode`` "handover" or "restart") under load; see the module text."""
-    from host.dra import naming
+    from host.dra import claim_cdi, naming
     from host.dra.kube import KubeClient
     from host.lock import running_host
     from host.testing.kubelet import KubeletSimulator
@@ -197,7 +197,7 @@ async def scenario(root: str, short: str, api: Any, *, mode: str,
         # A claim prepared by the old host and held across the upgrade: the new host must
         # unprepare it (the shared checkpoint), and keep its CDI spec meanwhile.
         held_pod, held_name = str(uuid.uuid4()), "held"
-        api.put_resource_claim({
+        held_claim = api.put_resource_claim({
             "metadata": {"name": held_name, "namespace": "default"},
             "spec": {"devices": {"requests": [
                 {"name": "gpu", "exactly": {"deviceClassName": "gpu"}}]}},
@@ -227,8 +227,13 @@ async def scenario(root: str, short: str, api: Any, *, mode: str,
         await asyncio.sleep(0.5)  # the load runs on against the new host alone
         stop.set()
         await asyncio.gather(*tasks)
+        # The old host's CDI spec of the held claim stayed through the hand-over, and the
+        # new host (which never prepared it) removes it at unprepare.
+        spec = claim_cdi.spec_path(os.path.join(root, "cdi"), held_claim["metadata"]["uid"],
+                                   DRA_RESOURCE)
+        kept = os.path.exists(spec)
         await dra.unprepare(held_pod)
-        outcome.held_claim_unprepared = True
+        outcome.held_claim_unprepared = kept and not os.path.exists(spec)
     finally:
         stop.set()
         for host in hosts:
