@@ -217,15 +217,16 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
             # Handed over (or a successor that never took over): the shared files are the
             # other host's; only our own sockets go.
             await app.stop(hand_over=bool(handed_over) or lock.following)
+            if handed_over:
+                lock.release()  # the successor takes it at once
+                log.info("handed over to %s", handed_over[0])
+                if os.environ.get("KUBERNETES_SERVICE_HOST") and not terminated.is_set():
+                    # A DaemonSet pod that exited (or failed its liveness probe) would be
+                    # restarted and take the node back: wait, serving nothing but /healthz,
+                    # until the rollout deletes this pod.
+                    log.info("waiting for this pod to be deleted")
+                    await terminated.wait()
             await app.metrics.stop()
-        if handed_over:
-            lock.release()  # the successor takes it at once
-            log.info("handed over to %s", handed_over[0])
-            if os.environ.get("KUBERNETES_SERVICE_HOST") and not terminated.is_set():
-                # A DaemonSet pod that exited would be restarted and take the node back:
-                # wait, serving nothing, until the rollout deletes this pod.
-                log.info("waiting for this pod to be deleted")
-                await terminated.wait()
 
     problem = state_dir_problem(config)
     if problem is not None:
