@@ -53,6 +53,7 @@ class Outcome:
     prepare_failures: List[str] = field(default_factory=list)
     old_exit: Optional[int] = None
     held_claim_unprepared: bool = False
+    old_waited: bool = False
 
 
 def make_node(root: str, short: str, kubeconfig: str) -> str:
@@ -85,10 +86,17 @@ def make_node(root: str, short: str, kubeconfig: str) -> str:
     return config
 
 
-async def start_host(config: str, root: str, instance: str) -> asyncio.subprocess.Process:
+async def start_host(config: str, root: str, instance: str,
+                     pod: bool = False) -> asyncio.subprocess.Process:
+    """``pod``: as in a DaemonSet (POD_UID names the instance)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("INVOCATION_ID", "POD_UID", "KUBERNETES_SERVICE_HOST", "NODE_NAME")}
-    env.update(PYTHONPATH=str(REPO), INVOCATION_ID=instance)
+    env.update(PYTHONPATH=str(REPO))
+    if pod:
+        env.update(POD_UID=instance, KUBERNETES_SERVICE_HOST="10.96.0.1",
+                   POD_NAME=f"device-plugin-host-{instance}", POD_NAMESPACE="device-plugin-host")
+    else:
+        env.update(INVOCATION_ID=instance)
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "host", "run", "--config", config, "--host-root",
         os.path.join(root, "host"), env=env, cwd=str(REPO),
@@ -96,8 +104,11 @@ async def start_host(config: str, root: str, instance: str) -> asyncio.subproces
 
 
 async def scenario(root: str, short: str, api: Any, *, mode: str,
-                   kubelet_version: Tuple[int, int] = (1, 36)) -> Outcome:
-    """One upgrade (``mode`` "handover" or "restart") under load; see the module text."""
+                   kubelet_version: Tuple[int, int] = (1, 36), pods: bool = False) -> Outcome:
+    """One upgrade (``mode`` "handover" or "restart") under load; see the module text.
+    ``pods``: the hosts run as DaemonSet pods: the old one, handed over, waits for its
+    SIGTERM (the rollout deleting it) instead of exiting; ``old_exit`` is then its status
+    after that SIGTERM, and ``old_waited`` whether it was still there."""
     from host.dra import claim_cdi, naming
     from host.dra.kube import KubeClient
     from host.lock import running_host
@@ -191,7 +202,7 @@ async def scenario(root: str, short: str, api: Any, *, mode: str,
             await asyncio.sleep(0.002)
 
     try:
-        old = await start_host(config, root, "old1")
+        old = await start_host(config, root, "old1", pods)
         hosts.append(old)
         await ready("old1")
         # A claim prepared by the old host and held across the upgrade: the new host must
@@ -212,9 +223,9 @@ async def scenario(root: str, short: str, api: Any, *, mode: str,
         if mode == "restart":
             old.terminate()
             outcome.old_exit = await asyncio.wait_for(old.wait(), 30)
-        new = await start_host(config, root, "new2")
+        new = await start_host(config, root, "new2", pods)
         hosts.append(new)
-        if mode == "handover":
+        if mode == "handover" and not pods:
             outcome.old_exit = await asyncio.wait_for(old.wait(), 60)
         await ready("new2")
         state = os.path.join(root, "state")
@@ -225,6 +236,10 @@ async def scenario(root: str, short: str, api: Any, *, mode: str,
                 break
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.5)  # the load runs on against the new host alone
+        if pods and mode == "handover":
+            outcome.old_waited = old.returncode is None
+            old.terminate()  # the rollout deletes the old pod
+            outcome.old_exit = await asyncio.wait_for(old.wait(), 20)
         stop.set()
         await asyncio.gather(*tasks)
         # The old host's CDI spec of the held claim stayed through the hand-over, and the

@@ -71,6 +71,19 @@ def test_a_hand_over_on_a_1_36_kubelet_costs_one_re_registration(tmp_path, short
     assert outcome.allocations > 20
 
 
+def test_daemonset_pods_hand_over_and_the_old_one_waits_for_its_deletion(tmp_path, short_tmp):
+    """As DaemonSet pods (sockets named after POD_UID): the old pod, handed over, must not
+    exit (its container would be restarted and take the node back); it goes at SIGTERM."""
+    from host.testing.apiserver import ApiServerStandIn
+
+    with ApiServerStandIn() as api:
+        outcome = _run(upgrade.scenario(str(tmp_path), short_tmp, api, mode="handover",
+                                        kubelet_version=(1, 37), pods=True))
+    assert outcome.old_waited and outcome.old_exit == 0
+    assert outcome.prepare_failures == [] and outcome.allocate_failures == []
+    assert outcome.dp_gap_s == 0.0 and outcome.dra_gap_s == 0.0
+
+
 def test_stop_then_start_is_the_gap_the_hand_over_removes(tmp_path, short_tmp):
     """The floor, measured the same way: the scenario does see a gap when there is one."""
     from host.testing.apiserver import ApiServerStandIn
