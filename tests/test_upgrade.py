@@ -203,3 +203,39 @@ def test_two_hosts_share_the_checkpoint_one_call_at_a_time(tmp_path):
         old.close()
         new.close()
     assert Path(state, "serialize.lock").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_handed_over_host_leaves_the_successors_files(short_tmp, tmp_path):
+    """hand_over=True removes only the host's own sockets; the node labels (and device-info
+    files, CDI specs) are the successor's now. A plain stop removes the labels."""
+    from host.app import HostApp
+    from host.model import ResourceConfig
+    from host.testing.drivers import MemoryDriver, make_devices
+    from host.testing.harness import make_config
+
+    labels = tmp_path / "features.d" / "device-plugin-host"
+    labels.parent.mkdir()
+    resource = ResourceConfig(name="example.com/nic", driver="memory")
+    config = make_config(os.path.join(short_tmp, "dp"), [resource],
+                         nfd_features_file=str(labels), rescan_interval_s=0)
+    os.makedirs(config.host.plugin_dir)
+
+    async def one(hand_over: bool) -> bool:
+        app = HostApp(config, {"memory": MemoryDriver(
+            devices={resource.name: make_devices("nic", 2)})}, events=None)
+        await app.start()
+        assert "example.com/nic.count=2" in labels.read_text()
+        endpoint = app.endpoint(resource.name)
+        for _ in range(500):  # served (no kubelet here: nothing registers)
+            if endpoint is not None and endpoint.socket_name and endpoint.server is not None:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        sockets = [n for n in os.listdir(config.host.plugin_dir) if n.endswith(".sock")]
+        await app.stop(hand_over=hand_over)
+        assert sockets and not [n for n in os.listdir(config.host.plugin_dir)
+                                if n in sockets]  # its own sockets go either way
+        return labels.exists()
+
+    assert asyncio.run(one(hand_over=True)) is True
+    assert asyncio.run(one(hand_over=False)) is False
