@@ -67,7 +67,10 @@ def test_a_hand_over_on_a_1_36_kubelet_costs_one_re_registration(tmp_path, short
     assert outcome.old_exit == 0
     assert outcome.prepare_failures == [] and outcome.dra_gap_s == 0.0
     assert outcome.dp_gap_s < 0.2, outcome.dp_gap_s
-    assert len(outcome.allocate_failures) <= 5, outcome.allocate_failures
+    # only pods admitted during that re-registration fail, the way the kubelet fails them
+    assert all("no healthy devices present" in f or "connection" in f.lower()
+               or f.startswith("CancelledError") for f in outcome.allocate_failures), \
+        outcome.allocate_failures
     assert outcome.allocations > 20
 
 
