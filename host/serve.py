@@ -216,7 +216,9 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
             await reloader.aclose()
             # Handed over (or a successor that never took over): the shared files are the
             # other host's; only our own sockets go.
-            await app.stop(hand_over=bool(handed_over) or lock.following)
+            # A successor waiting (ready or not) serves the same node too: leave it the files.
+            await app.stop(hand_over=bool(handed_over) or lock.following
+                           or (lock.held and lock.successor() is not None))
             if handed_over:
                 lock.release()  # the successor takes it at once
                 log.info("handed over to %s", handed_over[0])
