@@ -62,6 +62,8 @@ TARGETS: Dict[str, Target] = {
     "idle_cpu_pct_watching": Target("max", 0.1, "< 0.1 %"),
     "dra_slice_event_p99_ms": Target("max", 20, "< 20 ms"),
     "dra_republish_p99_ms": Target("max", 50, "< 50 ms"),
+    "upgrade_gap_ms_device_plugin": Target("max", 0.5, "0 (goal)"),
+    "upgrade_gap_ms_dra": Target("max", 0.5, "0 (goal)"),
 }
 
 

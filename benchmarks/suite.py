@@ -27,13 +27,14 @@ from benchmarks import (
     resources,
     rpc,
     startup,
+    upgrade,
 )
 from benchmarks.core import Context, Figure, bytecode_cache
 
 #: Cheap, in-process families first; the idle-CPU window last.
 FAMILIES: Tuple[ModuleType, ...] = (
     preferred, rpc, dra_prepare, listwatch, reregister, discovery, startup, events, draslices,
-    reload, resources,
+    reload, resources, upgrade,
 )
 
 

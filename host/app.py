@@ -58,6 +58,8 @@ if TYPE_CHECKING:  # host.dra is imported only when a resource needs it
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+#: On a hand-over, how long a DRA call in flight may still finish once deregistered.
+DRA_DRAIN_S = 10.0
 
 
 class HostApp:
@@ -119,6 +121,10 @@ class HostApp:
         self.node_watch: Optional[Any] = None  # host.dra.node.NodeWatch
         self.watched: Dict[str, PluginWatcherEndpoint] = {}
         self._dra_deferred: Set[str] = set()
+        # Names this process's plugin-watcher sockets, so that an old and a new host overlap
+        # during an upgrade (host/socket_names.py instance_id; set by `run`, "" keeps the
+        # fixed names of a single instance).
+        self.instance = ""
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -161,11 +167,15 @@ class HostApp:
         scheduling.arm_expiry(self)
         self._check_ready()
 
-    async def stop(self) -> None:
+    async def stop(self, hand_over: bool = False) -> None:
         """Stop serving and remove our sockets and files; hung driver threads are abandoned.
         CDI specs stay: pods still hold their devices (CdiWriter). Every task and timer has
         ended before the first file is removed: nothing started by the host writes a CDI
-        spec (or anything else) after stop() returns."""
+        spec (or anything else) after stop() returns.
+
+        ``hand_over``: another host serves the same node now (host/lock.py): only our own
+        sockets go; the node labels and device-info files stay (they are that host's now),
+        and the DRA drivers drain (deregistered first, calls in flight may finish)."""
         self._stopped = True
         if self._drain_watch is not None:
             self._drain_watch.close()
@@ -179,14 +189,14 @@ class HostApp:
         for endpoint in list(self.watched.values()):
             await endpoint.close()
         self.watched.clear()
-        await self._stop_dra()
+        await self._stop_dra(DRA_DRAIN_S if hand_over else None)
         self.cdi.close()  # waits for a write in progress; none starts after it
         if self._cdi_thread is not None:
             self._cdi_thread.shutdown(wait=False)
-        await self.devinfo.stop()
+        await self.devinfo.stop(remove=not hand_over)
         if self._pod_client is not None:
             await self._pod_client.close()
-        self.nfd.remove()
+        self.nfd.remove(keep_file=hand_over)
         self.calls.shutdown()
 
     # -- serving ---------------------------------------------------------------------------
@@ -363,8 +373,8 @@ class HostApp:
         """Raises DraStartError (before serving anything) when DRA cannot work here."""
         await dra_wiring.start_dra(self)
 
-    async def _stop_dra(self) -> None:
-        await dra_wiring.stop_dra(self)
+    async def _stop_dra(self, grace_s: Optional[float] = None) -> None:
+        await dra_wiring.stop_dra(self, grace_s)
 
     def _sync_dra(self, resource: ResourceConfig, devices: List[Device]) -> None:
         dra_wiring.sync_dra(self, resource, devices)

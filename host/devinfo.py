@@ -259,8 +259,11 @@ class DeviceInfoReconciler:
         for device_id in owned(directory, resource.name):
             remove(directory, resource.name, device_id)
 
-    async def stop(self) -> None:
+    async def stop(self, remove: bool = True) -> None:
+        """``remove``: False when another host serves the node now and keeps the files."""
         task, self._task = self._task, None
         await cancel_and_wait(task)
+        if not remove:
+            return
         for resource in self._wanted():
             self.remove_resource(resource)

@@ -29,7 +29,7 @@ async def start_dra(app: HostApp) -> None:
     from host.dra.node import NodeWatch
     from host.dra.startup import DraStartError, check_cluster, check_settings
 
-    check_settings(app.config)
+    check_settings(app.config, app.instance)
     try:
         app.kube = KubeClient.from_settings(app.config.host.kubeconfig)
     except KubeConfigError as error:
@@ -55,7 +55,7 @@ async def start_dra(app: HostApp) -> None:
         registry_dir=host.plugins_registry_dir, plugins_dir=host.dra_plugins_dir,
         state_dir=host.dra_state_dir, cdi_dir=host.cdi_dir,
         allocate_timeout_s=host.allocate_timeout_s, publisher=app.publisher,
-        metrics=metrics, host=app.host)
+        metrics=metrics, host=app.host, instance=app.instance)
     app.dra.on_registered = app._dra_registered
     app.dra.device_metadata = lambda: app.config.host.dra_device_metadata  # follows reloads
     # The Node may not exist yet (the kubelet registers it after it starts) or be registered
@@ -98,11 +98,11 @@ async def _check_capacity(app: HostApp) -> None:
         log.error("DRA: %s", conflict)
 
 
-async def stop_dra(app: HostApp) -> None:
+async def stop_dra(app: HostApp, grace_s: Optional[float] = None) -> None:
     if app.node_watch is not None:
         await app.node_watch.close()
     if app.dra is not None:
-        await app.dra.close()
+        await app.dra.close(grace_s)
     if app.publisher is not None:
         await app.publisher.stop(delete=False)  # the kubelet wipes them if we stay away
     if app.kube is not None:
@@ -127,6 +127,7 @@ def sync_dra(app: HostApp, resource: ResourceConfig, devices: List[Device]) -> N
 
 def watch_register(app: HostApp, service: DevicePluginService) -> None:
     """A device plugin registered through the plugin watcher instead of kubelet.sock."""
+    from host.dra import naming
     from host.dra.registrar import (
         PluginWatcherEndpoint,
         device_plugin_info,
@@ -137,10 +138,12 @@ def watch_register(app: HostApp, service: DevicePluginService) -> None:
     name = service.resource.name
     host = app.config.host
     folder = registration_socket_name(name)[: -len("-reg.sock")]
-    socket = os.path.join(host.dra_plugins_dir, folder, "device-plugin.sock")
+    socket = os.path.join(host.dra_plugins_dir, folder,
+                          naming.service_socket_file("device-plugin", app.instance))
     endpoint = PluginWatcherEndpoint(
         device_plugin_info(name, socket, VERSION), host.plugins_registry_dir,
         lambda generation: (service.handler(generation),),
-        label=f"resource {name}", on_registered=app._watched_registered)
+        label=f"resource {name}", on_registered=app._watched_registered,
+        instance=app.instance)
     app.watched[name] = endpoint
     endpoint.start()

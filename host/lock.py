@@ -17,6 +17,19 @@ this one locked ``<plugin_dir>/.device-plugin-host/host.lock``; a host still run
 version is found there at start (``legacy_lock_path``) and refused the same way, but the old
 file is only probed, never held.
 
+An upgrade hands the directory over instead of refusing (``HostLock.acquire_or_follow``): a
+new host that finds the lock held takes the *successor* lock beside it
+(``host-<path>-<crc>.lock.next``) and serves and registers beside the old one: device plugin
+resources on sockets of its own (the kubelet's new Register replaces the old endpoint), DRA
+drivers with registration sockets of its own (the kubelet keeps both and calls the newer).
+Once everything is registered it marks its record ``"state": "ready"`` (``announce_ready``).
+The holder sees that (``successor``), drains (stops taking calls, deregisters, removes only its
+own sockets: CDI specs, ResourceSlices, the DRA checkpoint, node labels and device-info files
+are what the successor serves now) and releases the lock; the successor then takes it
+(``take_over``) and drops the successor lock. A third host finds both held and exits 2, as
+before. A successor that dies before it is ready drops its flock with its process: the holder
+sees no successor and keeps serving.
+
 The file is opened without following a symlink, created 0600, and must be a regular file of
 ours. It is never deleted: unlinking a lock file while another process may have it open lets
 two processes hold "the" lock on two different inodes. The holder checks now and then that
@@ -36,6 +49,7 @@ import zlib
 from typing import Dict, Mapping, NamedTuple, Optional, Tuple
 
 LOCK_DIR = ".device-plugin-host"  # the legacy location, in the plugin directory
+SUCCESSOR_SUFFIX = ".next"
 LOCK_FILE = "host.lock"
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._")
 
@@ -65,6 +79,7 @@ class Holder(NamedTuple):
     pid: Optional[int]
     how: str
     since: str
+    state: str = ""  # a successor's: "starting", then "ready"
 
     def describe(self) -> str:
         pid = f"PID {self.pid}" if self.pid is not None else "an unknown PID"
@@ -140,8 +155,78 @@ class HostLock:
         self.plugin_dir = plugin_dir
         self.state_dir = state_dir
         self.path = lock_path(plugin_dir, state_dir)
+        self.successor_path = self.path + SUCCESSOR_SUFFIX
         self._fd: Optional[int] = None
         self._inode: Optional[Tuple[int, int]] = None
+        self._next_fd: Optional[int] = None  # the successor lock, while we wait for the lock
+        self._record: Dict[str, object] = {}
+        self.predecessor: Optional[Holder] = None  # whom we follow, as a successor
+
+    @property
+    def following(self) -> bool:
+        """Whether this host is a successor still waiting for the holder to hand over."""
+        return self._next_fd is not None
+
+    def acquire_or_follow(self, environ: Mapping[str, str] = os.environ) -> bool:
+        """Take the lock (True), or, when another host holds it, the successor lock (False:
+        serve beside it, ``announce_ready`` once registered, then ``take_over``). Raises
+        LockHeld when the successor lock is held too (a third host) or when an older
+        version holds the legacy lock (it knows no hand-over); OSError as ``acquire``."""
+        try:
+            self.acquire(environ)
+            return True
+        except LockHeld as held:
+            if _held_by_another(legacy_lock_path(self.plugin_dir)) is not None:
+                raise
+            holder = held.holder
+        fd = _open_lock_file(self.successor_path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            os.close(fd)
+            if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise LockHeld(self.plugin_dir, holder) from None
+            raise
+        self._next_fd = fd
+        self.predecessor = holder
+        self._record = _record(environ, self.plugin_dir)
+        self._write(fd, {**self._record, "state": "starting"})
+        return False
+
+    def announce_ready(self) -> None:
+        """As a successor: everything is served and registered; the holder may drain."""
+        if self._next_fd is not None:
+            self._write(self._next_fd, {**self._record, "state": "ready"})
+
+    def take_over(self) -> bool:
+        """As a successor: take the lock if the holder released it (non-blocking); True once
+        this host holds it (the successor lock is dropped then)."""
+        if self._next_fd is None:
+            return self.held
+        fd = _open_lock_file(self.path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._write(fd, self._record)
+        st = os.fstat(fd)
+        self._fd, self._inode = fd, (st.st_dev, st.st_ino)
+        next_fd, self._next_fd = self._next_fd, None
+        os.ftruncate(next_fd, 0)  # no stale "ready" for the next holder to read
+        os.close(next_fd)
+        return True
+
+    def successor(self) -> Optional[Holder]:
+        """As the holder: the host waiting to take over (with its ``state``), if one is."""
+        return _held_by_another(self.successor_path)
+
+    @staticmethod
+    def _write(fd: int, record: Mapping[str, object]) -> None:
+        data = (json.dumps(dict(record), sort_keys=True) + "\n").encode("utf-8")
+        # Overwrite in place, then cut: never an empty file for a reader to find.
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
 
     def acquire(self, environ: Mapping[str, str] = os.environ) -> None:
         """Take the lock or raise LockHeld (also when an older version holds the legacy lock
@@ -149,12 +234,9 @@ class HostLock:
         (read-only, a file, a lock path that is not a regular file of ours). The state
         directory is created 0700 when missing; the plugin directory is never touched."""
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
-                     | os.O_CLOEXEC, 0o600)
+        fd = _open_lock_file(self.path)
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                raise OSError(errno.EPERM, f"{self.path} is not a regular file owned by us")
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
             os.close(fd)
@@ -165,15 +247,8 @@ class HostLock:
         if legacy is not None:
             os.close(fd)  # an older version serves this directory: it keeps it
             raise LockHeld(self.plugin_dir, legacy)
-        record: Dict[str, object] = {
-            "pid": os.getpid(), "how": started_by(environ),
-            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "plugin_dir": os.path.abspath(self.plugin_dir),
-        }
-        data = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
-        # Overwrite in place, then cut: never an empty file for a reader to find.
-        os.pwrite(fd, data, 0)
-        os.ftruncate(fd, len(data))
+        self._record = _record(environ, self.plugin_dir)
+        self._write(fd, self._record)
         self.release()  # a lock taken again (still_held said it was lost): the old fd goes
         self._fd = fd
         self._inode = (st.st_dev, st.st_ino)
@@ -198,6 +273,30 @@ class HostLock:
             os.close(self._fd)  # closing drops the flock; the file stays (see above)
             self._fd = None
             self._inode = None
+        if self._next_fd is not None:
+            os.close(self._next_fd)
+            self._next_fd = None
+
+
+def _record(environ: Mapping[str, str], plugin_dir: str) -> Dict[str, object]:
+    return {"pid": os.getpid(), "how": started_by(environ),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "plugin_dir": os.path.abspath(plugin_dir)}
+
+
+def _open_lock_file(path: str) -> int:
+    """A lock file opened for writing without following a symlink, created 0600; OSError
+    when it is not a regular file of ours."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                 0o600)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, f"{path} is not a regular file owned by us")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def read_holder_file(path: str, wait_s: float = 0.5) -> Holder:
@@ -220,7 +319,7 @@ def read_holder_file(path: str, wait_s: float = 0.5) -> Holder:
         time.sleep(0.01)
     return Holder(pid=pid if isinstance(pid, int) else None,
                   how=str(record.get("how") or "an unknown way"),
-                  since=str(record.get("since") or ""))
+                  since=str(record.get("since") or ""), state=str(record.get("state") or ""))
 
 
 def _held_by_another(path: str) -> Optional[Holder]:

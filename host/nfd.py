@@ -182,10 +182,11 @@ class FeatureFile:
         log.debug("NFD feature file %s written", self.path)
         return True
 
-    def remove(self) -> None:
-        """On stop: the labels go with the host (NFD drops them at its next pass)."""
+    def remove(self, keep_file: bool = False) -> None:
+        """On stop: the labels go with the host (NFD drops them at its next pass), unless
+        ``keep_file`` (another host serves the node now and writes the same file)."""
         self._background.cancel(_TIMER)
-        if self._written is None:
+        if self._written is None or keep_file:
             return
         try:
             os.unlink(self.path)

@@ -101,6 +101,7 @@ class Endpoint:
         self._on_registered = on_registered
         service.on_stream_start = self._stream_started
         service.on_stream_end = self._stream_ended
+        self.quick_until = 0.0  # until then a stream ended by the kubelet re-registers at once
 
     @property
     def socket_path(self) -> Optional[str]:
@@ -370,8 +371,11 @@ class Endpoint:
         # would only fail (and be logged) once per resource.
         self._connect_failed_for = self.registered_with
         self.registered_with = None
-        self._not_before = time.monotonic() + STREAM_END_GRACE_S
-        self._arm_retry(STREAM_END_GRACE_S)
+        # While an older host hands over, its stream's end makes kubelets up to 1.36 (clients
+        # keyed by resource name, facts §3.4) close ours: the kubelet is there, so at once.
+        grace = 0.0 if time.monotonic() < self.quick_until else STREAM_END_GRACE_S
+        self._not_before = time.monotonic() + grace
+        self._arm_retry(grace)
 
 
 class Registrar:
@@ -383,12 +387,22 @@ class Registrar:
         self.endpoints: Dict[str, Endpoint] = {}
         self._watch = DirectoryWatch(plugin_dir, self._on_dir_change)
         self.on_registered: Optional[Callable[[Endpoint], None]] = None
+        self.quick_until = 0.0
 
     def start(self) -> None:
         self._watch.start()
 
+    def expect_hand_over(self, seconds: float) -> None:
+        """An older host is about to stop its servers: for ``seconds``, a ListAndWatch the
+        kubelet ends is registered again without the usual grace (the kubelet is up; on
+        1.36 the older host's stream end closes ours)."""
+        self.quick_until = time.monotonic() + seconds
+        for endpoint in self.endpoints.values():
+            endpoint.quick_until = self.quick_until
+
     def add(self, service: DevicePluginService) -> Endpoint:
         endpoint = Endpoint(service, self.link, self.token, self._registered)
+        endpoint.quick_until = self.quick_until
         self.endpoints[endpoint.name] = endpoint
         endpoint.start()
         return endpoint

@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, List, Optional
 from host import __version__
 from host.config import DEFAULT_CONFIG_PATH, Config, ConfigError
 from host.exit import EXIT_CONFIG
+from host.inotify import DirectoryWatch
 from host.isolation import DriverCalls
 from host.lock import HostLock, LockHeld, state_dir_of
 from host.plugins import DriverRegistry
 from host.process import collect_again, return_freed_heap
 from host.reload import ConfigReloader
-from host.socket_names import KUBELET_SOCKET
+from host.socket_names import KUBELET_SOCKET, instance_id
 from host.systemd import Notifier
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("host")
 LOCK_CHECK_S = 2.0  # how often the host checks the lock file is still the one it holds
+TAKE_OVER_POLL_S = 0.05  # a successor's check whether the old host released the lock
+HAND_OVER_WINDOW_S = 30.0  # streams the kubelet ends meanwhile re-register at once
 
 
 async def announce_ready(app: HostApp, notifier: Notifier, config: Config) -> None:
@@ -87,23 +90,63 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
 
     async def serve() -> None:
         app = HostApp(config, drivers)
+        app.instance = instance_id()
         reloader = ConfigReloader(app, config_path, registry, {
             "plugin_dir": config.host.plugin_dir, "host_root": config.host.host_root})
         notifier = Notifier()
         app.on_ready.append(lambda: notifier.ready(
             f"serving {len(app.served())} resources, all registered"))
         stop = asyncio.Event()
+        terminated = asyncio.Event()  # SIGTERM/SIGINT, as opposed to a hand-over
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            terminated.set()
+            stop.set()
+
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
+            loop.add_signal_handler(signum, on_signal)
         warned: List[OSError] = []
+        handed_over: List[str] = []  # who we handed over to
+        announced: List[bool] = []  # as a successor: told the holder we are ready
+
+        def successor_ready(names: Optional[List[str]] = None) -> None:
+            """As the holder: a newer host serves and registered everything: drain."""
+            if names is not None and os.path.basename(lock.successor_path) not in names:
+                return
+            if not lock.held or stop.is_set():
+                return
+            successor = lock.successor()
+            if successor is not None and successor.state == "ready":
+                handed_over.append(successor.describe())
+                log.info("a newer host serves this node (%s): handing over", handed_over[0])
+                stop.set()
+
+        def follow() -> None:
+            """As a successor: take the lock once the holder released it."""
+            if stop.is_set():
+                return
+            if lock.take_over():
+                log.info("took over the plugin directory %s from %s", config.host.plugin_dir,
+                         lock.predecessor.describe() if lock.predecessor else "the old host")
+                return
+            app.background.later("host lock take-over", TAKE_OVER_POLL_S, follow)
+
+        def announce_successor() -> None:
+            if lock.following and not announced:
+                announced.append(True)
+                lock.announce_ready()
+                app.registrar.expect_hand_over(HAND_OVER_WINDOW_S)
+                log.info("serving and registered beside %s; it hands over now",
+                         lock.predecessor.describe() if lock.predecessor else "the old host")
+                follow()
 
         def take_lock(again: bool = False) -> None:
             """The lock could not be taken at start (the state directory read-only, say):
             take it as soon as it can be (when a socket of ours was bound, and at every
             check); another host that got there first stops us. ``again``: the file we
             held is gone or replaced, lock the one at the path now."""
-            if (lock.held and not again) or lost_lock:
+            if (lock.held and not again) or lost_lock or lock.following:
                 return
             try:
                 lock.acquire()
@@ -120,17 +163,24 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
             """Still ours? The lock file deleted or replaced (a cleanup of the state
             directory) would let a second host lock the new file: take it again, or stop
             if another host got there first."""
-            if not lock.held:
+            if lock.following:
+                pass  # follow() takes it once the holder hands over
+            elif not lock.held:
                 take_lock()
             elif not lock.still_held():
                 log.warning("the host lock %s was removed or replaced; taking it again",
                             lock.path)
                 take_lock(again=True)
+            else:
+                successor_ready()
             if not stop.is_set():
                 app.background.later("host lock check", LOCK_CHECK_S, check_lock)
 
         if not lock.held:
             app.registrar.link.on_dir_usable = take_lock
+        app.on_ready.append(announce_successor)
+        state_watch = DirectoryWatch(lock.state_dir, successor_ready)
+        state_watch.start()
         log.info("device-plugin-host %s: plugin dir %s, host root %s, %d resources configured",
                  __version__, config.host.plugin_dir, config.host.host_root,
                  len(config.resources))
@@ -161,9 +211,23 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
             log.info("stopping: removing our sockets")
             notifier.stopping()
         finally:
+            state_watch.close()
             notifier.stop_watchdog()
             await reloader.aclose()
-            await app.stop()
+            # Handed over (or a successor that never took over): the shared files are the
+            # other host's; only our own sockets go.
+            # A successor waiting (ready or not) serves the same node too: leave it the files.
+            await app.stop(hand_over=bool(handed_over) or lock.following
+                           or (lock.held and lock.successor() is not None))
+            if handed_over:
+                lock.release()  # the successor takes it at once
+                log.info("handed over to %s", handed_over[0])
+                if os.environ.get("KUBERNETES_SERVICE_HOST") and not terminated.is_set():
+                    # A DaemonSet pod that exited (or failed its liveness probe) would be
+                    # restarted and take the node back: wait, serving nothing but /healthz,
+                    # until the rollout deletes this pod.
+                    log.info("waiting for this pod to be deleted")
+                    await terminated.wait()
             await app.metrics.stop()
 
     problem = state_dir_problem(config)
@@ -173,7 +237,9 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
     lock = HostLock(config.host.plugin_dir, state_dir_of(config.host.drain_file))
     lost_lock: List[LockHeld] = []
     try:
-        lock.acquire()
+        if not lock.acquire_or_follow() and lock.predecessor is not None:
+            log.info("another device-plugin-host serves %s (%s): serving beside it until it "
+                     "hands over", config.host.plugin_dir, lock.predecessor.describe())
     except LockHeld as error:
         print(f"device-plugin-host: {error}", file=sys.stderr)
         return EXIT_CONFIG

@@ -8,8 +8,10 @@ longest path the host will bind, instead of a resource that never binds and retr
 
 from __future__ import annotations
 
+import os
 import re
 import zlib
+from typing import Mapping, Optional
 
 #: The kubelet's registration socket, in its device plugin directory.
 KUBELET_SOCKET = "kubelet.sock"
@@ -52,3 +54,22 @@ MAX_SOCKET_NAME = len(_file_name("x" * READABLE_MAX, "0" * DIGEST_LEN, "f" * TOK
 def longest_socket_path(plugin_dir: str) -> int:
     """Bytes of the longest socket path the host binds in ``plugin_dir``."""
     return len(plugin_dir.rstrip("/").encode("utf-8")) + 1 + MAX_SOCKET_NAME
+
+
+_INSTANCE = re.compile(r"[A-Za-z0-9][-A-Za-z0-9]{0,63}\Z")
+INSTANCE_ENV = ("POD_UID", "INVOCATION_ID")
+
+
+def instance_id(environ: Optional[Mapping[str, str]] = None) -> str:
+    """This process's instance id: the pod's UID (the DaemonSet passes ``POD_UID`` through the
+    downward API), else systemd's ``INVOCATION_ID`` (unique per start of the unit), else ""
+    (run by hand: one instance, fixed socket names). A value that is not 1-64 characters of
+    [A-Za-z0-9-] is ignored, since it becomes part of socket file names. Plugin-watcher
+    sockets (DRA drivers) are named after it, so an old and a new host can be registered at
+    once during an upgrade (host.dra.naming)."""
+    env = os.environ if environ is None else environ
+    for key in INSTANCE_ENV:
+        value = (env.get(key) or "").strip()
+        if value and _INSTANCE.match(value):
+            return value
+    return ""

@@ -34,9 +34,11 @@ CONTRACT_KEYS = {
     "dra_slice_p99_ms_8", "dra_slice_p99_ms_300",
     "dra_requests_per_change_8", "dra_requests_per_change_300",
     "dra_slice_event_p99_ms", "dra_republish_p99_ms",
+    "upgrade_gap_ms_device_plugin", "upgrade_gap_ms_dra",
 }
 # An idle process can truly use no CPU in a short window; everything else takes time or memory.
-MAY_BE_ZERO = {"idle_cpu_pct_64r", "idle_cpu_pct_watching"}
+MAY_BE_ZERO = {"idle_cpu_pct_64r", "idle_cpu_pct_watching", "upgrade_gap_ms_device_plugin",
+               "upgrade_gap_ms_dra"}
 
 
 def _check_entry(key: str, entry: dict) -> None:

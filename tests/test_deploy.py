@@ -432,16 +432,20 @@ def test_the_termination_message_is_written_to_a_writable_volume(name):
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
-def test_the_daemonset_is_node_critical_and_rolls_one_host_per_node(name):
+def test_the_daemonset_is_node_critical_and_rolls_by_hand_over(name):
     objects = render(name)
     daemonset = only(objects, "DaemonSet")
     spec = pod_spec(objects)
     assert spec["priorityClassName"] == "system-node-critical"
     strategy = daemonset["spec"]["updateStrategy"]
     assert strategy["type"] == "RollingUpdate"
-    assert strategy["rollingUpdate"]["maxUnavailable"]
-    # Two hosts on one node would keep taking the same resources' registration from each other.
-    assert strategy["rollingUpdate"].get("maxSurge", 0) in (0, "0%")
+    # The new pod starts beside the old one and the hosts hand the node over (no gap):
+    # one new pod per node at a time, never a node without a serving host.
+    assert strategy["rollingUpdate"]["maxSurge"] == 1
+    assert strategy["rollingUpdate"]["maxUnavailable"] == 0
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+           for c in spec["containers"] for e in c.get("env", ())}
+    assert env["POD_UID"] == "metadata.uid"  # per-pod DRA socket names
     assert daemonset["spec"]["minReadySeconds"] > 0
     assert spec["nodeSelector"]["kubernetes.io/os"] == "linux"
     assert {"nvidia.com/gpu", "amd.com/gpu"} <= {t.get("key") for t in spec["tolerations"]}

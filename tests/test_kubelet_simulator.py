@@ -461,9 +461,15 @@ def test_snapshots_over_4_mib_break_the_stream(short_dir, run):
     run(scenario())
 
 
-def test_reregistration_replaces_the_endpoint_and_a_stale_stream_end_is_ignored(short_dir, run):
+@pytest.mark.parametrize("version", [(1, 36), (1, 37)])
+def test_reregistration_replaces_the_endpoint_and_the_old_stream_end_is_as_upstream(
+        short_dir, run, version):
+    """A new Register of the name replaces the endpoint; the old client's stream runs on and
+    the device sets stay healthy meanwhile (PluginConnected keeps them). When the old plugin
+    then ends its stream, a 1.36 kubelet finds the client by name (the new one) and
+    disconnects it; 1.37 (clients by name and socket path) leaves the new one alone."""
     async def scenario():
-        kubelet, old = await started(short_dir, endpoint="old.sock")
+        kubelet, old = await started(short_dir, endpoint="old.sock", kubelet_version=version)
         new = FakePlugin(short_dir, endpoint="new.sock", devices=[device("n0")])
         try:
             await new.start()
@@ -474,9 +480,13 @@ def test_reregistration_replaces_the_endpoint_and_a_stale_stream_end_is_ignored(
             )
             state = kubelet.resources[GPU]
             assert state.healthy == {"n0"}
-            # The old stream was cancelled by the kubelet side.
-            await asyncio.wait_for(old.stream_cancelled.wait(), 2)
-            await old.stop()  # a stale stream ending late must not disconnect the new one
+            assert not old.stream_cancelled.is_set()  # the kubelet did not end it
+            await old.stop()
+            if version < (1, 37):
+                await kubelet.wait_for(lambda k: not k.resources[GPU].connected)
+                assert state.allocatable == 0 and "older registration" in state.last_error
+                await asyncio.wait_for(new.stream_cancelled.wait(), 2)
+                return
             new.push([device("n0"), device("n1")])
             await kubelet.wait_for(lambda k: k.resources[GPU].snapshots == 3)
             assert state.connected and state.healthy == {"n0", "n1"}

@@ -141,7 +141,7 @@ def test_an_older_host_holding_the_legacy_lock_is_refused(tmp_path):
     fresh.release()
 
 
-def test_a_second_run_exits_2_naming_the_first_and_discover_says_so(tmp_path, short_dir):
+def test_a_third_run_exits_2_naming_the_first_and_discover_says_so(tmp_path, short_dir):
     root = tmp_path / "root"
     FakeTree(root).numa_nodes(1)
     config = tmp_path / "config.toml"
@@ -168,6 +168,10 @@ def test_a_second_run_exits_2_naming_the_first_and_discover_says_so(tmp_path, sh
             await sim.start()
             await sim.wait_for(lambda s: "example.com/a" in s.resources
                                and s.resources["example.com/a"].connected, timeout=30)
+            # A newer host already waits to take over (the successor lock, host/lock.py):
+            # one more is refused, naming the holder.
+            waiting = HostLock(short_dir, str(tmp_path / "state"))
+            assert waiting.acquire_or_follow({}) is False and waiting.following
             second = await asyncio.create_subprocess_exec(
                 *args, env=_env(INVOCATION_ID="1"), cwd=str(REPO),
                 stderr=asyncio.subprocess.PIPE)
@@ -192,6 +196,7 @@ def test_a_second_run_exits_2_naming_the_first_and_discover_says_so(tmp_path, sh
                 *args, env=_env(), cwd=str(REPO), stderr=asyncio.subprocess.PIPE)
             _, err = await asyncio.wait_for(third.communicate(), 30)
             assert third.returncode == 2 and f"PID {first.pid}" in err.decode(), err
+            waiting.release()
 
             for command in (["discover", "--config", str(config), "--host-root", str(root)],
                             ["check-config", str(config), "--host-root", str(root)]):
@@ -244,10 +249,15 @@ def test_hosts_started_before_the_plugin_dir_exists_are_one_host(tmp_path, short
                 if running_host(plugin_dir, str(tmp_path)) is not None:
                     break
                 await asyncio.sleep(0.05)
+            # (A newer host waiting to take over holds the successor lock: one more is
+            # refused.)
+            waiting = HostLock(plugin_dir, str(tmp_path))
+            assert waiting.acquire_or_follow({}) is False
             second = await asyncio.create_subprocess_exec(
                 *args, env=_env(INVOCATION_ID="2"), cwd=str(REPO),
                 stderr=asyncio.subprocess.PIPE)
             _, err = await asyncio.wait_for(second.communicate(), 30)
+            waiting.release()
             assert second.returncode == 2
             assert f"PID {first.pid}" in err.decode() and "Traceback" not in err.decode(), err
             async with KubeletSimulator(plugin_dir) as sim:  # creates the directory

@@ -21,18 +21,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, AsyncIterator, Callable, Dict, List, Mapping, Optional, Tuple
 
 from host.dra.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 
 FILE_NAME = "prepared-claims.json"
+LOCK_NAME = "serialize.lock"  # as kubeletplugin's rolling-update lock file
 FORMAT_VERSION = 1
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
@@ -87,6 +90,71 @@ class Checkpoint:
         # Shares those claims take, by claim uid: (the shared device's keys, count) each.
         self.reserved_shares: Dict[str, List[Tuple[Tuple[str, ...], int]]] = {}
         self._io: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._seen: Optional[Tuple[int, int, int]] = None  # the file as last read or written
+        self._lock_path = os.path.join(state_dir, LOCK_NAME)
+        self._lock_fd: Optional[int] = None
+        self._users = 0
+        self._gate: Optional[asyncio.Lock] = None
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        """Exclusive use of the checkpoint among the host processes of this node, for one
+        prepare or unprepare call.
+
+        During an upgrade two hosts serve the same driver and the kubelet may call either
+        (it prefers the newer, but a claim prepared by one may be unprepared by the other).
+        Both keep the same file, so each call runs under an flock of
+        ``<state_dir>/serialize.lock`` (what k8s.io/dynamic-resource-allocation's
+        ``RollingUpdate`` does), and the file is read again when another process changed it
+        since: a claim prepared by the other host is answered from the record (prepare is
+        idempotent across the two), and its devices count as held. Calls of one process
+        share the flock (it is taken by the first and dropped by the last), so a single host
+        keeps its concurrency; an uncontended flock costs one system call."""
+        if self._gate is None:
+            self._gate = asyncio.Lock()
+        async with self._gate:
+            if self._users == 0:
+                await asyncio.get_running_loop().run_in_executor(None, self._take_lock)
+                self.refresh()
+            self._users += 1
+        try:
+            yield
+        finally:
+            self._users -= 1
+            if self._users == 0 and self._lock_fd is not None:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _take_lock(self) -> None:
+        if self._lock_fd is None:
+            os.makedirs(os.path.dirname(self._lock_path) or ".", mode=0o700, exist_ok=True)
+            self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+                                    | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+
+    def _stat(self) -> Optional[Tuple[int, int, int]]:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def refresh(self) -> bool:
+        """Read the file again if another process replaced it since we last read or wrote it;
+        whether it was read. Called with the shared lock held."""
+        seen = self._stat()
+        if seen == self._seen:
+            return False
+        if seen is None:
+            self.claims = {}
+        else:
+            try:
+                with open(self.path, "rb") as stream:
+                    self.claims = decode_claims(stream.read().decode("utf-8"))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+                log.error("DRA checkpoint %s changed under us and cannot be read (%s); keeping"
+                          " what this host knew", self.path, error)
+        self._seen = seen
+        return True
 
     async def aput(self, claim: PreparedClaim) -> None:
         await self._off_loop(self.put, claim)
@@ -104,6 +172,9 @@ class Checkpoint:
         if self._io is not None:
             self._io.shutdown(wait=True)
             self._io = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def load(self) -> None:
         """Read the file; never raises. A damaged or unreadable file is moved aside and a
@@ -113,6 +184,7 @@ class Checkpoint:
                 text = stream.read().decode("utf-8")
             document = json.loads(text)
             self.claims = decode_claims(text)
+            self._seen = self._stat()
         except FileNotFoundError:
             return
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
@@ -192,6 +264,7 @@ class Checkpoint:
         document = {"version": FORMAT_VERSION, "boot_id": self.boot_id,
                     "claims": [asdict(claim) for claim in claims.values()]}
         write_atomic(self.path, json.dumps(document, indent=1, sort_keys=True) + "\n", 0o600)
+        self._seen = self._stat()
 
 
 def decode_claims(text: str) -> Dict[str, PreparedClaim]:

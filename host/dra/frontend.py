@@ -11,8 +11,10 @@ every ResourceSlice of the node (facts §4) and registers us again afterwards.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from host.dra import naming
@@ -28,6 +30,7 @@ from host.model import Device, ResourceConfig
 log = logging.getLogger(__name__)
 
 DRA_SOCKET = "dra.sock"
+QUIET_S = 0.2  # a drain deregisters once no call came for this long
 
 
 class DraFrontEnd:
@@ -45,8 +48,13 @@ class DraFrontEnd:
         publisher: Optional[Any] = None,
         metrics: Optional[Any] = None,
         host: Optional[HostFS] = None,
+        instance: str = "",
     ) -> None:
+        """``instance``: this process's instance id (host.dra.naming.instance_id): with one,
+        each driver's sockets are named per instance so that an old and a new host can be
+        registered with the kubelet at once during an upgrade."""
         self.node_name = node_name
+        self.instance = instance
         self.claims = claims
         self.calls = calls
         self.registry_dir = registry_dir
@@ -74,7 +82,8 @@ class DraFrontEnd:
         return naming.driver_name(resource.name, resource.dra_driver_name, resource.driver)
 
     def socket_path(self, driver_name: str) -> str:
-        return os.path.join(self.plugins_dir, driver_name, DRA_SOCKET)
+        return os.path.join(self.plugins_dir, driver_name,
+                            naming.service_socket_file("dra", self.instance))
 
     def sync(self, resource: ResourceConfig, driver: Driver, devices: Sequence[Device]) -> None:
         """The resource's devices changed (or it is new): cheap, never waits on anything."""
@@ -118,7 +127,8 @@ class DraFrontEnd:
                                    (*DRA_SERVICES, *DRA_HEALTH_SERVICES))
             endpoint = PluginWatcherEndpoint(info, self.registry_dir, service.handlers,
                                              label=f"DRA driver {dra_driver}",
-                                             on_registered=self._registered)
+                                             on_registered=self._registered,
+                                             instance=self.instance)
             self.endpoints[dra_driver] = endpoint
             endpoint.start()
         return service
@@ -162,14 +172,28 @@ class DraFrontEnd:
         if self.on_registered is not None:
             self.on_registered(endpoint)
 
+    def _quiet(self) -> bool:
+        now = time.monotonic()
+        return all(s.in_flight == 0 and now - s.last_call_end >= QUIET_S
+                   for s in self.services.values())
+
     def all_registered(self) -> bool:
         return all(endpoint.registered for endpoint in self.endpoints.values())
 
     def prepared_claims(self) -> List[Any]:
         return list(self.checkpoint.claims.values())
 
-    async def close(self) -> None:
-        """Stop serving; ResourceSlices stay (the kubelet wipes them if we do not return)."""
+    async def close(self, grace_s: Optional[float] = None) -> None:
+        """Stop serving; ResourceSlices stay (the kubelet wipes them if we do not return).
+        ``grace_s``: a drain (another host serves the drivers now): first wait, up to that
+        long, until no call has been in flight for QUIET_S, because the kubelet closes its
+        connection to an instance the moment it deregisters, failing the calls in flight on
+        its side; it sends new calls to the newest connected instance, so an old one falls
+        quiet once the new one registered."""
+        if grace_s is not None:
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and not self._quiet():
+                await asyncio.sleep(QUIET_S / 4)
         for endpoint in list(self.endpoints.values()):
             await endpoint.close()
         self.endpoints.clear()

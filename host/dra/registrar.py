@@ -29,10 +29,12 @@ from typing import Callable, List, Optional, Sequence
 
 import grpc
 
+from host.dra import naming
 from host.dra.protocol import registration as reg_api
 from host.dra.protocol import registration_grpc
 from host.inotify import DirectoryWatch
 from host.socket_names import MAX_SOCKET_PATH
+from host.socket_probe import accepts
 from host.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -47,8 +49,43 @@ HandlersFor = Callable[[int], Sequence[grpc.GenericRpcHandler]]
 def registration_socket_name(plugin_name: str) -> str:
     """``<driver>-reg.sock``, the name the kubelet-plugin helper library uses; a name that
     starts with "." would be ignored by the plugin watcher, so it is never produced."""
-    name = plugin_name.replace("/", "_")
-    return (name if not name.startswith(".") else "_" + name[1:]) + "-reg.sock"
+    return naming.registration_socket_file("", plugin_name)
+
+
+def remove_dead_instances(registry_dir: str, plugin_name: str, service_dir: str, stem: str,
+                          keep: Sequence[str]) -> List[str]:
+    """Sockets of earlier instances of this plugin that nothing serves any more (a host killed
+    with SIGKILL cannot remove its own): ``<name>[-<id>]-reg.sock`` in ``registry_dir`` and
+    the service sockets in ``service_dir`` named ``<stem>[-<id>].sock``. A
+    socket that accepts a connection belongs to a live instance and is never touched, nor
+    is anything in ``keep``. Returns the paths removed."""
+    name = naming.registration_socket_file("", plugin_name)[: -len("-reg.sock")]
+    found: List[str] = []
+    for directory, match in (
+        (registry_dir, lambda f: f == f"{name}-reg.sock" or (
+            f.startswith(f"{name}-") and f.endswith("-reg.sock")
+            and naming.instance_id({"POD_UID": f[len(name) + 1:-len("-reg.sock")]}) != "")),
+        (service_dir, lambda f: naming.is_instance_socket(f, stem)),
+    ):
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for file_name in names:
+            path = os.path.join(directory, file_name)
+            if path in keep or not match(file_name):
+                continue
+            try:
+                if not stat.S_ISSOCK(os.lstat(path).st_mode) or accepts(path) is None:
+                    continue
+                os.unlink(path)
+            except OSError:
+                continue
+            found.append(path)
+    if found:
+        log.info("removed %d socket%s of earlier %s instances that nothing serves: %s",
+                 len(found), "" if len(found) == 1 else "s", plugin_name, ", ".join(found))
+    return found
 
 
 class _ServedSocket:
@@ -93,12 +130,12 @@ class _ServedSocket:
         os.chmod(self.path, 0o600)
         self.inode = os.lstat(self.path).st_ino
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = SERVER_STOP_GRACE_S) -> None:
         server, self.server = self.server, None
         if server is None:
             return
         try:
-            await server.stop(SERVER_STOP_GRACE_S)
+            await server.stop(grace_s)
         except asyncio.InvalidStateError:
             # grpc's stop of a server whose start() was cancelled half-way (the host stopped
             # while this endpoint was coming up): nothing is serving.
@@ -137,16 +174,22 @@ class PluginWatcherEndpoint:
         *,
         label: str = "",
         on_registered: Optional[Callable[[PluginWatcherEndpoint], None]] = None,
+        instance: str = "",
     ) -> None:
+        """``instance``: this process's instance id (host.dra.naming.instance_id); with one,
+        the registration socket is ``<name>-<instance>-reg.sock`` so that an old and a new
+        instance can be registered at once during an upgrade."""
         self.info = info
         self.name = info.name
         self.label = label or f"{info.type} {info.name}"
         self.registry_dir = registry_dir
         self.service = _ServedSocket(info.endpoint)
         self.registration = _ServedSocket(
-            os.path.join(registry_dir, registration_socket_name(info.name)))
+            os.path.join(registry_dir,
+                         naming.registration_socket_file(registry_dir, info.name, instance)))
         self._handlers_for = handlers_for
         self._on_registered = on_registered
+        self._instance = instance
         self.registered = False
         self.last_error: Optional[str] = None
         self.registrations = 0
@@ -168,6 +211,12 @@ class PluginWatcherEndpoint:
         return self.registration.path
 
     def start(self) -> None:
+        base = os.path.basename(self.service.path)
+        tail = f"-{self._instance}.sock" if self._instance else ".sock"
+        if base.endswith(tail):
+            remove_dead_instances(self.registry_dir, self.name, os.path.dirname(
+                self.service.path), base[: -len(tail)], (self.service.path,
+                                                         self.registration.path))
         for directory in dict.fromkeys([self.registry_dir, os.path.dirname(self.service.path)]):
             watch = DirectoryWatch(directory, self._dir_changed)
             watch.start()
@@ -184,8 +233,10 @@ class PluginWatcherEndpoint:
         if names is None or ours.intersection(names):
             self.poke()
 
-    async def close(self) -> None:
-        """Deregister (the registration socket goes first), then stop the service."""
+    async def close(self, grace_s: float = SERVER_STOP_GRACE_S) -> None:
+        """Deregister (the registration socket goes first), then stop the service, letting
+        calls in flight finish for up to ``grace_s`` (a drain during an upgrade: the kubelet
+        sends new calls to the newer instance once this one is deregistered)."""
         self._closing = True
         if self._retry is not None:
             self._retry.cancel()
@@ -194,7 +245,7 @@ class PluginWatcherEndpoint:
         self._watches.clear()
         await cancel_and_wait(self._task)
         await self.registration.stop()
-        await self.service.stop()
+        await self.service.stop(grace_s)
         self.registered = False
 
     async def _run(self) -> None:

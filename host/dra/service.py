@@ -146,6 +146,8 @@ class DraService:
         self._locks: Dict[str, Tuple[asyncio.Lock, int]] = {}  # claim uid -> (lock, users)
         self.prepared_calls = 0
         self.env_fallbacks = 0  # claims whose list-valued env stayed per request
+        self.in_flight = 0  # prepare/unprepare calls being answered now
+        self.last_call_end = 0.0  # time.monotonic() the last one was answered
         self.metrics: Optional[Any] = None  # host.dra.metrics.DraMetrics
         self._health_version = 0
         self._health_wake: Optional[asyncio.Future] = None
@@ -244,11 +246,20 @@ class DraService:
 
     # -- NodePrepareResources ---------------------------------------------------------------
     async def _prepare_call(self, api: Any, request: Any) -> Any:
+        self.in_flight += 1
+        try:
+            return await self._prepare_call_counted(api, request)
+        finally:
+            self.in_flight -= 1
+            self.last_call_end = time.monotonic()
+
+    async def _prepare_call_counted(self, api: Any, request: Any) -> Any:
         started = time.perf_counter()
         response = api.NodePrepareResourcesResponse()
         claims = list(request.claims)[:MAX_CLAIMS_PER_CALL]
-        results = await asyncio.gather(*(self._prepare_one(c.namespace, c.name, c.uid)
-                                         for c in claims))
+        async with self.checkpoint.shared():  # another host may serve the driver too
+            results = await asyncio.gather(*(self._prepare_one(c.namespace, c.name, c.uid)
+                                             for c in claims))
         for claim, (devices, error) in zip(claims, results):
             entry = response.claims[claim.uid]
             if error:
@@ -722,10 +733,19 @@ class DraService:
 
     # -- NodeUnprepareResources ------------------------------------------------------------
     async def _unprepare_call(self, api: Any, request: Any) -> Any:
+        self.in_flight += 1
+        try:
+            return await self._unprepare_call_counted(api, request)
+        finally:
+            self.in_flight -= 1
+            self.last_call_end = time.monotonic()
+
+    async def _unprepare_call_counted(self, api: Any, request: Any) -> Any:
         started = time.perf_counter()
         response = api.NodeUnprepareResourcesResponse()
         claims = list(request.claims)[:MAX_CLAIMS_PER_CALL]
-        errors = await asyncio.gather(*(self._unprepare_one(c.uid) for c in claims))
+        async with self.checkpoint.shared():
+            errors = await asyncio.gather(*(self._unprepare_one(c.uid) for c in claims))
         for claim, error in zip(claims, errors):
             entry = response.claims[claim.uid]
             if error:

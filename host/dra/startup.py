@@ -31,8 +31,9 @@ def dra_resources(config: Config) -> Iterable[ResourceConfig]:
     return [r for r in config.resources if r.api == "dra"]
 
 
-def check_settings(config: Config) -> None:
-    """What can be checked without the API server."""
+def check_settings(config: Config, instance: str = "") -> None:
+    """What can be checked without the API server; ``instance``: the id the DRA sockets are
+    named after (host.socket_names.instance_id)."""
     from host.config_values import dns_subdomain_error
     from host.dra import naming
 
@@ -50,7 +51,8 @@ def check_settings(config: Config) -> None:
             naming.pool_name(resource.name, config.host.node_name)
         except ValueError as error:
             raise DraStartError(f"resource {resource.name}: {error}") from None
-        socket = f"{config.host.dra_plugins_dir}/{driver}/dra.sock"
+        socket = (f"{config.host.dra_plugins_dir}/{driver}/"
+                  f"{naming.service_socket_file('dra', instance)}")
         if len(socket.encode()) > MAX_SOCKET_PATH:
             raise DraStartError(f"resource {resource.name}: the DRA socket {socket} is longer "
                                 f"than a unix socket path can be ({MAX_SOCKET_PATH} bytes); "

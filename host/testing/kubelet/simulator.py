@@ -58,6 +58,7 @@ CONNECTION_CLOSING = (  # the same stop as seen by kubelets before 1.35
     " connection is closing"
 )
 DEADLINE_IN_REGISTER = (1, 35)  # from here on, dial-back and options run in Register's context
+CLIENTS_BY_PATH = (1, 37)  # from here on, a client is looked up by resource name and socket
 
 
 class _Rejected(Exception):
@@ -461,24 +462,23 @@ class KubeletSimulator:
         endpoint.task = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        if old is not None:
-            if old.task is not None:
-                old.task.cancel()  # no longer current, so its end disconnects nothing
-                await asyncio.gather(old.task, return_exceptions=True)
-            await old.close()
+        if old is not None and old is not endpoint:
+            # registerClient only replaces the map entry: the old client's ListAndWatch runs
+            # on (its snapshots still feed the name's device sets) until its plugin ends it.
+            old.superseded = True
 
     async def _list_and_watch(self, state: ResourceState, endpoint: Endpoint) -> None:
         """One stream per registration, without deadline or retry, as the kubelet runs it."""
         call: Optional[grpc.aio.UnaryStreamCall] = None
         reason = "ListAndWatch stream ended by the plugin"
+        ended_by_plugin = True
         try:
             call = endpoint.call = endpoint.stub.ListAndWatch(api.Empty())
             async for message in call:
-                if state.current is not endpoint:
-                    break
-                state.apply(message.devices)
+                state.apply(message.devices)  # PluginListAndWatchReceiver(resourceName)
                 await self._notify()
         except asyncio.CancelledError:
+            ended_by_plugin = False
             reason = "ListAndWatch stream cancelled by the kubelet"
             raise
         except grpc.aio.AioRpcError as err:
@@ -486,9 +486,20 @@ class KubeletSimulator:
         except Exception as err:  # a broken stream must never take the simulator down
             reason = f"ListAndWatch failed: {err!r}"
         finally:
-            if state.current is endpoint:
+            if state.current is endpoint and state.connected:
                 state.disconnect(reason)
                 log.info("kubelet simulator: %s disconnected: %s", state.name, reason)
+            elif (ended_by_plugin and endpoint.superseded and state.current is not None
+                  and state.connected and self.kubelet_version < CLIENTS_BY_PATH):
+                # runClient: getClient(name) finds the *newer* client and disconnects it
+                # (its stream cancelled, every device unhealthy); 1.37 (PR #135437) looks
+                # the client up by name and socket path and leaves the newer one alone.
+                current = state.current
+                state.disconnect(f"{reason} (an older registration of the name ended: the "
+                                 "kubelet disconnected the current one)")
+                log.info("kubelet simulator: %s: the superseded stream ended; the current "
+                         "registration was disconnected with it", state.name)
+                await current.close()
             await endpoint.close()
             await self._notify()
 

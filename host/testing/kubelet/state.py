@@ -70,6 +70,7 @@ class Endpoint:
     options: api.DevicePluginOptions
     task: Optional[asyncio.Task[None]] = None
     call: Optional[grpc.aio.UnaryStreamCall] = None  # its ListAndWatch, once opened
+    superseded: bool = False  # a newer Register of the name replaced it; its stream runs on
 
     async def close(self) -> None:
         """Hang up as the kubelet's ``conn.Close()`` does: the plugin sees its stream end.
@@ -148,8 +149,10 @@ class ResourceState:
         self.endpoint = request.endpoint
         self.socket_path = endpoint.socket_path
         self.options = endpoint.options
+        # PluginConnected only stores the endpoint: the health sets stay as they are (the
+        # old plugin's devices while it is connected; all unhealthy after a disconnect)
+        # until this registration's first snapshot.
         self.connected = True
-        self.live = False  # all unhealthy until this registration's first snapshot
         self.stopped_at = None  # a fresh endpoint cancels the removal clock
         self.last_error = None
         self.registered_at = time.monotonic()

@@ -156,7 +156,7 @@ class DraKubeletSimulator:
         self.device_health: Dict[str, Dict[str, DeviceHealth]] = {}
         self.health_errors: List[str] = []
         self.health_messages = 0
-        self._health_tasks: Dict[str, asyncio.Task] = {}
+        self._health_tasks: Dict[str, asyncio.Task] = {}  # by endpoint: one per instance
 
     # -- lifecycle -----------------------------------------------------------------------
     async def _wipe_node(self, delay_s: float = 0.0) -> None:
@@ -228,7 +228,36 @@ class DraKubeletSimulator:
 
     # -- registrations -----------------------------------------------------------------------
     def plugin(self, driver: str) -> Optional[RegisteredPlugin]:
-        return None if self.watcher is None else self.watcher.by_name("DRAPlugin", driver)
+        """dra_plugin_manager.go ``get``: of the driver's registered endpoints (1.33+ keeps
+        every one, in registration order), the newest whose gRPC connection is up, else the
+        newest. A connection is up once gRPC connected it (the kubelet asks for that at
+        registration) and down as soon as the plugin's server closed it: a new instance is
+        used only after it registered *and* connected, and a call routed to an instance
+        whose server has just stopped fails (Unavailable), as on a real node."""
+        if self.watcher is None:
+            return None
+        found = sorted((p for p in self.watcher.plugins.values()
+                        if p.type == "DRAPlugin" and p.name == driver),
+                       key=lambda p: p.registered_at)
+        for plugin in reversed(found):
+            if self._connected(plugin):
+                return plugin
+        return found[-1] if found else None
+
+    def plugins_of(self, driver: str) -> List[RegisteredPlugin]:
+        """Every registered endpoint of ``driver``, oldest first."""
+        if self.watcher is None:
+            return []
+        return sorted((p for p in self.watcher.plugins.values()
+                       if p.type == "DRAPlugin" and p.name == driver),
+                      key=lambda p: p.registered_at)
+
+    def _connected(self, plugin: RegisteredPlugin) -> bool:
+        channel = self._channels.get(plugin.endpoint)
+        if channel is None:
+            return False
+        # try_to_connect: grpc.NewClient + Connect(), and the reconnect after a ConnEnd.
+        return channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY
 
     def registered(self, driver: str) -> bool:
         return self.plugin(driver) is not None
@@ -246,26 +275,29 @@ class DraKubeletSimulator:
             if wipe is not None:
                 wipe.cancel()  # the driver came back in time
             if plugin.endpoint not in self._channels:
-                # grpc.NewClient + Connect(): created once, connects on demand.
+                # grpc.NewClient + Connect(): created once, connects at once ("to detect
+                # early whether a plugin is really available").
                 self._channels[plugin.endpoint] = grpc.aio.insecure_channel(
-                    f"unix://{plugin.endpoint}", options=[("grpc.enable_http_proxy", 0)])
+                    f"unix://{plugin.endpoint}", options=[("grpc.enable_http_proxy", 0),
+                                                          ("grpc.use_local_subchannel_pool", 1)])
+                self._channels[plugin.endpoint].get_state(try_to_connect=True)
             service: Optional[str] = DRA_HEALTH_SERVICE
             if self.health_requires_advertised:
                 service = next((s for s in (DRA_HEALTH_SERVICE_V1, DRA_HEALTH_SERVICE)
                                 if s in plugin.supported), None)
             if self.watch_health and service is not None:
-                old = self._health_tasks.pop(plugin.name, None)
+                old = self._health_tasks.pop(plugin.endpoint, None)
                 if old is not None:
                     old.cancel()
                 self.health_services[plugin.name] = service
-                self._health_tasks[plugin.name] = asyncio.get_running_loop().create_task(
+                self._health_tasks[plugin.endpoint] = asyncio.get_running_loop().create_task(
                     self._health_stream(plugin, service))
         elif plugin.type == "DevicePlugin":
             self._connect_device_plugin(plugin)
 
     def _deregistered(self, plugin: RegisteredPlugin) -> None:
         if plugin.type == "DRAPlugin":
-            task = self._health_tasks.pop(plugin.name, None)
+            task = self._health_tasks.pop(plugin.endpoint, None)
             if task is not None:
                 task.cancel()
             if (self._kube is not None and not self.registered(plugin.name)
