@@ -162,6 +162,7 @@ class HostApp:
         scheduling.arm_safety_rescan(self)
         scheduling.arm_health_checks(self)
         scheduling.arm_expiry(self)
+        self.moves.write_state()
         self._check_ready()
 
     async def stop(self) -> None:

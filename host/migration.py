@@ -25,7 +25,9 @@ At start, a DRA resource whose name a stopped device plugin still holds in the N
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("host.app")
 
+#: What serves each resource, for ``device-plugin-host pods`` (in ``dra_state_dir``).
+STATE_FILE = "apis.json"
 #: How often holds by the other API are read again while any remains.
 HOLD_POLL_S = 1.0
 #: How long the empty ListAndWatch message may take to leave before the server stops anyway.
@@ -115,6 +119,21 @@ class Migrations:
                                        f"{', '.join(sorted(held))})")
         return out
 
+    def write_state(self) -> None:
+        """Write what serves each resource to ``<dra_state_dir>/apis.json`` (0600, atomic),
+        where the host has a DRA side; ``pods`` shows it."""
+        from host import fileio
+
+        if self.app.dra is None and not self.finished:
+            return
+        directory = self.app.config.host.dra_state_dir
+        try:
+            fileio.make_private_dir(directory)
+            fileio.write_atomic(os.path.join(directory, STATE_FILE), json.dumps(
+                {"resources": self.serving()}, indent=1, sort_keys=True) + "\n", 0o600)
+        except OSError as error:
+            log.debug("cannot write %s in %s: %s", STATE_FILE, directory, error)
+
     async def wait_idle(self, timeout_s: Optional[float] = None) -> None:
         """Until no move is in progress (tests, benchmarks)."""
         async with self._done:
@@ -156,6 +175,7 @@ class Migrations:
         self.moves[name] = move
         move.task = self.app.background.spawn(self._run(name, move), f"move {name} to {to}",
                                               on_error=_move_failed)
+        self.write_state()
 
     # -- the steps ---------------------------------------------------------------------------
 
@@ -185,6 +205,7 @@ class Migrations:
             self.app._sync(resource)
             self.app._check_ready()
         self._arm_poll()
+        self.write_state()
         async with self._done:
             self._done.notify_all()
 
@@ -300,6 +321,7 @@ class Migrations:
                                  name, len(held - now), ", ".join(sorted(held - now)))
                         self.held[name] = now
                         self.app._sync(resource)
+                        self.write_state()
                 dra = self.app.dra
                 if dra is not None:
                     await dra.close_drained()

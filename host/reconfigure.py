@@ -117,6 +117,7 @@ async def apply_config(app: HostApp, config: Config) -> None:
         await asyncio.sleep(0)
     if app._stopped:
         return  # stop() came meanwhile: start no watch, arm no timer
+    app.moves.write_state()
     if app._cdi_watch is None:
         scheduling.watch_cdi(app)
     app.nfd.schedule()

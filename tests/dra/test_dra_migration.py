@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Set
 
 import pytest
@@ -31,6 +33,7 @@ from host.testing.kubelet_dra import DraKubeletSimulator
 __all__ = ["kube_api"]
 
 NODE = "node-1"
+REPO = Path(__file__).resolve().parents[2]
 GPU = ResourceConfig(name="example.com/gpu", driver="memory")
 DRIVER = naming.driver_name(GPU.name, None)
 POOL = naming.pool_name(GPU.name, NODE)
@@ -134,6 +137,17 @@ async def _until(predicate, what: str, timeout: float = 15.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _pods(config) -> str:
+    """`device-plugin-host pods` as an operator runs it on the node."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "host", "pods", "--socket", config.host.pod_resources_socket,
+        "--dra-state-dir", config.host.dra_state_dir, cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await process.communicate()
+    assert process.returncode == 0, out
+    return out.decode()
+
+
 def test_moving_a_resource_both_ways_with_pods_holding_devices(short_dir, run, kube_api):
     kube_api.add_node(NODE)
     config = _config(short_dir, kube_api, GPU)
@@ -176,6 +190,9 @@ def test_moving_a_resource_both_ways_with_pods_holding_devices(short_dir, run, k
             assert set(kube_api.devices(DRIVER, NODE)) == {"gpu0", "gpu1", "gpu2"} - held
             assert "moving" not in app.moves.serving()[GPU.name]
             assert "held through device-plugin" in app.moves.serving()[GPU.name]
+            shown = await _pods(config)
+            assert f"{GPU.name}  dra (1 device(s) still held through device-plugin: " in shown
+            assert "dp-pod" in shown  # the PodResources table, as before
             kubelet.release("dp-pod")
             await _until(lambda: len(kube_api.devices(DRIVER, NODE)) == 3, "the released one")
             await dra_kubelet.wait_registered(DRIVER)
@@ -203,6 +220,7 @@ def test_moving_a_resource_both_ways_with_pods_holding_devices(short_dir, run, k
             await _until(lambda: status.written.get(GPU.name) == "3", "Node capacity 3 again")
             await watcher.stop()
             assert watcher.violations == []
+            assert f"{GPU.name}  device-plugin\n" in await _pods(config)
             assert [(name, to) for name, to, _ in app.moves.finished] == [
                 (GPU.name, "dra"), (GPU.name, "device-plugin")]
         finally:
