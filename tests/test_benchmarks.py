@@ -34,6 +34,7 @@ CONTRACT_KEYS = {
     "dra_slice_p99_ms_8", "dra_slice_p99_ms_300",
     "dra_requests_per_change_8", "dra_requests_per_change_300",
     "dra_slice_event_p99_ms", "dra_republish_p99_ms",
+    "migrate_ms_to_dra", "migrate_ms_to_device_plugin",
 }
 # An idle process can truly use no CPU in a short window; everything else takes time or memory.
 MAY_BE_ZERO = {"idle_cpu_pct_64r", "idle_cpu_pct_watching"}
