@@ -267,6 +267,8 @@ class Migrations:
         """Device ids pods hold through the device plugin (the kubelet's PodResources API),
         read until it answers; empty where no PodResources socket is configured."""
         if not self.app.config.host.pod_resources_socket:
+            log.warning("resource %s: no pod_resources_socket: devices pods still hold "
+                        "through the device plugin cannot be seen and are published too", name)
             return set()
         said = False
         while True:
