@@ -94,7 +94,7 @@ async def start_dra(app: HostApp, config: Optional[Config] = None,
     watch.start(node)
     for name in held_by_stopped_plugin(node, others):
         app.moves.hold_at_start(name, node)
-    app.metrics.notes = watch.waiting
+    app.metrics.notes = lambda: [*watch.waiting(), *app.moves.notes()]
     await app.publisher.start()
 
 

@@ -119,6 +119,12 @@ class Migrations:
                                        f"{', '.join(sorted(held))})")
         return out
 
+    def notes(self) -> List[str]:
+        """One /healthz note per move in progress (a transient state, shown, not failed)."""
+        now = time.monotonic()
+        return [f"resource {name} moving to {move.to} ({now - move.since:.0f} s): {move.step}"
+                for name, move in sorted(self.moves.items())]
+
     def write_state(self) -> None:
         """Write what serves each resource to ``<dra_state_dir>/apis.json`` (0600, atomic),
         where the host has a DRA side; ``pods`` shows it."""
@@ -265,10 +271,13 @@ class Migrations:
 
     async def _device_plugin_holds(self, name: str) -> Set[str]:
         """Device ids pods hold through the device plugin (the kubelet's PodResources API),
-        read until it answers; empty where no PodResources socket is configured."""
-        if not self.app.config.host.pod_resources_socket:
-            log.warning("resource %s: no pod_resources_socket: devices pods still hold "
-                        "through the device plugin cannot be seen and are published too", name)
+        read until it answers (a kubelet restarting); empty, with a warning, where there is
+        no PodResources socket at all (not configured, not mounted)."""
+        socket = self.app.config.host.pod_resources_socket
+        if not socket or not os.path.lexists(socket):
+            log.warning("resource %s: no PodResources socket (%s): devices pods still hold "
+                        "through the device plugin cannot be seen and are published too", name,
+                        socket or "pod_resources_socket unset")
             return set()
         said = False
         while True:
@@ -308,7 +317,8 @@ class Migrations:
                         self.held.pop(name, None)
                         continue
                     if resource.api == DRA:
-                        if not self.app.config.host.pod_resources_socket:
+                        socket = self.app.config.host.pod_resources_socket
+                        if not socket or not os.path.lexists(socket):
                             now: Set[str] = set()
                         else:
                             got = await self.app._held_devices()

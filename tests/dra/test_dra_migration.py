@@ -270,6 +270,7 @@ def test_a_stopped_device_plugin_s_capacity_is_waited_for_at_start(short_dir, ru
             await app.start()
             try:
                 assert app.moves.blocked(GPU.name)
+                assert any("moving to dra" in line for line in app.metrics.notes())
                 await app.moves.wait_idle(10)
                 assert time.monotonic() - started >= 1.0  # the rest of the grace period
                 assert status.written[GPU.name] == "0"
