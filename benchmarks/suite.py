@@ -21,6 +21,7 @@ from benchmarks import (
     draslices,
     events,
     listwatch,
+    migrate,
     preferred,
     reload,
     reregister,
@@ -34,7 +35,7 @@ from benchmarks.core import Context, Figure, bytecode_cache
 #: Cheap, in-process families first; the idle-CPU window last.
 FAMILIES: Tuple[ModuleType, ...] = (
     preferred, rpc, dra_prepare, listwatch, reregister, discovery, startup, events, draslices,
-    reload, resources, upgrade,
+    reload, migrate, resources, upgrade,
 )
 
 

@@ -42,6 +42,7 @@ from host.inventory import Inventory
 from host.isolation import DriverCalls
 from host.liveness import RegistrationLiveness
 from host.metrics import HostMetrics
+from host.migration import Migrations
 from host.model import Device, Health, ResourceConfig
 from host.nfd import FeatureFile
 from host.overlap import Overlap
@@ -125,6 +126,8 @@ class HostApp:
         # during an upgrade (host/socket_names.py instance_id; set by `run`, "" keeps the
         # fixed names of a single instance).
         self.instance = ""
+        # Resources moving between the device plugin API and DRA (host/migration.py).
+        self.moves = Migrations(self)
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -165,6 +168,7 @@ class HostApp:
         scheduling.arm_safety_rescan(self)
         scheduling.arm_health_checks(self)
         scheduling.arm_expiry(self)
+        self.moves.write_state()
         self._check_ready()
 
     async def stop(self, hand_over: bool = False) -> None:
@@ -209,7 +213,10 @@ class HostApp:
     def _sync(self, resource: ResourceConfig) -> None:
         if self._stopped:
             return  # files are being (or were) removed: never write or serve again
-        devices = self.inventory.devices.get(resource.name, [])
+        if self.moves.blocked(resource.name):
+            return  # between APIs: served by neither until the old one is gone
+        devices = list(self.moves.visible(
+            resource.name, self.inventory.devices.get(resource.name, [])))
         if resource.api == "dra":
             self._sync_dra(resource, devices)
             return
@@ -372,6 +379,13 @@ class HostApp:
     async def _start_dra(self) -> None:
         """Raises DraStartError (before serving anything) when DRA cannot work here."""
         await dra_wiring.start_dra(self)
+
+    async def start_dra_live(self, config: Config) -> None:
+        """A reloaded config brings the first DRA resource: build the DRA side now. Raises
+        DraStartError (nothing changed) when DRA cannot work here."""
+        if self.dra is None and not self._stopped:
+            await dra_wiring.start_dra(self, config,
+                                       ours=[*self.services, *self.watched])
 
     async def _stop_dra(self, grace_s: Optional[float] = None) -> None:
         await dra_wiring.stop_dra(self, grace_s)

@@ -294,6 +294,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         code = pods_main(args.socket, args.resource, args.json)
         if not args.json and os.path.isdir(args.dra_state_dir):
             _claims(args, quiet=True)
+            _apis(args)
         return code
     # [host] disabled_drivers: those packages are never imported (host/plugins.py).
     config_file = args.file if args.command == "check-config" else args.config
@@ -391,6 +392,26 @@ def _check_overlaps(config: Config, registry: DriverRegistry) -> None:
     inventory, _ = asyncio.run(scan_once(config, registry.with_unavailable(), warn=False))
     if inventory.overlaps:
         raise overlap_error(config, inventory.overlaps[0])
+
+
+def _apis(args: argparse.Namespace) -> None:
+    """Which API serves each resource, as the running host last wrote it (moves included)."""
+    import fnmatch
+
+    from host.migration import STATE_FILE
+
+    try:
+        with open(os.path.join(args.dra_state_dir, STATE_FILE), encoding="utf-8") as handle:
+            serving = json.load(handle).get("resources") or {}
+    except (OSError, ValueError, AttributeError):
+        return
+    rows = [(name, str(api)) for name, api in sorted(serving.items())
+            if not args.resource or fnmatch.fnmatchcase(name, args.resource)]
+    if rows:
+        print("\nserved through:")
+        width = max(len(name) for name, _ in rows)
+        for name, api in rows:
+            print(f"  {name:<{width}}  {api}")
 
 
 def _claims(args: argparse.Namespace, quiet: bool = False) -> int:

@@ -8,10 +8,12 @@ host.dra (nor the API client). The objects it makes (``app.dra``, ``app.kube``,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Iterable, List, Optional
 
+from host.config import Config
 from host.driver import UnavailableDriver
 from host.model import Device, ResourceConfig
 from host.service import DevicePluginService
@@ -22,33 +24,47 @@ if TYPE_CHECKING:
 log = logging.getLogger("host.app")
 
 
-async def start_dra(app: HostApp) -> None:
+async def start_dra(app: HostApp, config: Optional[Config] = None,
+                    ours: Iterable[str] = ()) -> None:
+    """Build the DRA side for ``config`` (the app's own at start; a reloaded one that brings
+    the first DRA resource). ``ours``: names this host serves through a device plugin now,
+    which a move takes off the Node before it publishes them (host/migration.py), so their
+    capacity on the Node is no conflict."""
     from host.dra.frontend import DraFrontEnd
     from host.dra.kube import KubeClient, KubeConfigError
     from host.dra.metrics import DraMetrics
     from host.dra.node import NodeWatch
-    from host.dra.startup import DraStartError, check_cluster, check_settings
+    from host.dra.startup import (
+        DraStartError,
+        check_cluster,
+        check_settings,
+        held_by_stopped_plugin,
+    )
 
-    check_settings(app.config, app.instance)
+    config = config or app.config
+    check_settings(config, app.instance)
     try:
-        app.kube = KubeClient.from_settings(app.config.host.kubeconfig)
+        kube = KubeClient.from_settings(config.host.kubeconfig)
     except KubeConfigError as error:
         raise DraStartError(f"no API access for DRA: {error}") from None
+    ours = set(ours)
+    others = dataclasses.replace(config, resources=tuple(r for r in config.resources
+                                                         if r.name not in ours))
     try:
-        node = await check_cluster(app.kube, app.config)
+        node = await check_cluster(kube, others)
     except BaseException:
-        await app.kube.close()
-        app.kube = None
+        await kube.close()
         raise
+    app.kube = kube
     from host.dra.publisher import SlicePublisher
 
     # Unhealthy devices are left out of the slices unless the operator asks for taints
     # (dra_unhealthy = "taint"): device taints (KEP-5055) are off by default before 1.36, and a
     # server without the gate drops them, so the publisher checks what was stored and falls
     # back to leaving such devices out (one warning).
-    app.publisher = SlicePublisher(app.kube, app.config.host.node_name, metrics=app.metrics,
-                                   taint_unhealthy=app.config.host.dra_unhealthy == "taint")
-    host = app.config.host
+    app.publisher = SlicePublisher(app.kube, config.host.node_name, metrics=app.metrics,
+                                   taint_unhealthy=config.host.dra_unhealthy == "taint")
+    host = config.host
     metrics = DraMetrics(app.metrics.registry)
     app.dra = DraFrontEnd(
         node_name=host.node_name, claims=app.kube, calls=app.calls,
@@ -77,7 +93,9 @@ async def start_dra(app: HostApp) -> None:
     watch = NodeWatch(app.kube, host.node_name, node_uid, gauge=metrics.node_registered)
     app.node_watch = watch
     watch.start(node)
-    app.metrics.notes = watch.waiting
+    for name in held_by_stopped_plugin(node, others):
+        app.moves.hold_at_start(name, node)
+    app.metrics.notes = lambda: [*watch.waiting(), *app.moves.notes()]
     await app.publisher.start()
 
 

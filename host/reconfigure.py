@@ -64,6 +64,7 @@ async def apply_config(app: HostApp, config: Config) -> None:
     removed = [name for name in old if name not in new]
     for name in removed:
         log.info("reload: resource %s removed; it stops serving", name)
+        app.moves.cancel(name)
         app.cdi.remove(name)
         app.metrics.remove_resource(name)
         app.nfd.forget(name)
@@ -82,10 +83,7 @@ async def apply_config(app: HostApp, config: Config) -> None:
         rescan.add(resource.driver)
         if before is not None and (before.api != resource.api or before.api == "dra"):
             if before.api != resource.api:
-                log.info("reload: resource %s moves to api = %r", name, resource.api)
-                await app._unserve(name)
-                app.snapshots.pop(name, None)
-                app.services.pop(name, None)
+                app.moves.begin(resource)  # never served by both (host/migration.py)
             elif before.dra_driver_name != resource.dra_driver_name:
                 log.info("reload: resource %s changed its DRA driver name", name)
                 await app._unserve(name)  # the old driver's registration goes with it
@@ -119,6 +117,7 @@ async def apply_config(app: HostApp, config: Config) -> None:
         await asyncio.sleep(0)
     if app._stopped:
         return  # stop() came meanwhile: start no watch, arm no timer
+    app.moves.write_state()
     if app._cdi_watch is None:
         scheduling.watch_cdi(app)
     app.nfd.schedule()

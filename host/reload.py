@@ -210,6 +210,16 @@ class ConfigReloader:
             overlaps = await self.app.overlaps_in(config)
             if overlaps:
                 raise overlap_error(config, overlaps[0])
+        if self.app.dra is None and any(r.api == "dra" for r in config.resources):
+            # The first DRA resource (a new one, or one moving from the device plugin API):
+            # the DRA side is built now; where it cannot work, the file is rejected.
+            from host.dra.startup import DraStartError
+
+            try:
+                await self.app.start_dra_live(config)
+            except DraStartError as error:
+                raise ConfigError(self.path or "built-in defaults", FILE_KEY,
+                                  str(error)) from None
         return config
 
     def _load(self) -> Config:

@@ -35,6 +35,7 @@ CONTRACT_KEYS = {
     "dra_requests_per_change_8", "dra_requests_per_change_300",
     "dra_slice_event_p99_ms", "dra_republish_p99_ms",
     "upgrade_gap_ms_device_plugin", "upgrade_gap_ms_dra",
+    "migrate_ms_to_dra", "migrate_ms_to_device_plugin",
 }
 # An idle process can truly use no CPU in a short window; everything else takes time or memory.
 MAY_BE_ZERO = {"idle_cpu_pct_64r", "idle_cpu_pct_watching", "upgrade_gap_ms_device_plugin",

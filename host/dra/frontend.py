@@ -15,7 +15,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from host.dra import naming
 from host.dra.checkpoint import Checkpoint, read_boot_id
@@ -70,6 +70,8 @@ class DraFrontEnd:
         self.endpoints: Dict[str, PluginWatcherEndpoint] = {}
         self.pools: Dict[str, DraPool] = {}  # by resource name
         self._driver_of: Dict[str, str] = {}  # resource name -> DRA driver name
+        # DRA driver -> its withdrawn pools whose prepared claims keep it registered
+        self._draining: Dict[str, Set[str]] = {}
         self.on_registered: Optional[Callable[[PluginWatcherEndpoint], None]] = None
         # Unhealthy devices published with taints: the publisher's setting where there is
         # one (it follows reloads), else this.
@@ -155,12 +157,47 @@ class DraFrontEnd:
             self.publisher.remove_pool(dra_driver, pool.pool_name)
         return dra_driver
 
+    def driver_of(self, resource_name: str) -> Optional[str]:
+        """The DRA driver name serving the resource's pool, None when it has none."""
+        return self._driver_of.get(resource_name)
+
     async def remove(self, resource_name: str) -> None:
-        """The resource left the config: its pool goes; the driver's registration goes with
-        its last pool. Prepared claims stay checkpointed so they can still be unprepared."""
+        """The resource left the config (or DRA): its pool goes. The driver's registration
+        goes with its last pool once no claim prepared from its pools remains: the kubelet
+        unprepares through it (``close_drained``). Prepared claims stay checkpointed."""
+        pool = self.pools.get(resource_name)
         dra_driver = self._forget(resource_name)
         if dra_driver is None or dra_driver in self._driver_of.values():
             return
+        if pool is not None and self._claims_of(pool.pool_name):
+            self._draining.setdefault(dra_driver, set()).add(pool.pool_name)
+            log.info("DRA driver %s: pool %s withdrawn; the driver stays registered until "
+                     "its %d prepared claim(s) are unprepared", dra_driver, pool.pool_name,
+                     self._claims_of(pool.pool_name))
+            return
+        await self._close_driver(dra_driver)
+
+    def _claims_of(self, pool_name: str) -> int:
+        return sum(1 for claim in self.checkpoint.claims.values()
+                   if any(d.pool_name == pool_name for d in claim.devices))
+
+    def draining(self) -> bool:
+        """A driver without pools stays registered for its prepared claims."""
+        return bool(self._draining)
+
+    async def close_drained(self) -> None:
+        """Deregister each driver kept for its prepared claims once they are unprepared (or
+        that serves a pool again, which keeps it)."""
+        for dra_driver, pools in list(self._draining.items()):
+            if dra_driver in self._driver_of.values():
+                del self._draining[dra_driver]
+            elif not any(self._claims_of(p) for p in pools):
+                del self._draining[dra_driver]
+                log.info("DRA driver %s: its last prepared claim was unprepared; "
+                         "deregistering", dra_driver)
+                await self._close_driver(dra_driver)
+
+    async def _close_driver(self, dra_driver: str) -> None:
         self.services.pop(dra_driver, None)
         endpoint = self.endpoints.pop(dra_driver, None)
         if endpoint is not None:

@@ -44,6 +44,8 @@ class NodeWatch:
         self.node_name = node_name
         self.on_uid = on_uid
         self.uid: Optional[str] = None
+        self.node: Optional[Dict[str, Any]] = None  # the Node as last seen (None: none)
+        self._changed: Optional[asyncio.Event] = None  # set on the next _seen
         self.known = False  # the API server has told us once whether the Node exists
         self._gauge = gauge  # 1 while the Node exists, 0 while the host waits for it
         self._clock = clock
@@ -63,6 +65,16 @@ class NodeWatch:
                 f"({self._clock() - since:.0f} s): DRA ResourceSlices are published once it "
                 "is; device plugin resources are served meanwhile"]
 
+    async def wait_for_node(self, predicate: Callable[[Optional[Dict[str, Any]]], bool]
+                            ) -> None:
+        """Return once ``predicate(node)`` holds for the Node as last seen (None while there
+        is none), re-checked on every list and watch event; never before the API server has
+        answered once."""
+        while not (self.known and predicate(self.node)):
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            await self._changed.wait()
+
     # -- life cycle -----------------------------------------------------------------------------
 
     def start(self, node: Optional[Dict[str, Any]] = None) -> None:
@@ -80,8 +92,12 @@ class NodeWatch:
 
     def _seen(self, nodes: List[Dict[str, Any]]) -> None:
         uid: Optional[str] = None
+        self.node = nodes[-1] if nodes else None
         for node in nodes:
             uid = str((node.get("metadata") or {}).get("uid") or "") or None
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
         first = not self.known
         self.known = True
         if self._gauge is not None:

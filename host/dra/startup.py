@@ -4,7 +4,8 @@ A DaemonSet pod without NODE_NAME (or with one that is no valid Node name), with
 (no service account token, RBAC missing) or on a node where a device plugin already
 advertises the same extended resource would otherwise start and then never publish, never
 prepare, or double-count devices. Each case is a ``DraStartError``; the CLI prints it and
-exits 2, like a bad config file.
+exits 2, like a bad config file. A device plugin that stopped but whose capacity the kubelet
+still lists is not one of them: the host waits for the kubelet to drop it (host/migration.py).
 
 A Node that does not exist yet is not one of them: the kubelet registers it some time after it
 starts (a node booting, joining the cluster, or registered again after ``kubectl delete
@@ -14,7 +15,7 @@ node``), so ``check_cluster`` reports it as missing and the host waits for it (h
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from host.config import Config
 from host.model import ResourceConfig
@@ -97,13 +98,23 @@ async def check_cluster(client: Any, config: Config) -> Optional[Dict[str, Any]]
 
 
 def capacity_conflict(node: Dict[str, Any], config: Config) -> Optional[str]:
-    """Why ``node`` already serves one of our DRA resources through a device plugin, or None."""
-    capacity = (node.get("status") or {}).get("capacity") or {}
+    """Why ``node`` shows a running device plugin serving one of our DRA resources (a
+    non-zero allocatable: the kubelet zeroes it once the plugin's stream ends), or None."""
+    allocatable = (node.get("status") or {}).get("allocatable") or {}
     for resource in dra_resources(config):
-        amount = str(capacity.get(resource.name, "0"))
+        amount = str(allocatable.get(resource.name, "0")).strip()
         if amount not in ("0", ""):
-            return (f"resource {resource.name}: Node {config.host.node_name} already has "
-                    f"capacity {resource.name}={amount} from a device plugin; one node must "
-                    "not serve a name through both APIs (stop that device plugin, or wait for "
-                    "the kubelet to drop the resource, before moving it to DRA)")
+            return (f"resource {resource.name}: Node {config.host.node_name} has allocatable "
+                    f"{resource.name}={amount} from a running device plugin; one node must "
+                    "not serve a name through both APIs (stop that device plugin, or move it "
+                    "with a live reload or `device-plugin-host migrate`: docs/migration.md)")
     return None
+
+
+def held_by_stopped_plugin(node: Optional[Dict[str, Any]], config: Config) -> List[str]:
+    """Our DRA resources whose name the Node still lists with capacity from a device plugin
+    that no longer serves it (allocatable 0): the kubelet keeps it for 5 minutes after the
+    plugin's stream ended. Their pools wait until it is gone (host/migration.py)."""
+    from host.migration import advertised
+
+    return [r.name for r in dra_resources(config) if advertised(node, r.name)]

@@ -392,6 +392,23 @@ class ApiServerStandIn:
         """``kubectl delete node``: the Node goes (no finalizers); its slices stay."""
         return self._delete_from(self._state.nodes, name)
 
+    def set_node_status(self, name: str, capacity: Dict[str, str],
+                        allocatable: Dict[str, str]) -> Dict[str, Any]:
+        """What the kubelet's node status sync writes (a merge patch of ``status``): these
+        keys of ``status.capacity`` and ``status.allocatable`` set, others kept; a MODIFIED
+        event for Node watches."""
+        with self._lock:
+            node = self._state.nodes.get(name)
+            if node is None:
+                raise KeyError(f"no Node {name}")
+            status = node.setdefault("status", {})
+            status.setdefault("capacity", {}).update(capacity)
+            status.setdefault("allocatable", {}).update(allocatable)
+            node["metadata"]["resourceVersion"] = self._bump()
+            self._event("MODIFIED", node)
+            self._notify()
+            return copy.deepcopy(node)
+
     def collect_garbage(self) -> int:
         """What the garbage collector does: delete every ResourceSlice whose Node owner (by
         uid) no longer exists; the number deleted."""
@@ -1066,8 +1083,8 @@ def _free_port() -> int:
 # each of these, with the same parameters. Counters, failure injection, ``compact`` and the
 # service-account layout are the stand-in's own.
 SHARED_HELPERS = ("url", "kubeconfig_path", "start", "stop", "close", "add_node",
-                  "put_resource_claim", "delete_resource_claim", "put_pod", "resource_slices",
-                  "devices",
+                  "set_node_status", "put_resource_claim", "delete_resource_claim", "put_pod",
+                  "resource_slices", "devices",
                   "delete_slices_of_node", "put_resource_slice", "wait_for", "device_taints")
 
 
@@ -1210,8 +1227,8 @@ class RealApiServer:
         self._etcd = None
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def _request(self, method: str, path: str,
-                 body: Optional[Dict[str, Any]] = None) -> Tuple[int, Any]:
+    def _request(self, method: str, path: str, body: Optional[Dict[str, Any]] = None,
+                 content_type: str = "application/json") -> Tuple[int, Any]:
         import http.client
 
         ctx = ssl.create_default_context()
@@ -1221,7 +1238,7 @@ class RealApiServer:
         try:
             data = json.dumps(body).encode() if body is not None else None
             conn.request(method, path, body=data, headers={
-                "Authorization": f"Bearer {self.TOKEN}", "Content-Type": "application/json",
+                "Authorization": f"Bearer {self.TOKEN}", "Content-Type": content_type,
                 "Accept": "application/json"})
             response = conn.getresponse()
             raw = response.read()
@@ -1239,6 +1256,16 @@ class RealApiServer:
             status, obj = self._request("GET", f"/api/v1/nodes/{name}")
         if status >= 300:
             raise RuntimeError(f"add_node: {status} {obj}")
+        return obj
+
+    def set_node_status(self, name: str, capacity: Dict[str, str],
+                        allocatable: Dict[str, str]) -> Dict[str, Any]:
+        status, obj = self._request(
+            "PATCH", f"/api/v1/nodes/{name}/status",
+            {"status": {"capacity": capacity, "allocatable": allocatable}},
+            content_type="application/merge-patch+json")
+        if status >= 300:
+            raise RuntimeError(f"set_node_status: {status} {obj}")
         return obj
 
     def delete_node(self, name: str) -> bool:

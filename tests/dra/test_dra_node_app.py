@@ -165,10 +165,10 @@ def test_start_up_checks_fail_before_serving(short_dir, run, monkeypatch):
         with pytest.raises(DraStartError, match=r"'Node_1'.*not a valid Node name"):
             run(start(bad_name))
         api.add_node(NODE)
-        api._state.nodes[NODE]["status"]["capacity"] = {DRA.name: "3"}  # a device plugin's
+        api.set_node_status(NODE, {DRA.name: "3"}, {DRA.name: "3"})  # a device plugin's
         with pytest.raises(DraStartError, match="both APIs"):
             run(start(config))
-        api._state.nodes[NODE]["status"]["capacity"] = {}
+        api.set_node_status(NODE, {DRA.name: "0"}, {DRA.name: "0"})
         api.fail_next(403, verbs={"get"})
         with pytest.raises(DraStartError, match=r"no API access.*403"):
             run(start(config))

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_VERSIONS = (VERSION,)
 DIAL_TIMEOUT_S = 10.0  # the kubelet's blocking dial-back
+ENDPOINT_STOP_GRACE_S = 300.0  # dm/types.go endpointStopGracePeriod
 STOP_GRACE_S = 0.2  # time for in-flight Register handlers to answer with their error at stop
 DEADLINE_SLACK_S = 0.05  # a cancel this close to the plugin's deadline is that deadline
 _GRPC_PATH_MAX = 105  # grpcio refuses 106- and 107-byte unix socket paths (facts §8)
@@ -106,6 +107,7 @@ class KubeletSimulator:
         dial_timeout: float = DIAL_TIMEOUT_S,
         pod_resources_socket: Optional[str] = None,
         kubelet_version: Tuple[int, int] = (1, 36),
+        endpoint_stop_grace_s: float = ENDPOINT_STOP_GRACE_S,
     ) -> None:
         if topology_policy not in POLICIES:
             raise ValueError(f"topology_policy must be one of {POLICIES}, not {topology_policy!r}")
@@ -117,6 +119,7 @@ class KubeletSimulator:
         self.topology_policy = topology_policy
         self.dial_timeout = dial_timeout
         self.kubelet_version = tuple(kubelet_version)
+        self.endpoint_stop_grace_s = endpoint_stop_grace_s
         self.resources: Dict[str, ResourceState] = {}
         self.register_errors: List[str] = []
         self.register_calls: Dict[str, int] = {}  # every Register, before validation (the metric)
@@ -502,6 +505,29 @@ class KubeletSimulator:
                 await current.close()
             await endpoint.close()
             await self._notify()
+
+    # -- node status --
+
+    def get_capacity(self) -> Tuple[Dict[str, int], Dict[str, int], List[str]]:
+        """The device manager's ``GetCapacity``, called by every node status sync: capacity
+        (healthy + unhealthy) and allocatable (healthy) per resource, and the resources
+        removed now: a stopped endpoint (stream ended, no new registration) keeps its
+        capacity, with allocatable 0, until ``endpoint_stop_grace_s`` after it stopped; the
+        first call after that deletes it and reports it removed (the node status setter
+        then writes an explicit 0 for it)."""
+        capacity: Dict[str, int] = {}
+        allocatable: Dict[str, int] = {}
+        removed: List[str] = []
+        now = time.monotonic()
+        for name, state in list(self.resources.items()):
+            if (not state.connected and state.stopped_at is not None
+                    and now - state.stopped_at >= self.endpoint_stop_grace_s):
+                del self.resources[name]
+                removed.append(name)
+                continue
+            capacity[name] = state.capacity
+            allocatable[name] = state.allocatable
+        return capacity, allocatable, removed
 
     # -- allocation --
 
