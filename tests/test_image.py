@@ -1,0 +1,226 @@
+"""The image built by deploy/container/build, run as the DaemonSet runs it.
+
+The container's options come from deploy/container/daemonset_run.py, which reads them from
+deploy/kubernetes/base/daemonset.yaml: the unit tests here hold that the translation covers
+every field the manifest sets, so the manifest and the container run cannot drift apart. The
+run tests (podman and a built image needed, else skipped with the reason) start the image with
+those options against a fake host tree and a kubelet simulator on this side of the mounts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib.util
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Any, Dict, Iterator, List
+
+import pytest
+
+from host.testing import fake_gpu
+from host.testing.kubelet import KubeletSimulator
+from host.testing.tree import FakeTree
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location(
+    "daemonset_run", REPO / "deploy" / "container" / "daemonset_run.py")
+assert _spec is not None and _spec.loader is not None
+daemonset_run = importlib.util.module_from_spec(_spec)
+sys.modules["daemonset_run"] = daemonset_run
+_spec.loader.exec_module(daemonset_run)
+
+IMAGE = os.environ.get("DPH_IMAGE", "localhost/device-plugin-host:0.1.0-amd64")
+CONFIG = REPO / "deploy" / "kubernetes" / "base" / "config.toml"
+
+
+# -- the translation -------------------------------------------------------------------------
+
+
+def _plan() -> Any:
+    pod, container = daemonset_run.load()
+    return daemonset_run.plan(pod, container, lambda p: "/host" + p, "/config")
+
+
+def test_every_field_the_manifest_sets_is_translated_or_named_as_not_applicable():
+    pod, container = daemonset_run.load()
+    known = lambda kind: daemonset_run.HANDLED[kind] | set(  # noqa: E731
+        daemonset_run.NOT_APPLICABLE.get(kind, {}))
+    assert set(pod) <= known("pod")
+    assert set(pod["securityContext"]) <= known("pod.securityContext")
+    assert set(container) <= known("container")
+    assert set(container["securityContext"]) <= known("container.securityContext")
+    for mount in container["volumeMounts"]:
+        assert set(mount) <= known("volumeMount")
+    for volume in pod["volumes"]:
+        assert set(volume) - {"name"} <= known("volume")
+
+
+def test_the_run_applies_the_manifest_s_user_security_context_and_mounts():
+    pod, container = daemonset_run.load()
+    plan = _plan()
+    options = plan.options
+    security = {**pod["securityContext"], **container["securityContext"]}
+    assert plan.user == f"{security['runAsUser']}:{security['runAsGroup']}"
+    assert ("--read-only" in options) == security["readOnlyRootFilesystem"]
+    assert ("--privileged" in options) == security["privileged"]
+    assert (("no-new-privileges" in options)
+            == (security["allowPrivilegeEscalation"] is False))
+    dropped = [options[i + 1] for i, o in enumerate(options) if o == "--cap-drop"]
+    assert dropped == security["capabilities"]["drop"]
+    assert set(plan.mounts) == {m["mountPath"] for m in container["volumeMounts"]}
+    for mount in container["volumeMounts"]:
+        source, read_only = plan.mounts[mount["mountPath"]]
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        if "hostPath" in volume:
+            assert source == "/host" + volume["hostPath"]["path"]
+            assert read_only == bool(mount.get("readOnly"))
+    assert ("--network" in options and options[options.index("--network") + 1] == "none") \
+        == (not pod["hostNetwork"])
+    assert plan.probe == ("/healthz", 9400)
+
+
+@pytest.mark.parametrize("where,key", [
+    ("container", "workingDir"), ("securityContext", "procMount"), ("mount", "subPath"),
+    ("pod", "hostPID")])
+def test_a_field_the_translation_does_not_know_stops_the_run(where, key):
+    pod, container = copy.deepcopy(daemonset_run.load())
+    target = {"container": container, "securityContext": container["securityContext"],
+              "mount": container["volumeMounts"][0], "pod": pod}[where]
+    target[key] = "x"
+    with pytest.raises(daemonset_run.Unhandled, match=key):
+        daemonset_run.plan(pod, container, lambda p: p, "/config")
+
+
+# -- the container ---------------------------------------------------------------------------
+
+
+def _podman() -> str:
+    podman = shutil.which("podman")
+    if podman is None:
+        pytest.skip("podman is not installed (deploy/container/build needs it to load the image)")
+    if subprocess.run([podman, "image", "exists", IMAGE], check=False).returncode != 0:
+        pytest.skip(f"no image {IMAGE} in podman's store: run deploy/container/build first")
+    return podman
+
+
+def runtime_options() -> List[str]:
+    """What this machine's runtime needs beyond the manifest: runc (crun refuses cgroup v1
+    hybrid mode) and rlimits no higher than conmon's own (root here lacks CAP_SYS_RESOURCE,
+    and podman asks for 1048576 open files)."""
+    return ["--runtime", os.environ.get("DPH_OCI_RUNTIME", "runc"),
+            "--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096"]
+
+
+@pytest.fixture
+def node() -> Iterator[Dict[str, Path]]:
+    """A host tree: two fake NVIDIA GPUs under sys/ and dev/, and a directory for every other
+    hostPath the DaemonSet mounts (under /tmp: the kubelet socket's path must stay short)."""
+    with tempfile.TemporaryDirectory(prefix="dphi-", dir="/tmp") as scratch:
+        yield from _node(Path(scratch))
+
+
+def _node(tmp_path: Path) -> Iterator[Dict[str, Path]]:
+    tree = FakeTree(str(tmp_path / "root"))
+    tree.numa_nodes(1)
+    fake_gpu.add_nvidia_control_nodes(tree)
+    for minor in range(2):
+        fake_gpu.add_nvidia_gpu(tree, f"0000:{0x18 + 0x10 * minor:02x}:00.0", minor=minor,
+                                numa_node=0)
+    # A real /dev and /sys have these; the runtime mounts onto them.
+    for name in ("dev/shm", "dev/pts", "dev/mqueue", "sys/fs/cgroup"):
+        (tmp_path / "root" / name).mkdir(parents=True, exist_ok=True)
+    for name, minor in (("null", 3), ("zero", 5), ("full", 7), ("random", 8), ("urandom", 9)):
+        path = tmp_path / "root" / "dev" / name
+        if not path.exists():
+            os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, minor))
+    config = tmp_path / "config"
+    config.mkdir()
+    shutil.copy(CONFIG, config / "config.toml")
+    yield {"root": tmp_path / "root", "config": config}
+
+
+def _options(node: Dict[str, Path]) -> Any:
+    pod, container = daemonset_run.load()
+
+    def host_path(path: str) -> str:
+        local = node["root"] / path.lstrip("/")
+        local.mkdir(parents=True, exist_ok=True)
+        return str(local)
+
+    return daemonset_run.plan(pod, container, host_path, str(node["config"]))
+
+
+def test_demo_runs_in_the_image():
+    podman = _podman()
+    result = subprocess.run([podman, "run", "--rm", *runtime_options(), IMAGE, "demo"],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "demo finished" in result.stdout
+
+
+def test_discover_reads_the_host_tree_mounted_at_the_daemonset_s_paths(node):
+    podman = _podman()
+    plan = _options(node)
+    result = subprocess.run(
+        [podman, "run", "--rm", *runtime_options(), *plan.options, IMAGE,
+         "discover", "--config", "/etc/device-plugin-host/config.toml", "--json"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    devices = json.loads(result.stdout)
+    assert len([d for d in devices if "nvidia" in json.dumps(d).lower()]) >= 2, devices
+
+
+def _probe(pid: int, port: int, path: str) -> int:
+    """The liveness probe's GET, from inside the container's network namespace."""
+    script = ("import urllib.request,sys;"
+              f"print(urllib.request.urlopen('http://127.0.0.1:{port}{path}', timeout=5).status)")
+    out = subprocess.run(["nsenter", "-t", str(pid), "-n", sys.executable, "-c", script],
+                         capture_output=True, text=True, timeout=30, check=False)
+    assert out.returncode == 0, out.stderr[-1000:]
+    return int(out.stdout.strip())
+
+
+def test_run_registers_with_a_kubelet_on_the_host_side_and_answers_its_probe(node):
+    podman = _podman()
+    plan = _options(node)
+    plugin_dir = node["root"] / "var/lib/kubelet/device-plugins"
+    name = f"dph-test-{os.getpid()}"
+
+    async def scenario() -> None:
+        async with KubeletSimulator(str(plugin_dir)) as kubelet:
+            started = subprocess.run(
+                [podman, "run", "-d", "--name", name, *runtime_options(), *plan.options,
+                 IMAGE, *plan.arguments], capture_output=True, text=True, timeout=120,
+                check=False)
+            assert started.returncode == 0, started.stderr[-2000:]
+            try:
+                await kubelet.wait_for(
+                    lambda k: any(r.connected and r.snapshots and r.allocatable
+                                  for r in k.resources.values()),
+                    timeout=60, what="a resource registered from the container")
+                resource = next(n for n, r in kubelet.resources.items() if r.allocatable)
+                result = await kubelet.allocate(resource, 1, pod="p1")
+                assert len(result.device_ids) == 1
+                assert any(d.host_path.startswith("/dev/nvidia")
+                           for d in result.response.devices), result.response
+                pid = int(subprocess.run(
+                    [podman, "inspect", "-f", "{{.State.Pid}}", name], capture_output=True,
+                    text=True, check=True).stdout)
+                assert plan.probe is not None
+                assert _probe(pid, plan.probe[1], plan.probe[0]) == 200
+            finally:
+                logs = subprocess.run([podman, "logs", name], capture_output=True, text=True,
+                                      check=False)
+                subprocess.run([podman, "rm", "-f", "-t", "5", name], capture_output=True,
+                               check=False)
+                print(logs.stdout[-3000:], logs.stderr[-3000:])
+
+    asyncio.run(scenario())
