@@ -19,7 +19,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
