@@ -15,12 +15,11 @@ import importlib.util
 import json
 import os
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator
 
 import pytest
 
@@ -110,12 +109,7 @@ def _podman() -> str:
     return podman
 
 
-def runtime_options() -> List[str]:
-    """What this machine's runtime needs beyond the manifest: runc (crun refuses cgroup v1
-    hybrid mode) and rlimits no higher than conmon's own (root here lacks CAP_SYS_RESOURCE,
-    and podman asks for 1048576 open files)."""
-    return ["--runtime", os.environ.get("DPH_OCI_RUNTIME", "runc"),
-            "--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096"]
+runtime_options = daemonset_run.runtime_options
 
 
 @pytest.fixture
@@ -133,13 +127,7 @@ def _node(tmp_path: Path) -> Iterator[Dict[str, Path]]:
     for minor in range(2):
         fake_gpu.add_nvidia_gpu(tree, f"0000:{0x18 + 0x10 * minor:02x}:00.0", minor=minor,
                                 numa_node=0)
-    # A real /dev and /sys have these; the runtime mounts onto them.
-    for name in ("dev/shm", "dev/pts", "dev/mqueue", "sys/fs/cgroup"):
-        (tmp_path / "root" / name).mkdir(parents=True, exist_ok=True)
-    for name, minor in (("null", 3), ("zero", 5), ("full", 7), ("random", 8), ("urandom", 9)):
-        path = tmp_path / "root" / "dev" / name
-        if not path.exists():
-            os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, minor))
+    daemonset_run.prepare_host_root(tmp_path / "root")
     config = tmp_path / "config"
     config.mkdir()
     shutil.copy(CONFIG, config / "config.toml")
@@ -148,13 +136,8 @@ def _node(tmp_path: Path) -> Iterator[Dict[str, Path]]:
 
 def _options(node: Dict[str, Path]) -> Any:
     pod, container = daemonset_run.load()
-
-    def host_path(path: str) -> str:
-        local = node["root"] / path.lstrip("/")
-        local.mkdir(parents=True, exist_ok=True)
-        return str(local)
-
-    return daemonset_run.plan(pod, container, host_path, str(node["config"]))
+    return daemonset_run.plan(pod, container, daemonset_run.host_dirs(node["root"]),
+                              str(node["config"]))
 
 
 def test_demo_runs_in_the_image():

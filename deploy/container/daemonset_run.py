@@ -10,7 +10,9 @@ new field in the manifest breaks the container run instead of being silently lef
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -176,3 +178,32 @@ def plan(pod: Dict[str, Any], container: Dict[str, Any],
             port = named[port]
         result.probe = (http.get("path", "/"), int(port))
     return result
+
+
+def runtime_options() -> List[str]:
+    """What podman needs on a machine like CI's beyond the manifest: runc (crun refuses cgroup
+    v1's hybrid mode) and rlimits conmon can grant (podman asks for 1048576 open files, and
+    root here lacks CAP_SYS_RESOURCE to raise a hard limit). DPH_OCI_RUNTIME picks another."""
+    return ["--runtime", os.environ.get("DPH_OCI_RUNTIME", "runc"),
+            "--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096"]
+
+
+def prepare_host_root(root: Path) -> None:
+    """What a real host's /dev and /sys have and a fake tree lacks, and the runtime needs to
+    start a container with both mounted read-only: the directories it mounts onto and the
+    character devices it bind-mounts (null, zero, full, random, urandom)."""
+    for name in ("dev/shm", "dev/pts", "dev/mqueue", "sys/fs/cgroup"):
+        (root / name).mkdir(parents=True, exist_ok=True)
+    for name, minor in (("null", 3), ("zero", 5), ("full", 7), ("random", 8), ("urandom", 9)):
+        path = root / "dev" / name
+        if not path.exists():
+            os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, minor))
+
+
+def host_dirs(root: Path) -> Callable[[str], str]:
+    """A hostPath mapper for ``plan``: each host path becomes ROOT/path, created."""
+    def host_path(path: str) -> str:
+        local = root / path.lstrip("/")
+        local.mkdir(parents=True, exist_ok=True)
+        return str(local)
+    return host_path
