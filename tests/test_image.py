@@ -14,6 +14,7 @@ import copy
 import importlib.util
 import json
 import os
+import posixpath
 import shutil
 import subprocess
 import sys
@@ -170,6 +171,42 @@ def _probe(pid: int, port: int, path: str) -> int:
     return int(out.stdout.strip())
 
 
+def _assert_confined_as_the_manifest_says(pid: int, plan: Any) -> None:
+    """The running process as the kernel sees it: the manifest's user, no capability, no
+    privilege escalation, a read-only root and every mount read-only or not as declared."""
+    pod, container = daemonset_run.load()
+    security = {**pod["securityContext"], **container["securityContext"]}
+    status = dict(line.split(":", 1) for line in
+                  Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    assert status["Uid"].split()[0] == str(security["runAsUser"])
+    assert status["Gid"].split()[0] == str(security["runAsGroup"])
+    if security["capabilities"].get("drop") == ["ALL"] and not security["capabilities"].get("add"):
+        assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0
+    assert status["NoNewPrivs"].strip() == ("1" if not security["allowPrivilegeEscalation"]
+                                            else "0")
+    flags = {}
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        fields = line.split()
+        flags[fields[4]] = set(fields[5].split(","))  # the last mount at a path wins
+    assert ("ro" in flags["/"]) == security["readOnlyRootFilesystem"]
+    for path, (_, read_only) in plan.mounts.items():
+        seen = _in_container(pid, path)
+        assert ("ro" in flags[seen]) == read_only, (path, flags[seen])
+
+
+def _in_container(pid: int, path: str) -> str:
+    """``path`` with the image's symbolic links resolved (/var/run is /run in Debian)."""
+    resolved = "/"
+    for part in Path(path).parts[1:]:
+        candidate = posixpath.join(resolved, part)
+        link = Path(f"/proc/{pid}/root{candidate}")
+        if link.is_symlink():
+            target = os.readlink(link)
+            candidate = posixpath.normpath(posixpath.join(resolved, target))
+        resolved = candidate
+    return resolved
+
+
 def test_run_registers_with_a_kubelet_on_the_host_side_and_answers_its_probe(node):
     podman = _podman()
     plan = _options(node)
@@ -198,6 +235,7 @@ def test_run_registers_with_a_kubelet_on_the_host_side_and_answers_its_probe(nod
                     text=True, check=True).stdout)
                 assert plan.probe is not None
                 assert _probe(pid, plan.probe[1], plan.probe[0]) == 200
+                _assert_confined_as_the_manifest_says(pid, plan)
             finally:
                 logs = subprocess.run([podman, "logs", name], capture_output=True, text=True,
                                       check=False)
