@@ -58,6 +58,11 @@ class Figure:
         }
 
 
+class Skipped(Exception):
+    """Raised by a family whose tools are absent on this machine (podman, an image): its keys
+    are reported missing with this reason, and the run is not a failure."""
+
+
 @dataclass
 class Context:
     """How big a run is and which keys it wants."""

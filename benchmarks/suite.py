@@ -20,6 +20,7 @@ from benchmarks import (
     dra_prepare,
     draslices,
     events,
+    image,
     listwatch,
     migrate,
     preferred,
@@ -30,12 +31,12 @@ from benchmarks import (
     startup,
     upgrade,
 )
-from benchmarks.core import Context, Figure, bytecode_cache
+from benchmarks.core import Context, Figure, Skipped, bytecode_cache
 
 #: Cheap, in-process families first; the idle-CPU window last.
 FAMILIES: Tuple[ModuleType, ...] = (
     preferred, rpc, dra_prepare, listwatch, reregister, discovery, startup, events, draslices,
-    reload, migrate, resources, upgrade,
+    reload, migrate, resources, upgrade, image,
 )
 
 
@@ -75,6 +76,11 @@ def _run_families(ctx: Context, families: Sequence[ModuleType], result: SuiteRes
         ctx.progress(f"{family_name(family)}: {', '.join(wanted)}")
         try:
             figures = family.run(ctx)
+        except Skipped as why:
+            ctx.progress(f"{family_name(family)} skipped: {why}")
+            for key in wanted:
+                result.missing[key] = f"skipped: {why}"
+            continue
         except Exception as error:  # one broken family must not hide the others' figures
             reason = f"{family_name(family)} failed: {type(error).__name__}: {error}"
             ctx.progress(reason + "\n" + traceback.format_exc())

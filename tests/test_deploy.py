@@ -51,7 +51,8 @@ IGNOREFILE = REPO / "deploy" / "container" / "Containerfile.dockerignore"
 OLDEST_KUBERNETES = "1.30"
 NAME = "device-plugin-host"
 CONFIG_KEY = "config.toml"
-ENTRYPOINT = ["device-plugin-host", "run", "--config", "/etc/device-plugin-host/config.toml"]
+ENTRYPOINT = ["device-plugin-host"]
+CMD = ["run", "--config", "/etc/device-plugin-host/config.toml"]
 IMAGE_PYTHON = "3.12"
 
 # The DRA overlay's RBAC, admission policy and DeviceClass are cluster-wide objects.
@@ -116,11 +117,11 @@ def config_text(objects: List[Dict[str, Any]]) -> str:
     return only(objects, "ConfigMap")["data"][CONFIG_KEY]
 
 
-def containerfile_entrypoint() -> List[str]:
+def containerfile_entrypoint(instruction: str = "ENTRYPOINT") -> List[str]:
     lines = [line for line in CONTAINERFILE.read_text().splitlines()
-             if line.startswith("ENTRYPOINT ")]
+             if line.startswith(instruction + " ")]
     assert len(lines) == 1
-    return json.loads(lines[0][len("ENTRYPOINT "):])
+    return json.loads(lines[0][len(instruction) + 1:])
 
 
 def test_every_overlay_is_found():
@@ -210,7 +211,7 @@ def test_the_daemonset_mounts_the_generated_configmap_where_the_image_reads_it(n
     configmap = only(objects, "ConfigMap")
     # The hash suffix is what turns a config change into a rollout.
     assert re.fullmatch(rf"{NAME}-config-[a-z0-9]{{10}}", configmap["metadata"]["name"])
-    config_path = containerfile_entrypoint()[-1]
+    config_path = containerfile_entrypoint("CMD")[-1]
     mount = mounts(objects)[posixpath.dirname(config_path)]
     assert mount["volume"]["configMap"]["name"] == configmap["metadata"]["name"]
     assert mount["readOnly"] is True
@@ -558,9 +559,13 @@ def test_the_containerfile_pins_python_and_runs_the_host_on_the_mounted_config()
     assert [line.split()[1] for line in text.splitlines() if line.startswith("FROM ")] == [
         "${PYTHON_IMAGE}", "${PYTHON_IMAGE}"]
     assert containerfile_entrypoint() == ENTRYPOINT
+    assert containerfile_entrypoint("CMD") == CMD
     # Root on purpose: the kubelet's directories and sockets are writable only by root.
     assert not re.search(r"^USER\s+(?!(root|0)\s*$)", text, re.M)
-    assert re.search(r"pip install --no-cache-dir --constraint /tmp/constraints.txt", text)
+    # The pinned wheels, installed by the recipe deploy/container/build also runs.
+    assert re.search(r"pip download --no-cache-dir --only-binary=:all: --constraint "
+                     r"/tmp/constraints.txt", text)
+    assert re.search(r"^RUN python /tmp/install /tmp/wheels/\*\.whl", text, re.M)
 
 
 def test_the_containerfile_copies_paths_that_exist_and_are_sent_to_the_build():
