@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-import pytest
-
 import nodelib
+import pytest
 
 
 def pytest_collection_modifyitems(items: list) -> None:
@@ -30,12 +29,3 @@ def node() -> Iterator[nodelib.Node]:
         yield whole
     finally:
         whole.close()
-
-
-@pytest.fixture()
-def pods(node: nodelib.Node) -> Iterator[nodelib.Pods]:
-    made = nodelib.Pods(node)
-    try:
-        yield made
-    finally:
-        made.delete_all()

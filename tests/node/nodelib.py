@@ -146,7 +146,10 @@ cmd=""
 prev=""
 for arg in "$@"; do
     case "$prev" in --bundle|-b) bundle=$arg ;; esac
-    case "$arg" in --bundle=*) bundle=${arg#--bundle=} ;; create|run) [ -z "$cmd" ] && cmd=$arg ;; esac
+    case "$arg" in
+        --bundle=*) bundle=${arg#--bundle=} ;;
+        create|run) [ -z "$cmd" ] && cmd=$arg ;;
+    esac
     prev=$arg
 done
 if [ -n "$cmd" ] && [ -f "$bundle/config.json" ]; then
@@ -524,8 +527,8 @@ def _is_ours(pid: int, name: str) -> bool:
 
 
 def machine_lines() -> List[str]:
-    from host.testing.tree import load_machine  # noqa: F401  (the machines' directory)
     import host.testing.tree as tree_module
+    from host.testing.tree import load_machine  # noqa: F401  (the machines' directory)
 
     path = Path(tree_module.__file__).with_name("machines") / f"{MACHINE}.tree"
     return path.read_text().splitlines()
@@ -645,7 +648,12 @@ class Pods:
                     and len(statuses) == len(pod["spec"]["containers"]):
                 return pod
             return None
-        return until(f"pod {name} running", probe, timeout=timeout, every=0.1)  # type: ignore
+        try:
+            return until(f"pod {name} running", probe, timeout=timeout, every=0.1)  # type: ignore
+        except AssertionError as error:
+            status = self.get(name).get("status", {})
+            raise AssertionError(f"{error}; status {json.dumps(status)}; events "
+                                 f"{self.events(name)}") from None
 
     def seen(self, name: str, container_name: str, restart: Optional[int] = None) -> Seen:
         """What the container printed (its current run, or run ``restart``)."""
@@ -666,14 +674,25 @@ class Pods:
                 if e["involvedObject"].get("name") == name]
 
     def delete_all(self) -> None:
-        """Every pod of the namespace deleted and gone (its devices released, claims
-        unprepared), then the namespace."""
+        """Every pod of the namespace deleted (gracefully: a forced delete leaves the kubelet
+        to unprepare after the API object is gone) and gone, every claim's CDI spec removed
+        (the kubelet unprepared it), then the namespace."""
+        claims = [c["metadata"]["uid"] for c in self.api.get(f"{self.rs}/resourceclaims")["items"]]
         for pod in self.api.get(f"{self.ns}/pods")["items"]:
-            self.api.request("DELETE", f"{self.ns}/pods/{pod['metadata']['name']}"
-                             "?gracePeriodSeconds=0", ok=(200, 202, 404))
+            self.api.request("DELETE", f"{self.ns}/pods/{pod['metadata']['name']}",
+                             ok=(200, 202, 404))
         until("pods gone", lambda: not self.api.get(f"{self.ns}/pods")["items"], timeout=60,
               every=0.2)
+        until("claims unprepared", lambda: not any(
+            uid in name for uid in claims for name in _listdir(CDI_DIR)), timeout=60, every=0.1)
         self.api.request("DELETE", f"/api/v1/namespaces/{self.namespace}", ok=(200, 202, 404))
+
+
+def _listdir(path: Path) -> List[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
 
 
 # ---------------------------------------------------------------- our host
@@ -717,6 +736,17 @@ class Host:
 
     def stop(self) -> Optional[int]:
         return None if self.proc is None else self.proc.stop()
+
+    def logged(self, text: str) -> bool:
+        assert self.proc is not None
+        with contextlib.suppress(OSError):
+            return text in self.proc.log_path.read_text(errors="replace")
+        return False
+
+    def dra_registered(self) -> bool:
+        """The kubelet's plugin watcher accepted this host's DRA driver (its
+        NotifyRegistrationStatus, as the host logs it)."""
+        return self.logged("registered with the kubelet's plugin watcher")
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "host", *args], capture_output=True,
