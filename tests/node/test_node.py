@@ -370,20 +370,25 @@ def test_host_as_the_systemd_unit_runs_it(hosts: Hosts, pods: Pods, tmp_path: Pa
 
 @pytest.mark.xfail(reason=ISSUE_24, strict=False)
 def test_upgrade_old_and_new_host_with_pods_running(node: nodelib.Node, hosts: Hosts,
-                                                    pods: Pods) -> None:
-    """A second (new) host started beside the running (old) one takes over with no gap: a
-    container restarting during the handover gets its GPU at once."""
-    old = hosts.dp("cdi = true\ncdi_fallback = false\n", name="old")
+                                                    pods: Pods, tmp_path: Path) -> None:
+    """A new host started beside the running old one (the same config and state directory,
+    as a package upgrade or a rollout has) takes over with no gap: a container restarting
+    during the handover gets its GPU at once."""
+    same = {"drain_file": str(tmp_path / "state" / "drained")}
+    old = hosts.dp("cdi = true\ncdi_fallback = false\n", name="old", settings=same)
     pods.create("p", [container("a", {GPU: 1})])
     pod = pods.running("p")
-    new = hosts.start(gpu_resources(extra="cdi = true\ncdi_fallback = false\n"), name="new")
+    new = hosts.start(gpu_resources(extra="cdi = true\ncdi_fallback = false\n"), name="new",
+                      settings=same)
     until("the new host registered beside the old one",
           lambda: new.alive() and new.logged("resources registered"), timeout=30)
     old.stop()
     node.kill_container(pod, "a")
-    until("restarted at once", lambda: pods.get("p")["status"]["containerStatuses"][0][
-        "restartCount"] >= 1 and "running" in pods.get("p")["status"]["containerStatuses"][0][
-        "state"], timeout=15)
+
+    def restarted() -> bool:
+        status = pods.get("p")["status"]["containerStatuses"][0]
+        return status["restartCount"] >= 1 and "running" in status["state"]
+    until("restarted at once", restarted, timeout=15)
 
 
 @pytest.mark.xfail(reason=ISSUE_24, strict=False)
