@@ -394,7 +394,11 @@ def test_upgrade_old_and_new_host_with_pods_running(node: nodelib.Node, hosts: H
 @pytest.mark.xfail(reason=ISSUE_24, strict=False)
 def test_move_a_resource_between_the_apis(node: nodelib.Node, hosts: Hosts,
                                           pods: Pods) -> None:
+    """nvidia.com/gpu served by the device plugin (the Node shows it), then the same name
+    through DRA: a pod asking for it gets a GPU within 30 s."""
     dp = hosts.dp("cdi = true\n", name="dp")
+    until("the Node shows the device plugin's GPUs", lambda: node.api.get(
+        f"/api/v1/nodes/{HOSTNAME}")["status"]["capacity"].get(GPU) == "8", timeout=30)
     dp.stop()
     hosts.dra(name="dra")
     pods.create("p", [container("a", {GPU: 1})], bind=False)
