@@ -58,6 +58,11 @@ class Figure:
         }
 
 
+class Skipped(Exception):
+    """A family that cannot measure on this machine (not root, no real kubelet): its keys are
+    reported as skipped with this reason, neither figures nor missing."""
+
+
 @dataclass
 class Context:
     """How big a run is and which keys it wants."""

@@ -21,6 +21,7 @@ from benchmarks import (
     draslices,
     events,
     listwatch,
+    node,
     preferred,
     reload,
     reregister,
@@ -28,12 +29,12 @@ from benchmarks import (
     rpc,
     startup,
 )
-from benchmarks.core import Context, Figure, bytecode_cache
+from benchmarks.core import Context, Figure, Skipped, bytecode_cache
 
 #: Cheap, in-process families first; the idle-CPU window last.
 FAMILIES: Tuple[ModuleType, ...] = (
     preferred, rpc, dra_prepare, listwatch, reregister, discovery, startup, events, draslices,
-    reload, resources,
+    reload, resources, node,
 )
 
 
@@ -49,6 +50,7 @@ def family_name(family: ModuleType) -> str:
 class SuiteResult:
     figures: Dict[str, Figure] = field(default_factory=dict)
     missing: Dict[str, str] = field(default_factory=dict)  # key -> why there is no figure
+    skipped: Dict[str, str] = field(default_factory=dict)  # key -> why it cannot run here
     # 1-minute load average before and after: other work on a shared machine shows up here.
     load: Tuple[float, float] = (0.0, 0.0)
 
@@ -73,6 +75,11 @@ def _run_families(ctx: Context, families: Sequence[ModuleType], result: SuiteRes
         ctx.progress(f"{family_name(family)}: {', '.join(wanted)}")
         try:
             figures = family.run(ctx)
+        except Skipped as why:
+            ctx.progress(f"{family_name(family)}: skipped: {why}")
+            for key in wanted:
+                result.skipped[key] = str(why)
+            continue
         except Exception as error:  # one broken family must not hide the others' figures
             reason = f"{family_name(family)} failed: {type(error).__name__}: {error}"
             ctx.progress(reason + "\n" + traceback.format_exc())

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import report
-from benchmarks.core import Context, Figure, percentile
+from benchmarks.core import Context, Figure, Skipped, percentile
 from benchmarks.suite import FAMILIES, SuiteResult, all_keys, family_name, run_suite
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +34,10 @@ CONTRACT_KEYS = {
     "dra_slice_p99_ms_8", "dra_slice_p99_ms_300",
     "dra_requests_per_change_8", "dra_requests_per_change_300",
     "dra_slice_event_p99_ms", "dra_republish_p99_ms",
+    "node_dp_pod_running_ms", "node_dra_pod_running_ms", "node_host_restart_device_ms",
 }
+# Families measured only on a whole real node (root, ../shared/k8s): a tiny run skips them.
+NODE_ONLY = {"node"}
 # An idle process can truly use no CPU in a short window; everything else takes time or memory.
 MAY_BE_ZERO = {"idle_cpu_pct_64r", "idle_cpu_pct_watching"}
 
@@ -63,6 +66,9 @@ def test_the_suite_has_exactly_the_contract_keys():
 def test_each_family_in_a_tiny_run_gives_all_its_keys(family):
     result = run_suite(Context(tiny=True), [family])
     assert result.missing == {}
+    if family_name(family) in NODE_ONLY:
+        assert sorted(result.skipped) == sorted(family.KEYS) and not result.figures
+        return
     assert sorted(result.figures) == sorted(family.KEYS)
     for key, figure in result.figures.items():
         _check_entry(key, figure.as_json())
@@ -88,6 +94,16 @@ def test_a_failing_family_reports_missing_keys_never_a_figure():
     assert "fixture not ready" in result.missing["broken_ms"]
     assert "no figure" in result.missing["b_ms"]
     assert list(result.figures) == ["a_ms"]
+
+
+def test_a_skipped_family_is_neither_figures_nor_missing():
+    def cannot(ctx):
+        raise Skipped("not root")
+
+    family = SimpleNamespace(__name__="benchmarks.cannot", KEYS=("c_ms",), run=cannot)
+    result = run_suite(Context(), [family])
+    assert result.skipped == {"c_ms": "not root"}
+    assert result.missing == {} and result.figures == {}
 
 
 def test_figures_refuse_non_numbers():
