@@ -116,7 +116,8 @@ def _measure(lib: Any, node: Any, work: Path, rounds: int) -> List[Figure]:
             f"floor: the same pod without devices, {summary(floor_dp, 'ms')}"]),
         Figure("node_dra_pod_running_ms", median(dra), "ms", median(floor), notes=[
             "pod with a ResourceClaimTemplate for 1 GPU created -> running (scheduler, "
-            "prepare, CDI); {summary(dra, 'ms')}"]),
+            f"prepare, CDI); {summary(dra, 'ms')}; floor: a pod without devices created "
+            f"between them, {summary(floor, 'ms')}"]),
         Figure("node_host_restart_device_ms", median(restart), "ms", median(restart_floor),
                notes=["container killed right after the host restarted and registered -> "
                       f"running again with its GPU; {summary(restart, 'ms')}; floor: the same "
