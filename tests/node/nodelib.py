@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import importlib.util
 import io
 import json
@@ -29,7 +30,7 @@ import tarfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 # ../shared/k8s beside the project (DPH_SHARED_K8S names another place, for a worktree).
@@ -52,6 +53,8 @@ MACHINE = "gpu-server-8x"
 GPU_ADDRESSES = ["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0",
                  "0000:9a:00.0", "0000:ab:00.0", "0000:ba:00.0", "0000:db:00.0"]
 WAIT_S = 60.0
+# Made when the suite first takes /var/lib/kubelet and /var/log/pods; removed with them.
+OURS = WORK / "owns-kubelet-root"
 
 
 def _dra_helpers() -> Any:
@@ -78,6 +81,14 @@ def skip_reason() -> Optional[str]:
         return f"no {SHARED_K8S}/kubelet.xz (../shared/k8s holds the real kubelet)"
     if not os.path.isdir("/sys/fs/cgroup"):
         return "no /sys/fs/cgroup"
+    if not OURS.exists():
+        for path in (KUBELET_ROOT, POD_LOGS):
+            if path.exists():
+                return (f"{path} exists and is not this suite's: a node of its own may run "
+                        "here (the suite takes it over and removes it at the end)")
+    others = _foreign_runtime()
+    if others:
+        return f"a kubelet or containerd of this machine's own runs (pid {others[0]})"
     setup = subprocess.run([str(SETUP_RUNTIME)], capture_output=True, text=True, check=False)
     if setup.returncode != 0:
         return ("the container runtime cannot be installed: "
@@ -119,7 +130,6 @@ def busybox_archive(path: Path) -> None:
         info.size, info.mode = len(passwd), 0o644
         tar.addfile(info, io.BytesIO(passwd))
     layer_bytes = layer.getvalue()
-    import hashlib
     digest = hashlib.sha256(layer_bytes).hexdigest()
     config = json.dumps({
         "architecture": "amd64", "os": "linux",
@@ -332,6 +342,7 @@ class Node:
         self.close()  # whatever a killed earlier run left
         for directory in (WORK, RUN, self.logs, WORK / "cni", RUN / "cni-ipam"):
             directory.mkdir(parents=True, exist_ok=True, mode=0o755)
+        OURS.touch(mode=0o644)
         self._devices()
         self._start_containerd()
         self._start_control_plane()
@@ -473,9 +484,16 @@ class Node:
             (WORK / "mknod.json").unlink()
         shutil.rmtree(RUN, ignore_errors=True)
         shutil.rmtree(WORK / "containerd", ignore_errors=True)
-        shutil.rmtree(KUBELET_ROOT, ignore_errors=True)
-        shutil.rmtree(POD_LOGS, ignore_errors=True)
-        shutil.rmtree(CDI_DIR, ignore_errors=True)
+        if OURS.exists():  # a node of the machine's own is never touched (skip_reason)
+            shutil.rmtree(KUBELET_ROOT, ignore_errors=True)
+            shutil.rmtree(POD_LOGS, ignore_errors=True)
+            for name in _listdir(CDI_DIR):  # the specs our hosts wrote
+                if name.startswith("device-plugin-host"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(CDI_DIR / name)
+            with contextlib.suppress(OSError):
+                CDI_DIR.rmdir()  # when empty
+            OURS.unlink()
 
     def _remove_containers(self) -> None:
         tasks = self._ctr("tasks", "ls", "-q", check=False).stdout.split()
@@ -517,6 +535,22 @@ def _read(path: Path) -> Optional[Dict[str, Any]]:
 def _recorded_pids(path: Path) -> List[int]:
     data = _read(path) or {}
     return [int(p) for p in ([data["pid"]] if "pid" in data else data.get("pids", []))]
+
+
+def _foreign_runtime() -> List[int]:
+    """Running kubelets and containerds not started with this suite's config."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if os.path.basename(argv[0].decode(errors="replace")) in ("kubelet", "containerd") \
+                and str(WORK).encode() not in b" ".join(argv):
+            found.append(int(entry))
+    return found
 
 
 def _is_ours(pid: int, name: str) -> bool:
@@ -819,6 +853,3 @@ def gpu_resources(name: str = "nvidia.com/gpu", api: str = "device-plugin",
     return (f'[[resource]]\nname = "{name}"\ndriver = "gpu"\n{api_line}{extra}'
             f"[resource.selectors]\n{selectors}\n")
 
-
-def dp_ids(node_tree: Path) -> Tuple[str, ...]:
-    return tuple(GPU_ADDRESSES)
