@@ -411,7 +411,9 @@ class Node:
                 f"--root-ca-file={self.server.ca_path}",
                 "--use-service-account-credentials=false"]),
         ]
-        _record(RUN / "control-plane.pid", {"pids": [c.proc.pid for c in self.components]})
+        _record(RUN / "control-plane.pid", {"pids": [c.proc.pid for c in self.components] + [
+            p.pid for p in (self.server._etcd, self.server._apiserver) if p is not None],
+            "dir": self.server._dir})
         for device_class in dra.overlay_device_classes():
             self.api.create("/apis/resource.k8s.io/v1/deviceclasses", device_class)
 
@@ -443,6 +445,14 @@ class Node:
 
     def close(self) -> None:
         """Everything down, by pid; then mounts, bridge and device nodes."""
+        for pid in _recorded_pids(RUN / "hosts.pid"):  # hosts a killed run left
+            if _pid_alive(pid) and _is_ours(pid, str(self.tree)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+                deadline = time.monotonic() + 10
+                while _pid_alive(pid) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                _kill_pids([pid] if _pid_alive(pid) else [])
         if self.kubelet is not None:
             self.kubelet.stop()
         for pid in _recorded_pids(RUN / "kubelet.pid"):
@@ -459,7 +469,11 @@ class Node:
         for component in getattr(self, "components", []):
             component.stop()
         for pid in _recorded_pids(RUN / "control-plane.pid"):
-            _kill_pids([pid] if _pid_alive(pid) and _is_ours(pid, "kube-") else [])
+            _kill_pids([pid] if _pid_alive(pid) and (_is_ours(pid, "kube-")
+                                                     or _is_ours(pid, "etcd")) else [])
+        left = (_read(RUN / "control-plane.pid") or {}).get("dir")
+        if left and os.path.basename(left).startswith("dph-envtest-"):
+            shutil.rmtree(left, ignore_errors=True)  # a killed run's etcd data and certs
         if getattr(self, "server", None) is not None:
             self.server.close()
             self.server = None
@@ -760,6 +774,8 @@ class Host:
     def start(self) -> Host:
         env = dict(os.environ, PYTHONPATH=str(REPO))
         self.proc = Proc(f"host-{self.work.name}", self.argv, self.work, env=env)
+        record = _read(RUN / "hosts.pid") or {}
+        _record(RUN / "hosts.pid", {"pids": [*record.get("pids", []), self.proc.pid]})
         return self
 
     def alive(self) -> bool:
