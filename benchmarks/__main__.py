@@ -56,6 +56,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ctx = Context(quick=args.quick, prefixes=prefixes,
                   progress=(lambda message: None) if args.quiet else stderr_progress)
     result = run_suite(ctx)
+    for key, reason in result.skipped.items():
+        print(f"skipped {key}: {reason}", file=sys.stderr)
     for key, reason in result.missing.items():
         print(f"missing {key}: {reason}", file=sys.stderr)
     if args.json:

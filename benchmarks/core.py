@@ -59,8 +59,8 @@ class Figure:
 
 
 class Skipped(Exception):
-    """Raised by a family whose tools are absent on this machine (podman, an image): its keys
-    are reported missing with this reason, and the run is not a failure."""
+    """A family that cannot measure on this machine (not root, no real kubelet, no podman or
+    image): its keys are reported as skipped with this reason, neither figures nor missing."""
 
 
 @dataclass

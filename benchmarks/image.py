@@ -6,7 +6,7 @@ config. The key's value is the container's median, its floor the host's median, 
 is what the image costs at start-up (runtime set-up, mounts, an interpreter starting cold from
 the image's own bytecode).
 
-Skipped (missing with the reason, not failed) where podman or the image is absent.
+Skipped with the reason (neither figures nor missing) where podman or the image is absent.
 """
 
 from __future__ import annotations

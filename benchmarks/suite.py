@@ -23,6 +23,7 @@ from benchmarks import (
     image,
     listwatch,
     migrate,
+    node,
     preferred,
     reload,
     reregister,
@@ -36,7 +37,7 @@ from benchmarks.core import Context, Figure, Skipped, bytecode_cache
 #: Cheap, in-process families first; the idle-CPU window last.
 FAMILIES: Tuple[ModuleType, ...] = (
     preferred, rpc, dra_prepare, listwatch, reregister, discovery, startup, events, draslices,
-    reload, migrate, resources, upgrade, image,
+    reload, migrate, resources, upgrade, image, node,
 )
 
 
@@ -52,6 +53,7 @@ def family_name(family: ModuleType) -> str:
 class SuiteResult:
     figures: Dict[str, Figure] = field(default_factory=dict)
     missing: Dict[str, str] = field(default_factory=dict)  # key -> why there is no figure
+    skipped: Dict[str, str] = field(default_factory=dict)  # key -> why it cannot run here
     # 1-minute load average before and after: other work on a shared machine shows up here.
     load: Tuple[float, float] = (0.0, 0.0)
 
@@ -77,9 +79,9 @@ def _run_families(ctx: Context, families: Sequence[ModuleType], result: SuiteRes
         try:
             figures = family.run(ctx)
         except Skipped as why:
-            ctx.progress(f"{family_name(family)} skipped: {why}")
+            ctx.progress(f"{family_name(family)}: skipped: {why}")
             for key in wanted:
-                result.missing[key] = f"skipped: {why}"
+                result.skipped[key] = str(why)
             continue
         except Exception as error:  # one broken family must not hide the others' figures
             reason = f"{family_name(family)} failed: {type(error).__name__}: {error}"

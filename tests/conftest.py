@@ -27,13 +27,16 @@ import contextlib
 import fcntl
 import gc
 import os
+import re
 import shutil
 import tempfile
+from pathlib import Path
 from typing import Iterator, Optional
 
 import pytest
 
 _TMPFS = "/dev/shm"
+_NODE_SUITE = Path(__file__).resolve().parent / "node"
 # The suite keeps every passing test's directory until the session ends (~250 MB at most);
 # a tmpfs with less room than this is left alone.
 _TMPFS_MIN_FREE = 1 << 30
@@ -59,6 +62,9 @@ _LOCKS_ENV = "DPH_TEST_LOCKS"
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
+        "markers", "node: the whole-node suite (tests/node: a real kubelet and containerd, as "
+        "root); collected only by `-m node`")
+    config.addinivalue_line(
         "markers", "alone: holds the host to a time bound; when the suite runs in parallel, "
         "no other test runs beside it")
     if getattr(config, "workerinput", None) is not None:
@@ -79,9 +85,26 @@ def pytest_configure(config: pytest.Config) -> None:
         config.add_cleanup(lambda: shutil.rmtree(locks, ignore_errors=True))
 
 
+def _node_run(config: pytest.Config) -> bool:
+    """``-m node`` (or an expression selecting it): the whole-node suite, tests/node."""
+    words = re.findall(r"[\w-]+", config.getoption("markexpr", "") or "")
+    return any(w == "node" and (i == 0 or words[i - 1] != "not") for i, w in enumerate(words))
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> Optional[bool]:
+    """tests/node runs a real kubelet and container runtime as root: only ``-m node``
+    collects it, never the default run."""
+    if collection_path == _NODE_SUITE and not _node_run(config):
+        return True
+    return None
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: one worker per CPU this process may run on (xdist itself counts physical
-    cores, and a cgroup or taskset may allow fewer than the machine has)."""
+    cores, and a cgroup or taskset may allow fewer than the machine has); none for the
+    whole-node suite, whose one node is the machine's."""
+    if _node_run(config):
+        return 0
     return max(1, len(os.sched_getaffinity(0)))
 
 

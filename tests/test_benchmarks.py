@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import report
-from benchmarks.core import Context, Figure, percentile
+from benchmarks.core import Context, Figure, Skipped, percentile
 from benchmarks.suite import FAMILIES, SuiteResult, all_keys, family_name, run_suite
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +37,10 @@ CONTRACT_KEYS = {
     "upgrade_gap_ms_device_plugin", "upgrade_gap_ms_dra",
     "migrate_ms_to_dra", "migrate_ms_to_device_plugin",
     "image_startup_ratio",
+    "node_dp_pod_running_ms", "node_dra_pod_running_ms", "node_host_restart_device_ms",
 }
+# Families measured only on a whole real node (root, ../shared/k8s): a tiny run skips them.
+NODE_ONLY = {"node"}
 # An idle process can truly use no CPU in a short window; everything else takes time or memory.
 MAY_BE_ZERO = {"idle_cpu_pct_64r", "idle_cpu_pct_watching", "upgrade_gap_ms_device_plugin",
                "upgrade_gap_ms_dra"}
@@ -66,10 +69,13 @@ def test_the_suite_has_exactly_the_contract_keys():
 @pytest.mark.parametrize("family", FAMILIES, ids=family_name)
 def test_each_family_in_a_tiny_run_gives_all_its_keys(family):
     result = run_suite(Context(tiny=True), [family])
-    if family_name(family) == "image" and result.missing:  # no podman or no image built
-        assert all(why.startswith("skipped: ") for why in result.missing.values()), result.missing
-        pytest.skip(next(iter(result.missing.values())))
     assert result.missing == {}
+    if family_name(family) == "image" and result.skipped:  # no podman or no image built
+        assert sorted(result.skipped) == sorted(family.KEYS) and not result.figures
+        pytest.skip(next(iter(result.skipped.values())))
+    if family_name(family) in NODE_ONLY:
+        assert sorted(result.skipped) == sorted(family.KEYS) and not result.figures
+        return
     assert sorted(result.figures) == sorted(family.KEYS)
     for key, figure in result.figures.items():
         _check_entry(key, figure.as_json())
@@ -95,6 +101,16 @@ def test_a_failing_family_reports_missing_keys_never_a_figure():
     assert "fixture not ready" in result.missing["broken_ms"]
     assert "no figure" in result.missing["b_ms"]
     assert list(result.figures) == ["a_ms"]
+
+
+def test_a_skipped_family_is_neither_figures_nor_missing():
+    def cannot(ctx):
+        raise Skipped("not root")
+
+    family = SimpleNamespace(__name__="benchmarks.cannot", KEYS=("c_ms",), run=cannot)
+    result = run_suite(Context(), [family])
+    assert result.skipped == {"c_ms": "not root"}
+    assert result.missing == {} and result.figures == {}
 
 
 def test_figures_refuse_non_numbers():
