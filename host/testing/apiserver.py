@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import bisect
 import copy
 import inspect
 import json
@@ -181,6 +180,18 @@ class _State:
     # The watch cache's history of events, oldest first (revisions ascending).
     events: List[_Event] = field(default_factory=list)
     compacted: int = 0  # a watch from an older resourceVersion gets 410 Expired
+
+
+def _first_after(events: List[_Event], revision: int) -> int:
+    """The index of the first event newer than ``revision`` in ``events`` (ascending)."""
+    low, high = 0, len(events)
+    while low < high:
+        middle = (low + high) // 2
+        if events[middle].revision <= revision:
+            low = middle + 1
+        else:
+            high = middle
+    return low
 
 
 def parse_field_selector(text: str) -> List[Tuple[str, str, bool]]:
@@ -854,7 +865,7 @@ class ApiServerStandIn:
                 waker.clear()
                 with self._lock:
                     events = self._state.events
-                    first = bisect.bisect_right(events, seen, key=lambda e: e.revision)
+                    first = _first_after(events, seen)
                     fresh = events[first:]
                 for event in fresh:
                     seen = event.revision
