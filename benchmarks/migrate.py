@@ -42,6 +42,7 @@ from host.testing.drivers import MemoryDriver, make_devices
 from host.testing.harness import make_config
 from host.testing.kubelet import KubeletSimulator
 from host.testing.kubelet.node_status import NodeStatusSync
+from host.testing.kubelet_dra import DraKubeletSimulator
 
 KEYS = ("migrate_ms_to_dra", "migrate_ms_to_device_plugin")
 NODE = "bench-node"
@@ -84,6 +85,12 @@ async def _measure(moves: int) -> Dict[str, List[float]]:
         status = NodeStatusSync(kubelet, api, NODE, interval_s=STATUS_S)
         status.start()
         client = KubeClient.from_settings(api.kubeconfig_path)
+        # The kubelet's plugin watcher: a moved pool is published once it has registered
+        # the DRA driver, which each move to DRA includes (the driver deregisters with its
+        # last pool on the way back).
+        dra_kubelet = DraKubeletSimulator(config.host.plugins_registry_dir,
+                                          get_claim=client.get_resource_claim, node_name=NODE)
+        await dra_kubelet.start()
         app = HostApp(config, {"memory": MemoryDriver(devices={RESOURCE: devices})},
                       events=None)
         floor_watch = NodeWatch(client, NODE, lambda uid: None)
@@ -137,6 +144,7 @@ async def _measure(moves: int) -> Dict[str, List[float]]:
             await status.stop()
             await channel.close()
             await kubelet.stop()
+            await dra_kubelet.stop()
             await client.close()
     return out
 

@@ -2,7 +2,7 @@
 
 One node must never advertise an extended resource name through a device plugin and through
 DRA at once (KEP-5004): the scheduler would admit pods against both. A change of a resource's
-``api`` (a reload, or ``device-plugin-host migrate``) is therefore done in steps, each one
+``api`` (a live reload of the config file) is therefore done in steps, each one
 waiting until the previous is visible where the scheduler looks:
 
 * device plugin -> DRA: the resource's ListAndWatch stream sends an empty list (the kubelet's

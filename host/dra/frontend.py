@@ -72,6 +72,9 @@ class DraFrontEnd:
         self._driver_of: Dict[str, str] = {}  # resource name -> DRA driver name
         # DRA driver -> its withdrawn pools whose prepared claims keep it registered
         self._draining: Dict[str, Set[str]] = {}
+        # DRA driver -> pool name -> (devices, shares) of pools not published yet because
+        # the kubelet has not registered their driver yet (see ``sync``)
+        self._unannounced: Dict[str, Dict[str, Tuple[List[Device], int]]] = {}
         self.on_registered: Optional[Callable[[PluginWatcherEndpoint], None]] = None
         # Unhealthy devices published with taints: the publisher's setting where there is
         # one (it follows reloads), else this.
@@ -108,8 +111,17 @@ class DraFrontEnd:
         pool.shares = resource.replicas if resource.replicas > 1 else 0
         pool.set_devices(devices)
         self.services[dra_driver].devices_changed()
-        if self.publisher is not None:
+        if self.publisher is None:
+            return
+        # The kubelet prepares a claim only for a registered driver ("DRA driver ... is not
+        # registered", retried with the pod worker's backoff): a driver's pools are first
+        # published once the kubelet has accepted it, so no pod is scheduled onto devices the
+        # kubelet cannot prepare yet. Later changes, kubelet restarts included, publish at once.
+        if self.endpoints[dra_driver].ever_registered:
             self.publisher.set_pool(dra_driver, pool.pool_name, list(devices), pool.shares)
+        else:
+            self._unannounced.setdefault(dra_driver, {})[pool.pool_name] = (
+                list(devices), pool.shares)
 
     def _service(self, dra_driver: str) -> DraService:
         service = self.services.get(dra_driver)
@@ -153,6 +165,7 @@ class DraFrontEnd:
         if service is not None:
             service.pools.pop(pool.pool_name, None)
             service.devices_changed()
+        self._unannounced.get(dra_driver, {}).pop(pool.pool_name, None)
         if self.publisher is not None:
             self.publisher.remove_pool(dra_driver, pool.pool_name)
         return dra_driver
@@ -205,6 +218,9 @@ class DraFrontEnd:
 
     def _registered(self, endpoint: PluginWatcherEndpoint) -> None:
         if self.publisher is not None:
+            for pool_name, (devices, shares) in self._unannounced.pop(endpoint.name,
+                                                                       {}).items():
+                self.publisher.set_pool(endpoint.name, pool_name, devices, shares)
             self.publisher.republish()
         if self.on_registered is not None:
             self.on_registered(endpoint)

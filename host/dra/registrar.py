@@ -191,6 +191,7 @@ class PluginWatcherEndpoint:
         self._on_registered = on_registered
         self._instance = instance
         self.registered = False
+        self.ever_registered = False  # the kubelet has accepted this endpoint at least once
         self.last_error: Optional[str] = None
         self.registrations = 0
         self.info_calls = 0
@@ -284,6 +285,7 @@ class PluginWatcherEndpoint:
         self.registrations += 1
         self.registered = registered
         if registered:
+            self.ever_registered = True
             self.last_error = None
             log.info("%s: registered with the kubelet's plugin watcher (%.1f ms after serving)",
                      self.label, (time.monotonic() - self._served_at) * 1000)

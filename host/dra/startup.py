@@ -5,7 +5,9 @@ A DaemonSet pod without NODE_NAME (or with one that is no valid Node name), with
 advertises the same extended resource would otherwise start and then never publish, never
 prepare, or double-count devices. Each case is a ``DraStartError``; the CLI prints it and
 exits 2, like a bad config file. A device plugin that stopped but whose capacity the kubelet
-still lists is not one of them: the host waits for the kubelet to drop it (host/migration.py).
+still lists is not one of them: the host waits for the kubelet to drop it (host/migration.py);
+nor is one the Node's status still shows serving because the kubelet has not written it since
+the plugin stopped: that is re-read for ``STILL_SERVING_WAIT_S`` before the start is refused.
 
 A Node that does not exist yet is not one of them: the kubelet registers it some time after it
 starts (a node booting, joining the cluster, or registered again after ``kubectl delete
@@ -14,7 +16,9 @@ node``), so ``check_cluster`` reports it as missing and the host waits for it (h
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Any, Dict, Iterable, List, Optional
 
 from host.config import Config
@@ -22,6 +26,10 @@ from host.model import ResourceConfig
 from host.socket_names import MAX_SOCKET_PATH
 
 log = logging.getLogger(__name__)
+
+# How long a start waits for the Node's status to drop a device plugin's capacity for a name
+# we serve through DRA: twice the kubelet's default nodeStatusUpdateFrequency (10 s).
+STILL_SERVING_WAIT_S = 20.0
 
 
 class DraStartError(Exception):
@@ -93,8 +101,30 @@ async def check_cluster(client: Any, config: Config) -> Optional[Dict[str, Any]]
                             f"{status} {reason}") from None
     conflict = capacity_conflict(node, config)
     if conflict:
-        raise DraStartError(conflict)
+        return await _wait_for_stop(client, config, conflict)
     return node
+
+
+async def _wait_for_stop(client: Any, config: Config, conflict: str) -> Dict[str, Any]:
+    """The Node shows a device plugin serving one of our DRA names: the kubelet writes the
+    Node's status every ``nodeStatusUpdateFrequency`` (10 s by default), so a plugin that has
+    just stopped (a host replaced by one with ``api = "dra"``) still shows there for up to
+    that long. Re-read the Node once a second for ``STILL_SERVING_WAIT_S``; a conflict that
+    outlasts it is a plugin that still serves: DraStartError."""
+    log.warning("DRA: %s; waiting up to %.0f s for the kubelet's node status to show whether "
+                "it has stopped", conflict, STILL_SERVING_WAIT_S)
+    deadline = time.monotonic() + STILL_SERVING_WAIT_S
+    while time.monotonic() < deadline:
+        await asyncio.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
+        try:
+            node = await client.get_node(config.host.node_name)
+        except Exception:  # an outage or a Node gone while waiting: read again
+            continue
+        still = capacity_conflict(node, config)
+        if still is None:
+            return node
+        conflict = still
+    raise DraStartError(conflict)
 
 
 def capacity_conflict(node: Dict[str, Any], config: Config) -> Optional[str]:
@@ -106,8 +136,8 @@ def capacity_conflict(node: Dict[str, Any], config: Config) -> Optional[str]:
         if amount not in ("0", ""):
             return (f"resource {resource.name}: Node {config.host.node_name} has allocatable "
                     f"{resource.name}={amount} from a running device plugin; one node must "
-                    "not serve a name through both APIs (stop that device plugin, or move it "
-                    "with a live reload or `device-plugin-host migrate`: docs/migration.md)")
+                    "not serve a name through both APIs (stop that device plugin, or move the "
+                    "name with a live reload of the config: docs/migration.md)")
     return None
 
 

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Set
 import pytest
 
 from host.app import HostApp
-from host.dra import naming
+from host.dra import naming, startup
 from host.dra.kube import KubeClient, KubeError
 from host.dra.startup import DraStartError
 from host.migration import advertised
@@ -233,10 +233,12 @@ def test_moving_a_resource_both_ways_with_pods_holding_devices(short_dir, run, k
     run(body(), timeout=90)
 
 
-def test_a_stopped_device_plugin_s_capacity_is_waited_for_at_start(short_dir, run):
+def test_a_stopped_device_plugin_s_capacity_is_waited_for_at_start(short_dir, run,
+                                                                   monkeypatch):
     """The name still in the Node's capacity from a plugin that stopped (the kubelet keeps it
     for its grace period): the DRA host starts, waits, and publishes once it is gone; a
-    plugin still serving it (allocatable > 0) stops the start, exit 2."""
+    plugin still serving it (allocatable > 0) after the status wait stops the start, exit 2."""
+    monkeypatch.setattr(startup, "STILL_SERVING_WAIT_S", 0.5)
     with ApiServerStandIn() as api:
         api.add_node(NODE)
         config = _config(short_dir, api, GPU)
@@ -247,9 +249,13 @@ def test_a_stopped_device_plugin_s_capacity_is_waited_for_at_start(short_dir, ru
             kubelet = KubeletSimulator(config.host.plugin_dir, endpoint_stop_grace_s=1.5,
                                        pod_resources_socket=config.host.pod_resources_socket)
             await kubelet.start()
+            client = KubeClient.from_settings(api.kubeconfig_path)
+            dra_kubelet = DraKubeletSimulator(config.host.plugins_registry_dir,
+                                              get_claim=client.get_resource_claim,
+                                              node_name=NODE)
+            await dra_kubelet.start()
             status = NodeStatusSync(kubelet, api, NODE, interval_s=STATUS_S)
             status.start()
-            client = KubeClient.from_settings(api.kubeconfig_path)
             watcher = Watcher(client, kubelet)
             old = HostApp(config, {"memory": driver}, events=None)
             await old.start()
@@ -281,6 +287,56 @@ def test_a_stopped_device_plugin_s_capacity_is_waited_for_at_start(short_dir, ru
                 await app.stop()
                 await status.stop()
                 await kubelet.stop()
+                await dra_kubelet.stop()
+                await client.close()
+
+        run(body(), timeout=60)
+
+
+def test_a_device_plugin_stopped_just_before_the_start_is_waited_out(short_dir, run,
+                                                                    monkeypatch):
+    """A host replaced by one with api = "dra" (the DaemonSet's label move): the Node still
+    shows the old plugin's allocatable until the kubelet's next status write. The new host
+    re-reads the Node instead of exiting 2, then waits out the capacity and publishes; nothing
+    is ever offered through both APIs."""
+    monkeypatch.setattr(startup, "STILL_SERVING_WAIT_S", 10.0)
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+        config = _config(short_dir, api, GPU)
+        os.makedirs(config.host.plugin_dir)
+        driver = MemoryDriver(devices={GPU.name: make_devices("gpu", 3)})
+
+        async def body():
+            kubelet = KubeletSimulator(config.host.plugin_dir, endpoint_stop_grace_s=1.0,
+                                       pod_resources_socket=config.host.pod_resources_socket)
+            await kubelet.start()
+            client = KubeClient.from_settings(api.kubeconfig_path)
+            dra_kubelet = DraKubeletSimulator(config.host.plugins_registry_dir,
+                                              get_claim=client.get_resource_claim,
+                                              node_name=NODE)
+            await dra_kubelet.start()
+            status = NodeStatusSync(kubelet, api, NODE, interval_s=1.0)  # a slow status write
+            status.start()
+            watcher = Watcher(client, kubelet)
+            old = HostApp(config, {"memory": driver}, events=None)
+            await old.start()
+            await _until(lambda: status.written_allocatable.get(GPU.name) == "3", "served")
+            watcher.start()
+            await old.stop()
+            assert status.written_allocatable.get(GPU.name) == "3"  # not written yet
+            app = HostApp(_with_api(config, "dra"), {"memory": driver}, events=None)
+            try:
+                await app.start()
+                assert status.written_allocatable.get(GPU.name) == "0"
+                await app.moves.wait_idle(10)
+                await _until(lambda: len(api.devices(DRIVER, NODE)) == 3, "published")
+                await watcher.stop()
+                assert watcher.violations == []
+            finally:
+                await app.stop()
+                await status.stop()
+                await kubelet.stop()
+                await dra_kubelet.stop()
                 await client.close()
 
         run(body(), timeout=60)

@@ -185,15 +185,17 @@ def test_an_api_server_outage_at_start_is_not_fatal(short_dir, run):
         api.stop()
 
         async def body():
-            app = HostApp(config, {"memory": _driver()}, events=None)
-            await app.start()
-            try:
-                assert DRA.name in app.dra.pools
-                api.start()
-                assert await app.publisher.wait_synced(timeout_s=20)
-                assert sorted(api.devices(dra_driver, NODE)) == ["gpu0", "gpu1", "gpu2"]
-            finally:
-                await app.stop()
+            async with _PluginWatcher(config, api) as kubelet:
+                app = HostApp(config, {"memory": _driver()}, events=None)
+                await app.start()
+                try:
+                    assert DRA.name in app.dra.pools
+                    await kubelet.wait_registered(dra_driver)
+                    api.start()
+                    assert await app.publisher.wait_synced(timeout_s=20)
+                    assert sorted(api.devices(dra_driver, NODE)) == ["gpu0", "gpu1", "gpu2"]
+                finally:
+                    await app.stop()
 
         run(body())
 
@@ -214,6 +216,24 @@ def test_cli_exits_2_with_one_line_when_dra_cannot_start(short_dir, tmp_path):
     lines = [line for line in result.stderr.splitlines() if "cannot serve DRA" in line]
     assert len(lines) == 1 and "NODE_NAME" in lines[0]
     assert "Traceback" not in result.stderr
+
+
+class _PluginWatcher:
+    """The kubelet's plugin watcher, registering our DRA drivers: a pool is published only
+    once the kubelet has accepted its driver."""
+
+    def __init__(self, config, api) -> None:
+        self.client = KubeClient.from_settings(api.kubeconfig_path)
+        self.kubelet = DraKubeletSimulator(config.host.plugins_registry_dir, node_name=NODE,
+                                           get_claim=self.client.get_resource_claim)
+
+    async def __aenter__(self) -> DraKubeletSimulator:
+        await self.kubelet.start()
+        return self.kubelet
+
+    async def __aexit__(self, *exc) -> None:
+        await self.kubelet.stop()
+        await self.client.close()
 
 
 async def _until(predicate, timeout: float = 5.0) -> None:
@@ -469,18 +489,20 @@ def test_dra_unhealthy_taint_taints_a_drained_device_where_the_server_keeps_tain
         dra_driver = naming.driver_name(DRA.name, None)
 
         async def body():
-            app = HostApp(config, {"memory": _driver()}, events=None)
-            await app.start()
-            try:
-                update_drains(config.host.drain_file, (DRA.name, "gpu1"), "RMA ticket 42")
-                await app.rescan()
-                assert await app.publisher.wait_synced()
-                omitted = api.devices(dra_driver, NODE)
-                await app.reload(tainting)
-                assert await app.publisher.wait_synced()
-                return omitted, api.devices(dra_driver, NODE)
-            finally:
-                await app.stop()
+            async with _PluginWatcher(config, api) as kubelet:
+                app = HostApp(config, {"memory": _driver()}, events=None)
+                await app.start()
+                try:
+                    await kubelet.wait_registered(dra_driver)
+                    update_drains(config.host.drain_file, (DRA.name, "gpu1"), "RMA ticket 42")
+                    await app.rescan()
+                    assert await app.publisher.wait_synced()
+                    omitted = api.devices(dra_driver, NODE)
+                    await app.reload(tainting)
+                    assert await app.publisher.wait_synced()
+                    return omitted, api.devices(dra_driver, NODE)
+                finally:
+                    await app.stop()
 
         omitted, devices = run(body())
     assert sorted(omitted) == ["gpu0", "gpu2"]
@@ -585,3 +607,31 @@ def test_healthz_fails_while_the_plugin_watcher_has_not_registered_our_dra_drive
             run(body())
         finally:
             kubelet_sock.close()
+
+
+def test_a_pool_is_published_only_once_the_kubelet_has_registered_its_driver(short_dir, run):
+    """The kubelet refuses to prepare a claim of an unregistered driver ("DRA driver ... is not
+    registered") and retries with its pod worker's backoff: slices published before the
+    plugin watcher accepted the driver let the scheduler place pods that then wait. Nothing is
+    published until it has; then the pool at once."""
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+        config = _config(short_dir, api, DRA)
+        dra_driver = naming.driver_name(DRA.name, None)
+
+        async def body():
+            app = HostApp(config, {"memory": _driver()}, events=None)
+            await app.start()
+            try:
+                await asyncio.sleep(0.5)
+                assert api.devices(dra_driver, NODE) == {}
+                async with _PluginWatcher(config, api) as kubelet:
+                    await kubelet.wait_registered(dra_driver)
+                    registered = asyncio.get_running_loop().time()
+                    assert await app.publisher.wait_synced()
+                    assert sorted(api.devices(dra_driver, NODE)) == ["gpu0", "gpu1", "gpu2"]
+                    assert asyncio.get_running_loop().time() - registered < 1.0
+            finally:
+                await app.stop()
+
+        run(body())

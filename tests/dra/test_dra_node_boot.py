@@ -23,12 +23,14 @@ import pytest
 
 from host.app import HostApp
 from host.dra import naming
+from host.dra.kube import KubeClient
 from host.model import ResourceConfig
 from host.testing import fake_gpu
 from host.testing.apiserver import ApiServerStandIn, RealApiServer, kubebuilder_assets
 from host.testing.drivers import MemoryDriver, make_devices
 from host.testing.harness import make_config
 from host.testing.kubelet import KubeletSimulator
+from host.testing.kubelet_dra import DraKubeletSimulator
 from host.testing.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,6 +124,10 @@ def test_a_host_started_before_its_node_waits_and_publishes_within_1s_of_it(
     async def scenario() -> None:
         sim = KubeletSimulator(f"{short_dir}/dp")
         await sim.start()
+        client = KubeClient.from_settings(api.kubeconfig_path)
+        dra_sim = DraKubeletSimulator(f"{short_dir}/registry", node_name=NODE,
+                                      get_claim=client.get_resource_claim)
+        await dra_sim.start()
         env = {k: v for k, v in os.environ.items() if k != "NODE_NAME"}
         env["PYTHONPATH"] = str(REPO)
         with open(log_path, "wb") as log_file:
@@ -184,6 +190,8 @@ def test_a_host_started_before_its_node_waits_and_publishes_within_1s_of_it(
                 process.kill()
                 await process.wait()
             await sim.stop()
+            await dra_sim.stop()
+            await client.close()
 
     asyncio.run(scenario())
     output = log_path.read_text()
@@ -291,9 +299,14 @@ def test_a_node_registered_again_gets_every_slice_owned_by_the_new_uid(api_serve
         return took, new_uid
 
     async def body() -> None:
+        client = KubeClient.from_settings(api.kubeconfig_path)
+        dra_kubelet = DraKubeletSimulator(config.host.plugins_registry_dir, node_name=NODE,
+                                          get_claim=client.get_resource_claim)
+        await dra_kubelet.start()
         app = HostApp(config, {"memory": driver}, events=None)
         await app.start()
         try:
+            await dra_kubelet.wait_registered(*drivers)
             assert await app.publisher.wait_synced()
             first = ours(api)
             assert len(first) == 3 and set(_owners(first)) == {old["metadata"]["uid"]}
@@ -306,6 +319,8 @@ def test_a_node_registered_again_gets_every_slice_owned_by_the_new_uid(api_serve
             assert sorted(api.devices(drivers[0], NODE)) == sorted(f"gpu{i}" for i in range(130))
         finally:
             await app.stop()
+            await dra_kubelet.stop()
+            await client.close()
 
     run(body(), timeout=60)
 

@@ -13,7 +13,7 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import nodelib
 import pytest
@@ -22,10 +22,6 @@ from nodelib import GPU_ADDRESSES, HOSTNAME, Host, Pods, container, gpu_resource
 GPU = "nvidia.com/gpu"
 NUMA0, NUMA1 = GPU_ADDRESSES[:4], GPU_ADDRESSES[4:]
 CONTROL = {"nvidiactl", "nvidia-uvm"}
-ISSUE_21 = ("DRA that the real scheduler and runtime can trust: no lost pools, no double "
-            "allocation, each container its own devices")
-ISSUE_24 = ("DRA the way operators run it: shared devices, upgrades with no gap, moving a "
-            "node between the two APIs")
 ISSUE_25 = ("The DaemonSet's image, real: built from nothing, run by a real runtime, for "
             "amd64 and arm64")
 DRA_DRIVER = "gpu.nvidia.com.device-plugin-host.io"
@@ -47,11 +43,11 @@ class Hosts:
         nodelib.wait_allocatable(GPU, ids, host)
         return host
 
-    def dra(self, **kwargs: Any) -> Host:
-        host = self.start(gpu_resources(api="dra"), **kwargs)
+    def dra(self, extra: str = "", ids: Sequence[str] = GPU_ADDRESSES, **kwargs: Any) -> Host:
+        host = self.start(gpu_resources(api="dra", extra=extra, addresses=ids), **kwargs)
         until("our DRA driver registered with the kubelet and its slice published",
               lambda: host.alive() and host.dra_registered() and len(_slice_devices(
-                  self.node)) == len(GPU_ADDRESSES), timeout=60)
+                  self.node)) == len(ids), timeout=60)
         return host
 
 
@@ -140,8 +136,6 @@ def test_dra_claim_requests_across_containers(hosts: Hosts, pods: Pods) -> None:
     _check_gpus(b, 1)
 
 
-@pytest.mark.xfail(reason=ISSUE_21 + " (a container with two claims is told only one "
-                   "claim's GPUs in NVIDIA_VISIBLE_DEVICES)", strict=False)
 def test_dra_two_claims_in_one_container(hosts: Hosts, pods: Pods) -> None:
     hosts.dra()
     for name in ("x", "y"):
@@ -184,6 +178,27 @@ def test_dra_numa_match_attribute(hosts: Hosts, pods: Pods) -> None:
 
 
 # ---------------------------------------------------------------- device plugin
+
+
+def test_dra_sharing_through_consumable_capacity(hosts: Hosts, pods: Pods) -> None:
+    """One GPU shared twice (replicas = 2): two pods, each with its own claim for one share,
+    both run and both see that GPU; the allocator hands out no third share."""
+    hosts.dra(extra="replicas = 2\n", ids=NUMA0[:1])
+    devices = _slice_devices(hosts.node)
+    assert [d.get("allowMultipleAllocations") for d in devices] == [True], devices
+    assert devices[0]["capacity"]["shares"]["value"] == "2", devices
+    for name in ("a", "b"):
+        _claim_template(pods, name, [{"name": "gpu", "exactly": {
+            "deviceClassName": DRA_DRIVER, "count": 1,
+            "capacity": {"requests": {"shares": "1"}}}}])
+        pods.create(name, [container("a", claims=[{"name": "g"}])],
+                    claims=[{"name": "g", "resourceClaimTemplateName": name}], bind=False)
+    seen = []
+    for name in ("a", "b"):
+        pods.running(name)
+        seen.append(pods.seen(name, "a"))
+        _check_gpus(seen[-1], 1)
+    assert seen[0].gpus == seen[1].gpus, (seen[0].text, seen[1].text)
 
 
 def test_dp_cdi_only(hosts: Hosts, pods: Pods) -> None:
@@ -365,10 +380,6 @@ def test_host_as_the_systemd_unit_runs_it(hosts: Hosts, pods: Pods, tmp_path: Pa
     assert host.stop() == 0
 
 
-# ---------------------------------------------------------------- waiting on other issues
-
-
-@pytest.mark.xfail(reason=ISSUE_24, strict=False)
 def test_upgrade_old_and_new_host_with_pods_running(node: nodelib.Node, hosts: Hosts,
                                                     pods: Pods, tmp_path: Path) -> None:
     """A new host started beside the running old one (the same config and state directory,
@@ -391,34 +402,32 @@ def test_upgrade_old_and_new_host_with_pods_running(node: nodelib.Node, hosts: H
     until("restarted at once", restarted, timeout=15)
 
 
-@pytest.mark.xfail(reason=ISSUE_24, strict=False)
 def test_move_a_resource_between_the_apis(node: nodelib.Node, hosts: Hosts,
                                           pods: Pods) -> None:
-    """nvidia.com/gpu served by the device plugin (the Node shows it), then the same name
-    through DRA: a pod asking for it gets a GPU within 30 s."""
-    dp = hosts.dp("cdi = true\n", name="dp")
-    until("the Node shows the device plugin's GPUs", lambda: node.api.get(
-        f"/api/v1/nodes/{HOSTNAME}")["status"]["capacity"].get(GPU) == "8", timeout=30)
-    dp.stop()
-    hosts.dra(name="dra")
+    """nvidia.com/gpu served by the device plugin (the Node shows it), then moved to DRA by a
+    live change of the config (docs/migration.md): the Node drops the device plugin's capacity
+    at the kubelet's next status write, our slice is published after that, and a pod asking
+    for nvidia.com/gpu: 1 gets a GPU through the DeviceClass within 30 s of the change."""
+    def node_gpus() -> Optional[str]:
+        status = node.api.get(f"/api/v1/nodes/{HOSTNAME}")["status"]
+        return status["allocatable"].get(GPU)
+
+    host = hosts.dp("cdi = true\n", name="move")
+    until("the Node shows the device plugin's GPUs", lambda: node_gpus() == "8", timeout=30)
+    moved = host.config.read_text().replace('driver = "gpu"\n', 'driver = "gpu"\napi = "dra"\n')
+    staged = host.config.with_name("config.toml.new")
+    staged.write_text(moved)
+    os.replace(staged, host.config)  # as a ConfigMap update swaps it: the host reloads
+    until("the move done", lambda: host.alive() and host.logged("now served through dra"),
+          timeout=30)
+    assert node_gpus() in (None, "0"), node_gpus()  # never offered through both
+    until("the pool published once the kubelet registered the driver",
+          lambda: len(_slice_devices(node)) == len(GPU_ADDRESSES), timeout=10)
     pods.create("p", [container("a", {GPU: 1})], bind=False)
     pods.running("p", timeout=30)
     _check_gpus(pods.seen("p", "a"), 1)
-
-
-@pytest.mark.xfail(reason=ISSUE_24, strict=False)
-def test_dra_sharing_through_consumable_capacity(hosts: Hosts, pods: Pods) -> None:
-    hosts.dra()
-    assert any(d.get("allowMultipleAllocations") for d in _slice_devices(hosts.node)), \
-        "no device published with allowMultipleAllocations"
-    for name in ("a", "b"):
-        _claim_template(pods, name, [{"name": "gpu", "exactly": {
-            "deviceClassName": DRA_DRIVER, "count": 1,
-            "capacity": {"requests": {"memory": "10Gi"}}}}])
-        pods.create(name, [container("a", claims=[{"name": "g"}])],
-                    claims=[{"name": "g", "resourceClaimTemplateName": name}], bind=False)
-    for name in ("a", "b"):
-        pods.running(name)
+    status = pods.get("p")["status"]
+    assert status.get("extendedResourceClaimStatus"), status  # served through DRA
 
 
 @pytest.mark.xfail(reason=ISSUE_25, strict=False)
