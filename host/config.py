@@ -34,8 +34,8 @@ except ImportError:  # pragma: no cover - Python < 3.11
     import tomli as tomllib  # type: ignore[no-redef]
 
 # The last text parsed and its document. A start reads the file ahead of loading the drivers
-# (host/plugins.py: which drivers it disables, which it uses) and again to validate it; a
-# 64-resource file took ~3 ms a parse (issue 15). Documents are only read, never changed.
+# (host/plugins.py: which drivers it disables, which it uses) and again to validate it; the
+# second read reuses the first parse. Documents are only read, never changed.
 _LAST_PARSE: Tuple[str, Dict[str, Any]] = ("", {})
 
 

@@ -1,7 +1,7 @@
 """Link state changes from rtnetlink (RTMGRP_LINK) on the event loop.
 
 ``ip link set ... up/down`` and a cable pulled change a netdev's flags and operstate without
-any uevent (only link add/remove have one; facts §8), so drivers that watch ``net`` would see
+any uevent (only link add/remove have one), so drivers that watch ``net`` would see
 a PF going down only at the safety rescan. The kernel announces every link change as
 RTM_NEWLINK/RTM_DELLINK to the RTMGRP_LINK multicast group; this source listens there and
 emits ``"net"`` when a link appears, vanishes, or its up/running/lower-up flags or operstate

@@ -133,8 +133,7 @@ class FeatureFile:
     def update(self, resource: str, devices: Iterable[Device]) -> None:
         """Cheap on purpose (it runs where the host pushes snapshots): labels are computed
         at the next flush, and only for resources that changed. Without a file (turned off;
-        the path cannot change without a restart) nothing is kept: a copy of every device
-        list for labels never written was ~80 kB at 10,000 devices."""
+        the path cannot change without a restart) nothing is kept."""
         if not self.path:
             return
         self._devices[resource] = list(devices)

@@ -35,9 +35,8 @@ _RANGES = re.compile(r"\s*\d+\s*(-\s*\d+\s*)?(,\s*\d+\s*(-\s*\d+\s*)?)*\Z")
 
 
 class IndexRanges:
-    """Inclusive index spans, ``"0-3,6"``; a plain class, not a dataclass, whose generated
-    methods cost start-up time (issue 15), nor a tuple, which selector values must not look
-    like."""
+    """Inclusive index spans, ``"0-3,6"``; a plain class, not a tuple, which selector values
+    must not look like."""
 
     __slots__ = ("spans",)
 

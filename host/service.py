@@ -1,8 +1,8 @@
 """The DevicePlugin service of one resource: the six RPCs, answered from its Snapshot.
 
 The rules that need no service state (refusals, CDI names in an answer, when
-GetPreferredAllocation is worth advertising) are in host/service_rules.py; a little over
-300 lines remain because each RPC's checks are read best next to its handler.
+GetPreferredAllocation is worth advertising) are in host/service_rules.py; each RPC's own
+checks sit next to its handler.
 
 Handlers are registered through a generic handler so ListAndWatch can yield pre-serialized
 snapshots (bytes pass through an identity serializer). Every refusal carries a gRPC status and a
@@ -240,7 +240,7 @@ class DevicePluginService:
         finally:
             # Whether this was the kubelet going away, another client hanging up or our own
             # server stopping, the endpoint decides: only the kubelet's own stream on the
-            # current server means re-register (issue 11.3).
+            # current server means re-register.
             if self.on_stream_end is not None:
                 self.on_stream_end(tag, stream)
 

@@ -109,7 +109,7 @@ class CombinedSource:
 
 def device_events(subsystems: Iterable[str]) -> EventSource:
     """uevents for the subsystems, plus rtnetlink link changes when a driver watches ``net``:
-    link up/down has no uevent (issue 10.4)."""
+    link up/down has no uevent."""
     wanted = set(subsystems)
     udev = UdevSource(wanted)
     if "net" not in wanted:

@@ -64,7 +64,7 @@ def test_the_program_entry_points_still_apply_the_grpc_settings_before_grpc_load
         "import host.app  # the daemon's half: grpc loads here, after the entry point ran\n"
         "print(json.dumps([during, seen.get('at_grpc'),\n"
         "                  os.environ.get('GRPC_ENABLE_FORK_SUPPORT')]))")
-    # check-config needs no grpc at all (issue 15: every command pays only for what it uses).
+    # check-config needs no grpc at all (every command imports only what it uses).
     assert seen == ["not loaded", "ERROR", "false"]
     seen = _fresh(
         "import json, os, runpy, sys\n"
@@ -83,7 +83,7 @@ def test_the_program_entry_points_still_apply_the_grpc_settings_before_grpc_load
         "import host.app  # the daemon's half: grpc loads here, after the entry point ran\n"
         "print(json.dumps([during, seen.get('at_grpc'),\n"
         "                  os.environ.get('GRPC_ENABLE_FORK_SUPPORT')]))")
-    # check-config needs no grpc at all (issue 15: every command pays only for what it uses).
+    # check-config needs no grpc at all (every command imports only what it uses).
     assert seen == ["not loaded", "ERROR", "false"]
     # An operator's own value wins.
     seen = _fresh("import json, os\nfrom host.process import configure_process\n"

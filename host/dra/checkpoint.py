@@ -2,7 +2,7 @@
 
 The kubelet calls NodeUnprepareResources for a claim long after it was prepared, perhaps to
 a host process started since; and it calls NodePrepareResources again after its own restart,
-expecting the same devices (facts §3). So every prepared claim is recorded with what was
+expecting the same devices. So every prepared claim is recorded with what was
 returned and which CDI spec files it owns, and the file is replaced atomically before a
 prepare is answered. A damaged or unreadable checkpoint is moved aside (never silently
 reused) with one error line and the host starts with no prepared claims: unprepare of an

@@ -7,7 +7,7 @@ dials each (10 s), calls ``GetInfo`` (1 s deadline), validates the answer with t
 socket deregisters the plugin. So each plugin here converges on one goal: *its service socket
 served, then its registration socket served*, in that order, because a registration whose
 endpoint does not answer yet makes the kubelet's first calls fail with Unavailable and gRPC's
-reconnect backoff delays recovery by seconds (facts §2). A wiped or replaced socket of ours is
+reconnect backoff delays recovery by seconds. A wiped or replaced socket of ours is
 noticed by inotify and served again; a new service socket also gets a fresh registration
 socket, whose create event makes the kubelet register the new endpoint at once.
 

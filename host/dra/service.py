@@ -1,6 +1,6 @@
 """The DRA service of one driver: NodePrepareResources / NodeUnprepareResources, v1 and v1beta1.
 
-The kubelet sends only {namespace, name, uid} per claim (facts §3), so each claim is read from
+The kubelet sends only {namespace, name, uid} per claim, so each claim is read from
 the API server, its allocation results for our driver are mapped back to Device records of our
 pools, the driver's allocate / pre_start hooks run isolated under timeouts (as for the device
 plugin side), a CDI spec is written per claim and resource, the claim is checkpointed, and the
@@ -15,9 +15,8 @@ holds (host.dra.hardware) is refused, and an unhealthy device is prepared only w
 unhealthy devices are published with taints and the claim tolerates its taint
 (host.dra.taints).
 
-It runs to about 520 lines because the per-claim steps (read, map, taints, overlap hold,
-hooks, CDI, checkpoint) and their per-claim errors are read in order against the kubelet's
-DRA manager.
+The per-claim steps (read, map, taints, overlap hold, hooks, CDI, checkpoint) run in the order
+the kubelet's DRA manager expects, and each error is reported for its claim.
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ connection, deletes the node's ResourceSlices (the DRA plugin manager's start-up
 as in the scenario of a node whose kubelet dirs are cleaned, the plugin sockets; the claim
 infos survive as the kubelet's checkpoint does, but as "not prepared".
 
-Near 500 lines: the plugin watcher, the manager's checks and its restarts share the same
-state, as in the kubelet.
+The plugin watcher, the manager's checks and its restarts share one state, as in the kubelet.
 """
 
 from __future__ import annotations
