@@ -91,7 +91,6 @@ class LinkSource:
         self._sock: Optional[socket.socket] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._known: Dict[int, LinkState] = {}
-        self.messages = 0  # link messages read (for tests and metrics)
 
     def start(self, emit: Callable[[str], None]) -> None:
         sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_NONBLOCK
@@ -136,7 +135,6 @@ class LinkSource:
                 if message is None:
                     changed = True
                     continue
-                self.messages += 1
                 changed |= self._note(*message)
         if changed:
             emit("net")

@@ -154,10 +154,8 @@ class RescanScheduler:
         self._coalesce_s = coalesce_s
         self._pending: Set[str] = set()
         self._everything = False
-        self.events = 0
 
     def event(self, subsystem: str) -> None:
-        self.events += 1
         if subsystem == "*":
             self._everything = True
         else:

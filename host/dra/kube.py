@@ -399,9 +399,6 @@ class KubeClient:
             except httpx.RequestError as err:
                 raise KubeError(0, "Unavailable", f"watch {path}: {err!r}") from err
 
-    async def get_resource_slice(self, name: str) -> Dict[str, Any]:
-        return await self._call("GET", f"{RESOURCE_API}/resourceslices/{name}")
-
     async def create_resource_slice(self, obj: Dict[str, Any]) -> Dict[str, Any]:
         return await self._call("POST", f"{RESOURCE_API}/resourceslices", obj)
 

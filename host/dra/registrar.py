@@ -116,7 +116,6 @@ class _Registration(registration_grpc.RegistrationServicer):
 
     async def GetInfo(self, request: reg_api.InfoRequest,
                       context: grpc.aio.ServicerContext) -> reg_api.PluginInfo:
-        self._endpoint.info_calls += 1
         return self._endpoint.info
 
     async def NotifyRegistrationStatus(
@@ -150,7 +149,6 @@ class PluginWatcherEndpoint:
         self.registered = False
         self.last_error: Optional[str] = None
         self.registrations = 0
-        self.info_calls = 0
         self._dirty = asyncio.Event()
         self._task: Optional[asyncio.Task] = None
         self._retry: Optional[asyncio.TimerHandle] = None

@@ -118,7 +118,6 @@ class DraService:
         self.allocate_timeout_s = allocate_timeout_s
         self.claim_get_timeout_s = claim_get_timeout_s
         self._locks: Dict[str, Tuple[asyncio.Lock, int]] = {}  # claim uid -> (lock, users)
-        self.prepared_calls = 0
         self.metrics: Optional[Any] = None  # host.dra.metrics.DraMetrics
         self._health_version = 0
         self._health_wake: Optional[asyncio.Future] = None
@@ -220,7 +219,6 @@ class DraService:
                 entry.devices.add(request_names=list(device.request_names),
                                   pool_name=device.pool_name, device_name=device.device_name,
                                   cdi_device_ids=list(device.cdi_device_ids))
-        self.prepared_calls += 1
         self._observe("prepare", started)
         return response
 
