@@ -18,7 +18,6 @@ from host.driver import (
     SelectorError,
     check_types,
     implements,
-    normalise_hex_ids,
     selector_values,
 )
 from host.hookspecs import ENTRY_POINT_GROUP, hookimpl
@@ -40,8 +39,8 @@ from host.pci import (
     matches_pci,
     read_function,
 )
-from host.pci_class import check_class_selector, class_matches, class_patterns
-from host.selectors import AttributeTest, attribute_test
+from host.pci_class import check_class_selector, class_patterns
+from host.selectors import AttributeTest, attribute_test, class_matches, normalise_hex_ids
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -55,12 +55,13 @@ from drivers.sriov.sysfs import (
     list_virtual_functions,
 )
 from host import devinfo
-from host.driver import Driver, SelectorError, normalise_hex_ids, selector_values
+from host.driver import Driver, SelectorError, selector_values
 from host.health import TransitionLog
 from host.hostfs import HostFS
 from host.model import ContainerAllocation, Device, DeviceNode, Health, ResourceConfig
 from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors
 from host.rdma_chardev import CharIndex, scan_char_devices
+from host.selectors import AttributeTest
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +306,26 @@ class SriovDriver(Driver):
         # What was last logged about each PF link and VF: health lines on change only.
         self._health_log = TransitionLog(log)
 
+    # -- selection: the SR-IOV keys that are more than one attribute -------------------------
+    def selector_test(self, key: str, values: Sequence[object]) -> AttributeTest:
+        if key == "pf_name":
+            return _pf_test(values, "pf_name", short=False)
+        if key == "pf_pci_address":
+            return _pf_test(values, "pf_pci_address", short=True)
+        if key == "vf_index":
+            return _vf_index_test(values)
+        if key == "link_type":
+            types = {str(v).lower() for v in values}
+            return lambda attributes: attributes.get("link_type") in types
+        if key == "rdma":
+            wanted = {bool(v) for v in values}
+            return lambda attributes: ("rdma_device" in attributes) in wanted
+        if key == "qat_services":
+            return _qat_services_test(values)
+        if key == "vgpu_type":
+            return _vgpu_type_test(values)
+        return super().selector_test(key, values)
+
     # -- configuration -----------------------------------------------------------------
     def check_selectors(self, selectors: Mapping[str, object]) -> None:
         super().check_selectors(selectors)
@@ -376,7 +397,7 @@ class SriovDriver(Driver):
 
     def _log_links(self, inventory: SriovInventory) -> None:
         """One line when a PF's link goes down (with how many VFs it takes), one when it is
-        back: not one per VF per scan per resource (issues 10.5, 11.16)."""
+        back: not one per VF per scan per resource."""
         pfs: Dict[str, Tuple[str, int]] = {}
         for record in inventory.vfs:
             netdev = record.vf.pf.netdev
@@ -401,15 +422,15 @@ class SriovDriver(Driver):
         key = env_name(resource.name)
         want_rdma = resource.selectors.get("rdma")
         iommufd = _iommufd(resource)
-        matches = _Matcher(resource.selectors)
+        matches = self.matcher(resource.selectors)
         qat_problems = {address: facts.problem(address) for address, facts in
                         inventory.qat.items()}
         out = []
         qat_vfs: Dict[str, int] = {}  # QAT PF address -> how many of its VFs this resource has
         for record in inventory.vfs:
             pf_address = record.vf.pf.function.address
-            qat = inventory.qat.get(pf_address)
-            if not matches(record, qat):
+            attributes = record.attributes(inventory.qat.get(pf_address))
+            if not matches(attributes):
                 continue
             problem = record.problem
             pf_down = qat_problems.get(pf_address)
@@ -448,7 +469,7 @@ class SriovDriver(Driver):
                     numa_nodes=record.vf.function.numa_nodes,
                     device_nodes=nodes,
                     env=env,
-                    attributes=record.attributes(qat),
+                    attributes=attributes,
                 )
             )
         # A QAT PF's own problem (down, firmware heartbeat) reads the same for each of its
@@ -597,71 +618,51 @@ def _short(address: str) -> str:
     return address[5:] if address.startswith("0000:") else address
 
 
-class _Matcher:
-    """A resource's selectors parsed once per select, not once per VF (a QAT node has 256
-    VFs and three pools: parsing per VF was a fifth of discovery)."""
+def _pf_test(values: Sequence[object], attribute: str, short: bool) -> AttributeTest:
+    """``pf_name`` / ``pf_pci_address``: the PF (by interface, or by address in either form)
+    with an optional ``#<VF ranges>`` suffix."""
+    pfs = [parse_pf(str(v)) for v in values]
 
-    def __init__(self, selectors: Mapping[str, object]) -> None:
-        self.vendors = normalise_hex_ids(selector_values(selectors, "vendor"))
-        self.devices = normalise_hex_ids(selector_values(selectors, "device"))
-        self.drivers = selector_values(selectors, "kernel_driver")
-        addresses = selector_values(selectors, "pci_address")
-        self.addresses = None if addresses is None else {str(a) for a in addresses}
-        pf_names = selector_values(selectors, "pf_name")
-        self.pf_names = None if pf_names is None else [parse_pf(str(v)) for v in pf_names]
-        pf_addresses = selector_values(selectors, "pf_pci_address")
-        self.pf_addresses = (None if pf_addresses is None
-                             else [parse_pf(str(v)) for v in pf_addresses])
-        indexes = selector_values(selectors, "vf_index")
-        self.indexes = None if indexes is None else [index_ranges(v) for v in indexes]
-        link_types = selector_values(selectors, "link_type")
-        self.link_types = None if link_types is None else {str(v).lower() for v in link_types}
-        rdma = selectors.get("rdma")
-        self.rdma = None if rdma is None else bool(rdma)
-        self.pf_drivers = selector_values(selectors, "pf_kernel_driver")
-        services = selector_values(selectors, "qat_services")
-        self.services = None if services is None else [parse_services(str(v)) for v in services]
-        vgpu_types = selector_values(selectors, "vgpu_type")
-        self.vgpu_types = None if vgpu_types is None else {vgpu_key(str(v)) for v in vgpu_types}
+    def test(attributes: Mapping[str, str]) -> bool:
+        pf = attributes.get(attribute)
+        index = attributes.get("vf_index")
+        if pf is None or index is None:
+            return False
+        names = (pf, _short(pf)) if short else (pf,)
+        return any(selector.matches(names, int(index)) for selector in pfs)
 
-    def __call__(self, record: VfRecord, qat: Optional[QatPf]) -> bool:
-        vf = record.vf
-        function = vf.function
-        if self.vendors is not None and function.vendor not in self.vendors:
+    return test
+
+
+def _vf_index_test(values: Sequence[object]) -> AttributeTest:
+    ranges = [index_ranges(v) for v in values]
+
+    def test(attributes: Mapping[str, str]) -> bool:
+        index = attributes.get("vf_index")
+        return index is not None and any(int(index) in r for r in ranges)
+
+    return test
+
+
+def _qat_services_test(values: Sequence[object]) -> AttributeTest:
+    wanted = [parse_services(str(v)) for v in values]
+
+    def test(attributes: Mapping[str, str]) -> bool:
+        services = attributes.get("qat_services")
+        return services is not None and parse_services(services) in wanted
+
+    return test
+
+
+def _vgpu_type_test(values: Sequence[object]) -> AttributeTest:
+    """A configured type (never "0") whose id or name (whitespace as "_") is selected."""
+    wanted = {vgpu_key(str(v)) for v in values}
+
+    def test(attributes: Mapping[str, str]) -> bool:
+        type_id = attributes.get("vgpu_type_id")
+        if type_id is None or type_id in NO_VGPU_TYPE:
             return False
-        if self.devices is not None and function.device not in self.devices:
-            return False
-        if self.drivers is not None and function.kernel_driver not in self.drivers:
-            return False
-        if self.addresses is not None and not (
-                function.address in self.addresses
-                or _short(function.address) in self.addresses):
-            return False
-        if self.pf_names is not None:
-            names: Tuple[str, ...] = (vf.pf.netdev.name,) if vf.pf.netdev else ()
-            if not any(pf.matches(names, vf.index) for pf in self.pf_names):
-                return False
-        if self.pf_addresses is not None:
-            address = vf.pf.function.address
-            names = (address, _short(address))
-            if not any(pf.matches(names, vf.index) for pf in self.pf_addresses):
-                return False
-        if self.indexes is not None and not any(vf.index in r for r in self.indexes):
-            return False
-        if self.link_types is not None and vf.link_type not in self.link_types:
-            return False
-        if self.rdma is not None and bool(vf.rdma_devices) != self.rdma:
-            return False
-        if self.pf_drivers is not None and vf.pf.function.kernel_driver not in self.pf_drivers:
-            return False
-        if self.services is not None:
-            have = qat.service_set if qat is not None else None
-            if have is None or have not in self.services:
-                return False
-        if self.vgpu_types is not None:
-            type_id = vf.vgpu_type
-            if type_id is None or type_id in NO_VGPU_TYPE or not (
-                    type_id in self.vgpu_types
-                    or (record.vgpu_name and vgpu_key(record.vgpu_name) in self.vgpu_types)):
-                return False
-        return True
+        name = attributes.get("vgpu_type")
+        return type_id in wanted or bool(name and vgpu_key(name) in wanted)
+
+    return test

@@ -16,9 +16,10 @@ from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from drivers.usb.sysfs import NODE_KINDS, UsbDevice, port_sort_key, scan_usb
-from host.driver import Driver, SelectorError, normalise_hex_ids, selector_values
+from host.driver import Driver, SelectorError, selector_values
 from host.hostfs import HostFS
 from host.model import Device, DeviceNode, Health, ResourceConfig
+from host.selectors import normalise_hex_ids
 
 log = logging.getLogger(__name__)
 
