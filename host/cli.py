@@ -469,7 +469,7 @@ def _capture(args: argparse.Namespace) -> int:
 
     try:
         write_atomic(os.path.abspath(args.output), "".join(line + "\n" for line in lines),
-                     0o644, prefix=".capture.")
+                     mode=0o644, prefix=".capture.")
     except OSError as error:
         raise CommandError(f"cannot write {args.output}: {error.strerror or error}") from None
     return 0

@@ -98,7 +98,7 @@ def write(directory: str, resource: str, device_id: str, info: Mapping[str, obje
     fileio.warn_if_shared(directory, "the device-info directory")
     path = os.path.join(directory, file_name(resource, device_id))
     data = json.dumps(info, separators=(",", ":")).encode()
-    fileio.write_atomic(path, data, 0o444, prefix=".devinfo-")
+    fileio.write_atomic(path, data, mode=0o444, prefix=".devinfo-")
     return path
 
 

@@ -169,7 +169,7 @@ class FeatureFile:
         fileio.warn_if_shared(directory, "the NFD features directory")
         try:
             # 0644 whatever the umask: nfd-worker reads it.
-            fileio.write_atomic(self.path, text, 0o644, prefix=".dph-nfd-")
+            fileio.write_atomic(self.path, text, mode=0o644, prefix=".dph-nfd-")
         except OSError as error:
             if not self._complained:
                 log.warning("NFD feature file: cannot write %s: %s", self.path,

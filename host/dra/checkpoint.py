@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from host.dra.atomic import write_atomic
+from host.fileio import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,8 @@ class Checkpoint:
     def _save(self, claims: Dict[str, PreparedClaim]) -> None:
         document = {"version": FORMAT_VERSION, "boot_id": self.boot_id,
                     "claims": [asdict(claim) for claim in claims.values()]}
-        write_atomic(self.path, json.dumps(document, indent=1, sort_keys=True) + "\n", 0o600)
+        write_atomic(self.path, json.dumps(document, indent=1, sort_keys=True) + "\n",
+                     mode=0o600, durable=True, make_dirs=True)
 
 
 def decode_claims(text: str) -> Dict[str, PreparedClaim]:

@@ -44,10 +44,10 @@ import grpc
 
 from host import allocation
 from host.dra import claim_cdi, hardware, taints
-from host.dra.atomic import remove_file
 from host.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from host.dra.protocol import DRA_HEALTH_SERVICE, DRA_WIRE_SERVICES, dra_health, dra_v1, dra_v1beta1
 from host.driver import Driver, implements
+from host.fileio import remove_file
 from host.isolation import DriverCallError, DriverCalls
 from host.model import ContainerAllocation, Device, ResourceConfig
 
