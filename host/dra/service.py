@@ -48,7 +48,7 @@ from host.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from host.dra.protocol import DRA_HEALTH_SERVICE, DRA_WIRE_SERVICES, dra_health, dra_v1, dra_v1beta1
 from host.driver import Driver, implements
 from host.fileio import remove_file
-from host.isolation import DriverCallError, DriverCalls
+from host.isolation import DriverCallError, DriverCalls, driver_allocate, driver_pre_start
 from host.model import ContainerAllocation, Device, ResourceConfig
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,6 @@ CLAIM_GET_TIMEOUT_S = 10.0  # well inside the kubelet's 45 s NodePrepareResource
 HEALTH_TIMEOUT_S = 60
 HEALTH_RESEND_S = 20.0
 HEALTH_MESSAGE_MAX = 1024
-PRE_START_TIMEOUT_S = 28.0
 MAX_CLAIMS_PER_CALL = 10_000
 
 
@@ -439,21 +438,17 @@ class DraService:
         driver, resource = pool.driver, pool.resource
         if implements(driver, "allocate"):
             try:
-                merged = await self.calls.call(driver.name, "allocate", self.allocate_timeout_s,
-                                               driver.allocate, resource, devices, merged)
+                merged = await driver_allocate(self.calls, driver, resource, devices, merged,
+                                               self.allocate_timeout_s)
             except DriverCallError as error:
                 raise ClaimError(str(error)) from None
-            if not isinstance(merged, ContainerAllocation):
-                raise ClaimError(f"driver {driver.name!r} allocate returned "
-                                 f"{type(merged).__name__}, not ContainerAllocation")
         try:
             needs = bool(driver.needs_pre_start(resource))
         except Exception:
             needs = False
         if needs:
             try:
-                await self.calls.call(driver.name, "pre_start", PRE_START_TIMEOUT_S,
-                                      driver.pre_start, resource, devices)
+                await driver_pre_start(self.calls, driver, resource, devices)
             except DriverCallError as error:
                 raise ClaimError(str(error)) from None
         return merged
