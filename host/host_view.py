@@ -38,12 +38,18 @@ def host_view(resource: ResourceConfig, devices: List[Device], *,
         return out
     expanded = []
     for device in out:
-        for k in range(resource.replicas):
-            replica = replace(device, id=f"{device.id}::{k}",
-                              attributes={**device.attributes, "replica_of": device.id})
+        for replica in replicate(device, resource.replicas):
             drained = drains.get((resource.name, replica.id))
             if drained and replica.healthy:
                 replica = replica.with_health(Health.UNHEALTHY,
                                               f"drained by an operator: {drained}")
             expanded.append(replica)
     return expanded
+
+
+def replicate(device: Device, count: int) -> List[Device]:
+    """The one sharing mechanism: ``count`` ids ``<id>::<k>`` for one device, each carrying
+    the device's data and ``replica_of`` (what replica policies group by). ``replicas`` on a
+    resource and a driver's own sharing setting (usb ``shared``) both come through here."""
+    attributes = {**device.attributes, "replica_of": device.id}
+    return [replace(device, id=f"{device.id}::{k}", attributes=attributes) for k in range(count)]

@@ -36,7 +36,7 @@ from host.pci import (
     check_pci_selectors,
     read_function,
 )
-from host.rdma_chardev import CharDevice, scan_char_devices
+from host.rdma_chardev import RdmaCharDevice, scan_char_devices
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,8 @@ class Hca:
     id: str
     ib: IbDevice
     function: PciFunction
-    verbs: Tuple[CharDevice, ...]
-    umad: Tuple[CharDevice, ...]
+    verbs: Tuple[RdmaCharDevice, ...]
+    umad: Tuple[RdmaCharDevice, ...]
 
     @property
     def problem(self) -> str:

@@ -60,7 +60,7 @@ from host.health import TransitionLog
 from host.hostfs import HostFS
 from host.model import ContainerAllocation, Device, DeviceNode, Health, ResourceConfig
 from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors
-from host.rdma_chardev import CharIndex, scan_char_devices
+from host.rdma_chardev import RdmaCharIndex, scan_char_devices
 from host.selectors import AttributeTest
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ def _vfio(host: HostFS, vf: VirtualFunction) -> Tuple[List[DeviceNode], List[str
     return nodes, problems
 
 
-def _rdma(vf: VirtualFunction, chars: CharIndex) -> Tuple[List[DeviceNode], List[str], bool]:
+def _rdma(vf: VirtualFunction, chars: RdmaCharIndex) -> Tuple[List[DeviceNode], List[str], bool]:
     nodes, problems = [], []
     sole = len(vf.rdma_devices) == 1
     has_verbs = False
@@ -240,7 +240,7 @@ def _rdma(vf: VirtualFunction, chars: CharIndex) -> Tuple[List[DeviceNode], List
     return nodes, problems, has_verbs
 
 
-def build_record(host: HostFS, vf: VirtualFunction, chars: Optional[CharIndex]) -> VfRecord:
+def build_record(host: HostFS, vf: VirtualFunction, chars: Optional[RdmaCharIndex]) -> VfRecord:
     driver = vf.function.kernel_driver
     nodes: List[DeviceNode] = []
     problems: List[str] = []
