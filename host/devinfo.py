@@ -102,6 +102,22 @@ def write(directory: str, resource: str, device_id: str, info: Mapping[str, obje
     return path
 
 
+def write_all(resource: ResourceConfig, devices: Sequence[Device]) -> None:
+    """With ``device_info = true``, the NPWG device-info file of each device, written before
+    the kubelet can start the pod's CNI. Raises RuntimeError naming the device and directory
+    of a file that cannot be written (a pod whose attachment would miss it must not start)."""
+    if not enabled(resource):
+        return
+    directory = directory_of(resource)
+    for device in devices:
+        try:
+            write(directory, resource.name, device.id, info_from_device(device))
+        except OSError as error:
+            raise RuntimeError(
+                f"cannot write the device-info file of {device.id} in {directory}: "
+                f"{error.strerror or error}") from None
+
+
 def owned(directory: str, resource: str) -> Dict[str, float]:
     """Device id -> modification time of this resource's files in ``directory``.
 

@@ -7,9 +7,9 @@ re-publishes from what the driver last reported, without rescanning.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import AbstractSet, List, Mapping, Optional
 
+from host.allocation import replicate
 from host.drain import DrainKey
 from host.model import Device, Health, ResourceConfig
 
@@ -46,10 +46,3 @@ def host_view(resource: ResourceConfig, devices: List[Device], *,
             expanded.append(replica)
     return expanded
 
-
-def replicate(device: Device, count: int) -> List[Device]:
-    """The one sharing mechanism: ``count`` ids ``<id>::<k>`` for one device, each carrying
-    the device's data and ``replica_of`` (what replica policies group by). ``replicas`` on a
-    resource and a driver's own sharing setting (usb ``shared``) both come through here."""
-    attributes = {**device.attributes, "replica_of": device.id}
-    return [replace(device, id=f"{device.id}::{k}", attributes=attributes) for k in range(count)]

@@ -177,3 +177,23 @@ def test_the_collector_is_off_only_while_the_program_starts():
         "host.process.pause_collector()\n"
         "print(json.dumps(gc.isenabled()))")
     assert seen is False
+
+
+def test_the_built_in_drivers_import_only_the_public_api_and_their_own_modules():
+    """Every built-in driver is written against ``device_plugin_host`` alone, as a third
+    party's would be: no ``host.*`` import, and no other built-in's modules."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "drivers").rglob("*.py")):
+        own = "drivers." + path.relative_to(REPO / "drivers").parts[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom)
+                     and not node.level else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top == "host" or (top == "drivers" and name != own
+                                     and not name.startswith(own + ".")):
+                    found.append(f"{path.relative_to(REPO)}: {name}")
+    assert not found, found

@@ -58,6 +58,27 @@ import re
 from dataclasses import replace
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+from device_plugin_host import (
+    PCI_SELECTOR_TYPES,
+    ContainerAllocation,
+    Device,
+    DeviceNode,
+    Driver,
+    Health,
+    HostFS,
+    Mount,
+    PciFunction,
+    PreferredRequest,
+    ResourceConfig,
+    SelectorError,
+    check_class_selector,
+    check_pci_selectors,
+    class_matches,
+    class_patterns,
+    list_functions,
+    pci_matcher,
+    selector_values,
+)
 from drivers.gpu import amd
 from drivers.gpu.drm import drm_nodes
 from drivers.gpu.kfd import KfdNode, TopologyCache
@@ -71,26 +92,6 @@ from drivers.gpu.nvidia import (
     read_information,
 )
 from drivers.gpu.nvml import NvmlSource, NvmlView, PynvmlSource
-from host.driver import Driver, SelectorError, selector_values
-from host.hostfs import HostFS
-from host.model import (
-    ContainerAllocation,
-    Device,
-    DeviceNode,
-    Health,
-    Mount,
-    PreferredRequest,
-    ResourceConfig,
-)
-from host.pci import (
-    PCI_SELECTOR_TYPES,
-    PciFunction,
-    check_pci_selectors,
-    list_functions,
-    pci_matcher,
-)
-from host.pci_class import check_class_selector, class_patterns
-from host.selectors import class_matches
 
 logger = logging.getLogger(__name__)
 

@@ -46,6 +46,24 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
+from device_plugin_host import (
+    PCI_SELECTOR_TYPES,
+    AttributeTest,
+    ContainerAllocation,
+    Device,
+    DeviceNode,
+    Driver,
+    Health,
+    HostFS,
+    RdmaCharIndex,
+    ResourceConfig,
+    SelectorError,
+    TransitionLog,
+    check_pci_selectors,
+    scan_char_devices,
+    selector_values,
+    write_device_info,
+)
 from drivers.sriov.qat import QatPf, parse_services, read_qat
 from drivers.sriov.selectors import index_ranges, parse_pf
 from drivers.sriov.sysfs import (
@@ -54,14 +72,6 @@ from drivers.sriov.sysfs import (
     VirtualFunction,
     list_virtual_functions,
 )
-from host import devinfo
-from host.driver import Driver, SelectorError, selector_values
-from host.health import TransitionLog
-from host.hostfs import HostFS
-from host.model import ContainerAllocation, Device, DeviceNode, Health, ResourceConfig
-from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors
-from host.rdma_chardev import RdmaCharIndex, scan_char_devices
-from host.selectors import AttributeTest
 
 log = logging.getLogger(__name__)
 
@@ -496,16 +506,7 @@ class SriovDriver(Driver):
         envs = dict(merged.envs)
         envs[env_name(resource.name) + "_INFO"] = json.dumps(
             {d.id: extra_info(d) for d in devices}, separators=(",", ":"), sort_keys=True)
-        if devinfo.enabled(resource):
-            directory = devinfo.directory_of(resource)
-            for device in devices:
-                info = devinfo.info_from_device(device)
-                try:
-                    devinfo.write(directory, resource.name, device.id, info)
-                except OSError as error:
-                    raise RuntimeError(
-                        f"cannot write the device-info file of {device.id} in {directory}: "
-                        f"{error.strerror or error}") from None
+        write_device_info(resource, devices)
         return replace(merged, envs=envs)
 
 

@@ -15,12 +15,19 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from device_plugin_host import (
+    Device,
+    DeviceNode,
+    Driver,
+    Health,
+    HostFS,
+    ResourceConfig,
+    SelectorError,
+    normalise_hex_ids,
+    replicate,
+    selector_values,
+)
 from drivers.usb.sysfs import NODE_KINDS, UsbDevice, port_sort_key, scan_usb
-from host.driver import Driver, SelectorError, selector_values
-from host.host_view import replicate
-from host.hostfs import HostFS
-from host.model import Device, DeviceNode, Health, ResourceConfig
-from host.selectors import normalise_hex_ids
 
 log = logging.getLogger(__name__)
 
