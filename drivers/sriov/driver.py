@@ -44,7 +44,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field, replace
-from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from device_plugin_host import (
     PCI_SELECTOR_TYPES,
@@ -197,6 +197,9 @@ class VfRecord:
 class SriovInventory:
     vfs: Tuple[VfRecord, ...] = ()
     qat: Mapping[str, QatPf] = field(default_factory=dict)  # per QAT PF address
+    # Each VF's attributes (``vfs`` order), built once per scan: what selectors are matched
+    # against and what its Device carries, in every resource.
+    attributes: Tuple[Mapping[str, str], ...] = ()
 
 
 @functools.lru_cache(maxsize=8192)
@@ -401,7 +404,8 @@ class SriovDriver(Driver):
         if any(r.mode == VGPU for r in records):
             records = _with_vgpu_names(host, records)
         qat = {address: facts for address, facts in seen.items() if facts is not None}
-        inventory = SriovInventory(vfs=tuple(records), qat=qat)
+        attributes = tuple(r.attributes(qat.get(r.vf.pf.function.address)) for r in records)
+        inventory = SriovInventory(vfs=tuple(records), qat=qat, attributes=attributes)
         self._log_links(inventory)
         return inventory
 
@@ -437,9 +441,8 @@ class SriovDriver(Driver):
                         inventory.qat.items()}
         out = []
         qat_vfs: Dict[str, int] = {}  # QAT PF address -> how many of its VFs this resource has
-        for record in inventory.vfs:
+        for record, attributes in zip(inventory.vfs, inventory.attributes):
             pf_address = record.vf.pf.function.address
-            attributes = record.attributes(inventory.qat.get(pf_address))
             if not matches(attributes):
                 continue
             problem = record.problem
@@ -479,7 +482,7 @@ class SriovDriver(Driver):
                     numa_nodes=record.vf.function.numa_nodes,
                     device_nodes=nodes,
                     env=env,
-                    attributes=attributes,
+                    attributes=dict(attributes),
                 )
             )
         # A QAT PF's own problem (down, firmware heartbeat) reads the same for each of its
@@ -635,6 +638,12 @@ def _pf_test(values: Sequence[object], attribute: str, short: bool) -> Attribute
     return test
 
 
+@functools.lru_cache(maxsize=64)
+def _services(text: str) -> FrozenSet[str]:
+    """A PF's ``qat_services`` attribute parsed (read_qat keeps only values that parse)."""
+    return parse_services(text)
+
+
 def _vf_index_test(values: Sequence[object]) -> AttributeTest:
     ranges = [index_ranges(v) for v in values]
 
@@ -650,7 +659,7 @@ def _qat_services_test(values: Sequence[object]) -> AttributeTest:
 
     def test(attributes: Mapping[str, str]) -> bool:
         services = attributes.get("qat_services")
-        return services is not None and parse_services(services) in wanted
+        return services is not None and _services(services) in wanted
 
     return test
 
