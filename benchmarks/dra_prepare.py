@@ -33,9 +33,9 @@ from benchmarks import draproc
 from benchmarks.core import Context, Figure, child_process, median, now, percentile, short_dir
 from benchmarks.floors import CLIENT_OPTIONS, ECHO_METHOD
 from host.dra import naming
-from host.dra.atomic import write_atomic
 from host.dra.kube import KubeClient
 from host.dra.protocol import dra_v1
+from host.fileio import write_atomic
 from host.testing.apiserver import ApiServerStandIn
 from host.testing.kubelet_dra import DraKubeletSimulator
 
@@ -193,7 +193,7 @@ async def _parts(client: KubeClient, name: str, root: str) -> Dict[str, float]:
     path = os.path.join(root, "parts", "file.json")
     started = now()
     for _ in range(2):
-        write_atomic(path, "{}\n")
+        write_atomic(path, "{}\n", mode=0o644, durable=True, make_dirs=True)
     return {"get": got, "writes": now() - started}
 
 

@@ -1,4 +1,4 @@
-"""Which client-channel setup re-reaches a restarted kubelet fastest? (issue 10.1)
+"""Which client-channel setup re-reaches a restarted kubelet fastest?
 
 Not a suite family: a one-off probe whose numbers are quoted in host/registration.py.
 Each trial: a kubelet-like Registration server on ``kubelet.sock``; a Register goes through;

@@ -11,7 +11,7 @@ options and a fixed snapshot, one Register on a shared channel), told directly t
 is back, so their time is only what a fresh server, a Register with the kubelet's dial-back and
 the first ListAndWatch message cost here. Host and floor restarts alternate.
 
-Outage keys (``reregister_p99_ms_64_outage_<s>``, issue 10): the restart the real kubelet
+Outage keys (``reregister_p99_ms_64_outage_<s>``): the restart the real kubelet
 does. A Register of the host is in flight when the kubelet stops (one resource's socket is
 wiped under it while the simulator holds Register calls), the dead kubelet.sock stays behind
 for the outage, then the new kubelet wipes every socket and listens. Measured from the new

@@ -107,8 +107,8 @@ async def _host_start(config: str, names: Sequence[str], root: str) -> float:
 async def _plugins_start(names: Sequence[str]) -> float:
     """Milliseconds from spawn to ``names`` registered with a snapshot, by a process of
     hand-written minimal plugins (benchmarks.floors plugins): what any Python plugin pays for
-    N servers and N registrations. Not the key's floor (that is one bare server, as issue 15
-    defines it); a note, so the host's own share of a many-resource start can be read."""
+    N servers and N registrations. Not the key's floor (that is one bare server); a note, so the
+    host's own share of a many-resource start can be read."""
     with short_dir() as plugin_dir:
         sim = KubeletSimulator(plugin_dir)
         await sim.start()

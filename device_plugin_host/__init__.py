@@ -11,16 +11,19 @@ tool can import it freely.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from host import __version__
-from host.chardev import CharDevice, CharIndex, dev_node_path
+from host.allocation import natural_key, replicate
+from host.chardev import CharDevice, CharIndex, dev_node_path, parent_device
 from host.driver import (
     Driver,
     SelectorError,
     check_types,
     implements,
-    normalise_hex_ids,
     selector_values,
 )
+from host.health import TransitionLog
 from host.hookspecs import ENTRY_POINT_GROUP, hookimpl
 from host.hostfs import HostFS, is_pci_address
 from host.model import (
@@ -33,18 +36,39 @@ from host.model import (
     ResourceConfig,
 )
 from host.pci import (
+    PCI_DEVICES,
     PCI_SELECTOR_TYPES,
     PciFunction,
     check_pci_selectors,
     list_functions,
     matches_pci,
+    pci_matcher,
     read_function,
 )
-from host.pci_class import check_class_selector, class_matches, class_patterns
-from host.selectors import AttributeTest, attribute_test
+from host.pci_class import check_class_selector, class_patterns
+from host.rdma_chardev import RdmaCharDevice, RdmaCharIndex, parent_of, scan_char_devices
+from host.selectors import (
+    AttributeTest,
+    IndexRanges,
+    attribute_test,
+    class_matches,
+    normalise_hex_ids,
+    parse_ranges,
+)
+
+
+def write_device_info(resource: ResourceConfig, devices: Sequence[Device]) -> None:
+    """With the resource's ``device_info = true``, write the NPWG device-info file of each
+    device (host/devinfo.py, which also removes them); raises RuntimeError naming the device
+    and directory of a file that cannot be written. Loads its module on first use."""
+    from host.devinfo import write_all
+
+    write_all(resource, devices)
+
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "PCI_DEVICES",
     "PCI_SELECTOR_TYPES",
     "AttributeTest",
     "CharDevice",
@@ -55,11 +79,15 @@ __all__ = [
     "Driver",
     "Health",
     "HostFS",
+    "IndexRanges",
     "Mount",
     "PciFunction",
     "PreferredRequest",
+    "RdmaCharDevice",
+    "RdmaCharIndex",
     "ResourceConfig",
     "SelectorError",
+    "TransitionLog",
     "__version__",
     "attribute_test",
     "check_class_selector",
@@ -73,7 +101,15 @@ __all__ = [
     "is_pci_address",
     "list_functions",
     "matches_pci",
+    "natural_key",
     "normalise_hex_ids",
+    "parent_device",
+    "parent_of",
+    "parse_ranges",
+    "pci_matcher",
     "read_function",
+    "replicate",
+    "scan_char_devices",
     "selector_values",
+    "write_device_info",
 ]

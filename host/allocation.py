@@ -7,6 +7,7 @@ memory in microseconds, and drivers that override either can reuse them.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Dict, FrozenSet, Iterable, List, Sequence, Tuple
 
 from host.model import ContainerAllocation, Device, DeviceNode, Mount
@@ -157,3 +158,11 @@ def numa_compact(
                 break
             chosen.setdefault(device.id, device)
     return list(chosen)
+
+
+def replicate(device: Device, count: int) -> List[Device]:
+    """The one sharing mechanism: ``count`` ids ``<id>::<k>`` for one device, each carrying
+    the device's data and ``replica_of`` (what replica policies group by). ``replicas`` on a
+    resource and a driver's own sharing setting (usb ``shared``) both come through here."""
+    attributes = {**device.attributes, "replica_of": device.id}
+    return [replace(device, id=f"{device.id}::{k}", attributes=attributes) for k in range(count)]

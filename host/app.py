@@ -7,8 +7,7 @@ register. Later rescans only update snapshots; ListAndWatch streams see the chan
 Around it: the timers and watches that start rescans (host/scheduling.py), applying a reloaded
 config (host/reconfigure.py), the DRA side (host/dra_wiring.py), and the one owner of every
 task and timer (host/tasks.py). What stays is the lifecycle (start and stop order), one
-resource's sync (snapshot, CDI spec, service, registration) and readiness; keeping that story
-in one place is why this module is near 400 lines.
+resource's sync (snapshot, CDI spec, service, registration) and readiness.
 """
 
 from __future__ import annotations

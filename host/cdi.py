@@ -255,7 +255,7 @@ class CdiWriter:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
             fileio.warn_if_shared(self.directory, "the CDI directory")
             # 0644: container runtimes (and `cdi list`) read it.
-            fileio.write_atomic(path, text, 0o644, fsync=True)
+            fileio.write_atomic(path, text, mode=0o644, durable=True)
         except OSError as error:
             if not os.path.exists(path):
                 self._on_disk.pop(resource, None)

@@ -2,10 +2,8 @@
 
 ``run`` lives in host/serve.py and ``discover`` in host/discovery.py; this module parses,
 loads the config the same way for every command, and turns every operator-caused error into
-one line and an exit code (host/exit.py), never a traceback. It is about 400 lines because
-argparse's definitions of every command and flag (their help texts are the operator's
-reference) sit in one ``_parser``, with the formatter that keeps argparse from importing
-shutil on every start.
+one line and an exit code (host/exit.py), never a traceback. Every command's and flag's
+definition (their help texts are the operator's reference) is in one ``_parser``.
 """
 
 from __future__ import annotations
@@ -51,8 +49,8 @@ _DRAIN_CONFIG_HELP = (f"TOML config whose drain_file holds the marks (default "
 
 class _Formatter(argparse.HelpFormatter):
     """argparse's own formatter, told the terminal width: by itself it asks
-    shutil.get_terminal_size, and importing shutil (with bz2 and lzma) for every start of the
-    daemon cost 1.5 ms of a ~140 ms start (issue 15). Same rule: $COLUMNS, else the terminal's,
+    shutil.get_terminal_size, and the daemon does not import shutil (with bz2 and lzma).
+    Same rule: $COLUMNS, else the terminal's,
     else 80, less 2."""
 
     def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
@@ -75,9 +73,8 @@ COMMANDS = ("run", "discover", "check-config", "demo", "drain", "undrain", "pods
 
 
 def _parser(only: Optional[str] = None) -> argparse.ArgumentParser:
-    """The whole command line, or with ``only`` just that command's part: an argparse
-    parser per command cost ~4 ms of every daemon start (issue 15), and a command line that
-    names its command needs no other (``_command_of`` says when that is safe)."""
+    """The whole command line, or with ``only`` just that command's part: a command
+    line that names its command needs no other (``_command_of`` says when that is safe)."""
     parser = argparse.ArgumentParser(
         prog="device-plugin-host",
         description="Serve every kind of node device to the kubelet from one process.",
@@ -493,7 +490,7 @@ def _capture(args: argparse.Namespace) -> int:
 
     try:
         write_atomic(os.path.abspath(args.output), "".join(line + "\n" for line in lines),
-                     0o644, prefix=".capture.")
+                     mode=0o644, prefix=".capture.")
     except OSError as error:
         raise CommandError(f"cannot write {args.output}: {error.strerror or error}") from None
     return 0

@@ -19,9 +19,8 @@ import re
 import stat
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from host.config_errors import FILE_KEY, ConfigError, hint, show, toml_key, typed, unknown_key
-from host.config_limits import MAX_CONFIG_BYTES, MAX_REPLICAS, MAX_RESOURCES, overlap_error
-from host.config_values import dns_subdomain_error
+from host.config_errors import FILE_KEY, ConfigError, show, toml_key, typed, unknown_key
+from host.config_limits import MAX_CONFIG_BYTES, MAX_RESOURCES, overlap_error
 from host.defaults import default_config
 from host.driver import Driver
 from host.model import ResourceConfig
@@ -34,8 +33,8 @@ except ImportError:  # pragma: no cover - Python < 3.11
     import tomli as tomllib  # type: ignore[no-redef]
 
 # The last text parsed and its document. A start reads the file ahead of loading the drivers
-# (host/plugins.py: which drivers it disables, which it uses) and again to validate it; a
-# 64-resource file took ~3 ms a parse (issue 15). Documents are only read, never changed.
+# (host/plugins.py: which drivers it disables, which it uses) and again to validate it; the
+# second read reuses the first parse. Documents are only read, never changed.
 _LAST_PARSE: Tuple[str, Dict[str, Any]] = ("", {})
 
 
@@ -49,11 +48,10 @@ def parse_toml(text: str) -> Dict[str, Any]:
     return document
 
 
-__all__ = [  # the public names, importable from here as before the split
-    "CONFIG_VERSION", "DEFAULT_CONFIG_PATH", "FILE_KEY", "MAX_CONFIG_BYTES", "MAX_REPLICAS",
-    "MAX_RESOURCES",
-    "Config", "ConfigError", "HostSettings", "default_config", "dns_subdomain_error", "hint",
-    "load_config", "overlap_error", "parse_config", "show", "typed", "unknown_key",
+__all__ = [
+    "CONFIG_VERSION", "DEFAULT_CONFIG_PATH", "FILE_KEY", "MAX_CONFIG_BYTES", "MAX_RESOURCES",
+    "Config", "ConfigError", "HostSettings", "default_config", "load_config", "overlap_error",
+    "parse_config", "show", "typed", "unknown_key",
 ]
 
 

@@ -83,10 +83,10 @@ def check_path(file: str, key: str, field_name: str, value: object) -> str:
         )
     if field_name == "plugin_dir" and os.path.lexists(path) and not os.path.isdir(path):
         # A missing directory is waited for (the kubelet creates it); a file in its place
-        # is the operator's mistake and never becomes a directory by itself (issue 11.8).
+        # is the operator's mistake and never becomes a directory by itself.
         raise ConfigError(file, key, f"{path} exists and is not a directory")
     if field_name == "plugin_dir" and longest_socket_path(path) > GRPC_MAX_SOCKET_PATH:
-        # Checked against the longest socket name the host creates (issue 10.3), not only
+        # Checked against the longest socket name the host creates, not only
         # kubelet.sock: grpcio binds at most 105 bytes, and a resource that cannot bind
         # would otherwise retry forever.
         raise ConfigError(

@@ -98,8 +98,24 @@ def write(directory: str, resource: str, device_id: str, info: Mapping[str, obje
     fileio.warn_if_shared(directory, "the device-info directory")
     path = os.path.join(directory, file_name(resource, device_id))
     data = json.dumps(info, separators=(",", ":")).encode()
-    fileio.write_atomic(path, data, 0o444, prefix=".devinfo-")
+    fileio.write_atomic(path, data, mode=0o444, prefix=".devinfo-")
     return path
+
+
+def write_all(resource: ResourceConfig, devices: Sequence[Device]) -> None:
+    """With ``device_info = true``, the NPWG device-info file of each device, written before
+    the kubelet can start the pod's CNI. Raises RuntimeError naming the device and directory
+    of a file that cannot be written (a pod whose attachment would miss it must not start)."""
+    if not enabled(resource):
+        return
+    directory = directory_of(resource)
+    for device in devices:
+        try:
+            write(directory, resource.name, device.id, info_from_device(device))
+        except OSError as error:
+            raise RuntimeError(
+                f"cannot write the device-info file of {device.id} in {directory}: "
+                f"{error.strerror or error}") from None
 
 
 def owned(directory: str, resource: str) -> Dict[str, float]:

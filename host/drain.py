@@ -164,7 +164,7 @@ def _encode(marks: Dict[DrainKey, str]) -> bytes:
 
 def _write_atomically(path: str, directory: str, data: bytes) -> None:
     try:
-        fileio.write_atomic(path, data, 0o600, fsync=True, prefix=".drain.")
+        fileio.write_atomic(path, data, mode=0o600, durable=True, prefix=".drain.")
     except OSError as error:
         raise DrainError(f"cannot write the drain marks {path}: {_reason(error)}") from None
 

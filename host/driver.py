@@ -182,20 +182,6 @@ def selector_values(selectors: Mapping[str, object], key: str) -> Optional[list]
     return list(value) if isinstance(value, list) else [value]
 
 
-def normalise_hex_ids(values: Optional[list]) -> Optional[set]:
-    """Selector ids like "0x10de", "10de" or 4318 as a set of ints, for vendor/device matching."""
-    if values is None:
-        return None
-    out = set()
-    for value in values:
-        if isinstance(value, int):
-            out.add(value)
-        else:
-            text = str(value).strip().lower()
-            out.add(int(text[2:] if text.startswith("0x") else text, 16))
-    return out
-
-
 def check_types(
     table: Mapping[str, object],
     types: Mapping[str, Tuple[type, ...]],

@@ -8,9 +8,10 @@ open descriptor, so the umask never widens (or narrows) it. A whole-file write t
 the temp file over the target: ``rename`` replaces a symlink at the target's name, never
 what it points to, and a reader sees the old file or the new one, never half of one.
 
-Durability is the caller's choice: ``fsync=True`` flushes the data before the rename and the
-directory after it (state that must survive a power cut); without it the rename alone keeps
-readers from seeing half a file (outputs rebuilt at every start).
+Durability is the caller's choice: ``durable=True`` flushes the data before the rename and the
+directory after it (state that must survive a power cut: CDI specs, the DRA checkpoint, drain
+marks, the record of files to clean up); without it the rename alone keeps readers from seeing
+half a file (outputs rebuilt at every start).
 
 Directories: the host's own state directory must be ours and closed to others
 (``private_dir_problem``); shared system directories we must write into (the CDI, NFD and
@@ -52,12 +53,15 @@ def create_temp(directory: str, prefix: str, mode: int) -> Tuple[int, str]:
     raise FileExistsError(errno.EEXIST, f"no free temporary name in {directory}", directory)
 
 
-def write_atomic(path: str, data: Union[str, bytes], mode: int, *, fsync: bool = False,
-                 prefix: str = ".dph-") -> None:
+def write_atomic(path: str, data: Union[str, bytes], *, mode: int, durable: bool = False,
+                 prefix: str = ".dph-", make_dirs: bool = False) -> None:
     """Replace ``path`` with ``data`` (text is UTF-8), mode exactly ``mode``. Raises OSError
-    (disk full, read-only mount) with the previous file left as it was. ``fsync`` flushes the
-    data before the rename and the directory after it."""
+    (disk full, read-only mount) with the previous file left as it was. ``durable`` flushes the
+    data before the rename and the directory after it. ``make_dirs`` creates missing parent
+    directories (0755) first."""
     directory = os.path.dirname(path) or "."
+    if make_dirs:
+        os.makedirs(directory, mode=0o755, exist_ok=True)
     payload = data.encode("utf-8") if isinstance(data, str) else data
     fd, temp = create_temp(directory, prefix, mode)
     try:
@@ -65,7 +69,7 @@ def write_atomic(path: str, data: Union[str, bytes], mode: int, *, fsync: bool =
             view = memoryview(payload)
             while view:
                 view = view[os.write(fd, view):]
-            if fsync:
+            if durable:
                 os.fsync(fd)
         finally:
             os.close(fd)
@@ -76,8 +80,16 @@ def write_atomic(path: str, data: Union[str, bytes], mode: int, *, fsync: bool =
         except OSError:
             pass
         raise
-    if fsync:
+    if durable:
         fsync_directory(directory)
+
+
+def remove_file(path: str) -> None:
+    """Remove a file; one that is already gone is fine."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def fsync_directory(directory: str) -> None:

@@ -21,8 +21,8 @@ class TransitionLog:
     """Logs a condition when it starts and when it clears, never again while it lasts.
 
     Health is re-evaluated on every scan (each ``health_interval_s``, each uevent); logging
-    each scan's verdict repeated one warning per VF per scan per resource (issue 10.5: 264
-    lines in 12 s). Keyed by what the condition is about (a PF, a resource's VF), so one PF
+    each scan's verdict would repeat one warning per VF per scan per resource. Keyed by what the
+    condition is about (a PF, a resource's VF), so one PF
     down is one line however many VFs and resources it affects. Thread-safe: scans run in
     the driver's worker thread.
     """

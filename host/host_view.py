@@ -7,9 +7,9 @@ re-publishes from what the driver last reported, without rescanning.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import AbstractSet, List, Mapping, Optional
 
+from host.allocation import replicate
 from host.drain import DrainKey
 from host.model import Device, Health, ResourceConfig
 
@@ -38,12 +38,11 @@ def host_view(resource: ResourceConfig, devices: List[Device], *,
         return out
     expanded = []
     for device in out:
-        for k in range(resource.replicas):
-            replica = replace(device, id=f"{device.id}::{k}",
-                              attributes={**device.attributes, "replica_of": device.id})
+        for replica in replicate(device, resource.replicas):
             drained = drains.get((resource.name, replica.id))
             if drained and replica.healthy:
                 replica = replica.with_health(Health.UNHEALTHY,
                                               f"drained by an operator: {drained}")
             expanded.append(replica)
     return expanded
+

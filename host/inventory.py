@@ -9,7 +9,7 @@ known devices turn Unhealthy with the driver's error as the reason.
 What is pure lives beside it: checking a report (host/sanitize.py), the scan as it runs in the
 driver's thread with its AER reads (host/probe.py), and what the host adds (host/host_view.py:
 drains, AER health, replicas). This module keeps the state across scans (vanished grace,
-claims and overlaps, the device cap, drains) and is a little over 300 lines for it.
+claims and overlaps, the device cap, drains).
 """
 
 from __future__ import annotations

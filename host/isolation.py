@@ -12,11 +12,16 @@ import asyncio
 import concurrent.futures
 import functools
 import threading
-from typing import Any, Callable, Dict, Optional, TypeVar
+from typing import Any, Callable, Dict, Optional, Sequence, TypeVar
+
+from host.model import ContainerAllocation, Device, ResourceConfig
 
 T = TypeVar("T")
 
 WORKERS_PER_DRIVER = 4
+#: A driver's pre_start is bounded inside the kubelet's 30 s PreStartContainer deadline; the
+#: DRA side, which runs it while preparing a claim, uses the same bound.
+PRE_START_TIMEOUT_S = 28.0
 
 
 class DriverCallError(Exception):
@@ -96,3 +101,33 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: A
             loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # loop closing
             pass
+
+
+class DriverResultError(DriverCallError):
+    """A driver hook answered with something it must not return."""
+
+    def __init__(self, driver: str, operation: str, reason: str) -> None:
+        super().__init__(driver, operation, reason)
+        self.args = (f"driver {driver!r} {operation} {reason}",)
+
+
+async def driver_allocate(calls: DriverCalls, driver: Any, resource: ResourceConfig,
+                          devices: Sequence[Device], merged: ContainerAllocation,
+                          timeout_s: float) -> ContainerAllocation:
+    """The driver's ``allocate`` over the host's merge of ``devices``, in the driver's pool
+    under ``timeout_s``: the step both the device plugin's Allocate and a DRA prepare take.
+    Raises DriverCallError (DriverResultError when it returns no ContainerAllocation)."""
+    result = await calls.call(driver.name, "allocate", timeout_s,
+                              driver.allocate, resource, devices, merged)
+    if not isinstance(result, ContainerAllocation):
+        raise DriverResultError(driver.name, "allocate",
+                                f"returned {type(result).__name__}, not ContainerAllocation")
+    return result
+
+
+async def driver_pre_start(calls: DriverCalls, driver: Any, resource: ResourceConfig,
+                           devices: Sequence[Device]) -> None:
+    """The driver's ``pre_start`` for ``devices``, under PRE_START_TIMEOUT_S. Raises
+    DriverCallError."""
+    await calls.call(driver.name, "pre_start", PRE_START_TIMEOUT_S,
+                     driver.pre_start, resource, devices)

@@ -29,20 +29,12 @@ RETIRE_AFTER_S = 1.0
 # directory going read-only or full later is probed again (and told in one line).
 BIND_CHECK_VALID_S = 1.0
 
-# Issue 10.1: after a Register failed to connect (the kubelet stopping, its dead socket left
+# After a Register failed to connect (the kubelet stopping, its dead socket left
 # behind), that subchannel sits in reconnect backoff and keeps retrying on its own; by default a
 # new channel to the same target shares it through gRPC's *global* subchannel pool, so the new
-# kubelet's first Register fails fast ("connect failed") until that backoff runs out. Measured
-# with benchmarks/reconnect_probe.py (grpcio 1.85, 2 vCPU, 2 runs each, time from the new
-# kubelet.sock listening to the first successful Register, outage 0.5 / 2 / 10 s, medians):
-#   global pool, fresh channel (before)    587 / 653 / 5,837 ms
-#   grpc.use_local_subchannel_pool = 1       1.7 / 2.1 / 2.1 ms
-#   fresh channel + unique arg per identity  1.4 / 1.6 / 1.3 ms
-#   bounded backoff 50/100 ms                2.0 / 1.5 / 1.7 ms  (fast only because its other
-#                                            args key a separate subchannel; on a shared one it
-#                                            still waits up to 100 ms, and reconnects 10x/s)
-#   dial waiting for accept (wait_for_ready) 392 / 605 / 5,018 ms (waits out the same backoff)
-# Chosen: a fresh channel per kubelet identity with a local subchannel pool. It removes the
+# kubelet's first Register fails fast ("connect failed") until that backoff runs out
+# (benchmarks/reconnect_probe.py compares the alternatives). Hence a fresh channel per kubelet
+# identity with a local subchannel pool. It removes the
 # cause (no connection state shared with a dead kubelet's channel, whatever the other args),
 # costs no reconnect traffic while the kubelet is down, and needs no grpc-internal arg hack.
 CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0), ("grpc.use_local_subchannel_pool", 1)]
@@ -75,10 +67,9 @@ class KubeletLink:
     def bind_checked(self) -> bool:
         """Whether a socket of ours was bound in the plugin directory a moment ago, so a new
         one needs no plain-socket probe first (host/socket_probe.py bind_problem). The probe
-        exists for the one-line reason of a directory that cannot take sockets; on the disk
-        the kubelet's directory lives on it costs as much as the bind itself (~0.35 ms on
-        ext4, an inode created and removed), which every resource paid again at every start
-        and kubelet restart though the first bind of the burst had just succeeded."""
+        exists for the one-line reason of a directory that cannot take sockets, and costs
+        as much as the bind itself (an inode created and removed); once a bind of the burst
+        succeeded, the directory takes sockets."""
         return time.monotonic() - self._bound_at < BIND_CHECK_VALID_S
 
     def bound(self, ok: bool) -> None:

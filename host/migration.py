@@ -136,7 +136,7 @@ class Migrations:
         try:
             fileio.make_private_dir(directory)
             fileio.write_atomic(os.path.join(directory, STATE_FILE), json.dumps(
-                {"resources": self.serving()}, indent=1, sort_keys=True) + "\n", 0o600)
+                {"resources": self.serving()}, indent=1, sort_keys=True) + "\n", mode=0o600)
         except OSError as error:
             log.debug("cannot write %s in %s: %s", STATE_FILE, directory, error)
 

@@ -1,4 +1,4 @@
-"""gRPC's own log lines as JSON, for ``log_format = "json"`` (issue 11.8).
+"""gRPC's own log lines as JSON, for ``log_format = "json"``.
 
 gRPC core writes its messages ("E1202 06:41:54.387951 32344 add_port.cc:83] ...") straight to
 file descriptor 2, past Python's logging, and reads its verbosity only when it is imported:

@@ -1,7 +1,7 @@
 """Link state changes from rtnetlink (RTMGRP_LINK) on the event loop.
 
 ``ip link set ... up/down`` and a cable pulled change a netdev's flags and operstate without
-any uevent (only link add/remove have one; facts §8), so drivers that watch ``net`` would see
+any uevent (only link add/remove have one), so drivers that watch ``net`` would see
 a PF going down only at the safety rescan. The kernel announces every link change as
 RTM_NEWLINK/RTM_DELLINK to the RTMGRP_LINK multicast group; this source listens there and
 emits ``"net"`` when a link appears, vanishes, or its up/running/lower-up flags or operstate
@@ -91,7 +91,6 @@ class LinkSource:
         self._sock: Optional[socket.socket] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._known: Dict[int, LinkState] = {}
-        self.messages = 0  # link messages read (for tests and metrics)
 
     def start(self, emit: Callable[[str], None]) -> None:
         sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_NONBLOCK
@@ -136,7 +135,6 @@ class LinkSource:
                 if message is None:
                     changed = True
                     continue
-                self.messages += 1
                 changed |= self._note(*message)
         if changed:
             emit("net")

@@ -133,8 +133,7 @@ class FeatureFile:
     def update(self, resource: str, devices: Iterable[Device]) -> None:
         """Cheap on purpose (it runs where the host pushes snapshots): labels are computed
         at the next flush, and only for resources that changed. Without a file (turned off;
-        the path cannot change without a restart) nothing is kept: a copy of every device
-        list for labels never written was ~80 kB at 10,000 devices."""
+        the path cannot change without a restart) nothing is kept."""
         if not self.path:
             return
         self._devices[resource] = list(devices)
@@ -170,7 +169,7 @@ class FeatureFile:
         fileio.warn_if_shared(directory, "the NFD features directory")
         try:
             # 0644 whatever the umask: nfd-worker reads it.
-            fileio.write_atomic(self.path, text, 0o644, prefix=".dph-nfd-")
+            fileio.write_atomic(self.path, text, mode=0o644, prefix=".dph-nfd-")
         except OSError as error:
             if not self._complained:
                 log.warning("NFD feature file: cannot write %s: %s", self.path,

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from host.driver import SelectorError, normalise_hex_ids, selector_values
+from host.driver import SelectorError, selector_values
 from host.hostfs import HostFS
+from host.selectors import all_of, attribute_test, normalise_hex_ids
 
 PCI_DEVICES = "/sys/bus/pci/devices"
 # The host bridge directory the kernel names pci<domain>:<bus> (drivers/pci/probe.c,
@@ -54,8 +55,8 @@ class PciFunction:
     def base_class(self) -> Optional[int]:
         return None if self.pci_class is None else self.pci_class >> 16
 
-    def attributes(self) -> Dict[str, str]:
-        """The facts every PCI device reports in ``discover`` and carries for policies."""
+    def selector_facts(self) -> Dict[str, str]:
+        """The facts the PCI selectors (``PCI_SELECTOR_TYPES``) are matched against."""
         out = {"pci_address": self.address}
         if self.vendor is not None:
             out["vendor"] = f"0x{self.vendor:04x}"
@@ -65,6 +66,11 @@ class PciFunction:
             out["class"] = f"0x{self.pci_class:06x}"
         if self.kernel_driver:
             out["kernel_driver"] = self.kernel_driver
+        return out
+
+    def attributes(self) -> Dict[str, str]:
+        """The facts every PCI device reports in ``discover`` and carries for policies."""
+        out = self.selector_facts()
         if self.local_cpulist:
             out["local_cpulist"] = self.local_cpulist
         if self.iommu_group is not None:
@@ -136,23 +142,18 @@ def check_pci_selectors(selectors: Mapping[str, object]) -> None:
             raise SelectorError(key, "PCI ids are 16-bit (0x0000 to 0xffff)")
 
 
+def pci_matcher(selectors: Mapping[str, object]) -> Callable[[PciFunction], bool]:
+    """A test of a function against the PCI selectors given (``PCI_SELECTOR_TYPES``; absent
+    ones match all), with the host's selector rules (host/selectors.py). Build it once per
+    resource and scan: values are parsed here, not per function."""
+    tests = [attribute_test(key, selector_values(selectors, key) or [])
+             for key in PCI_SELECTOR_TYPES if key in selectors]
+    if not tests:
+        return lambda function: True
+    matches = all_of(tests)
+    return lambda function: matches(function.selector_facts())
+
+
 def matches_pci(function: PciFunction, selectors: Mapping[str, object]) -> bool:
     """True when the function satisfies every PCI selector given (absent ones match all)."""
-    vendors = normalise_hex_ids(selector_values(selectors, "vendor"))
-    if vendors is not None and function.vendor not in vendors:
-        return False
-    devices = normalise_hex_ids(selector_values(selectors, "device"))
-    if devices is not None and function.device not in devices:
-        return False
-    drivers = selector_values(selectors, "kernel_driver")
-    if drivers is not None and function.kernel_driver not in drivers:
-        return False
-    addresses = selector_values(selectors, "pci_address")
-    if addresses is None:
-        return True
-    return function.address in addresses or _short(function.address) in addresses
-
-
-def _short(address: str) -> str:
-    """0000:3b:00.0 -> 3b:00.0, the form lspci prints and operators often paste."""
-    return address[5:] if address.startswith("0000:") else address
+    return pci_matcher(selectors)(function)

@@ -7,7 +7,7 @@ compared against that many leading digits of the function's class.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Sequence
 
 from host.driver import SelectorError, selector_values
 from host.selectors import ClassPattern, class_pattern
@@ -31,10 +31,3 @@ def class_patterns(selectors: Mapping[str, object], key: str = "class") -> Seque
         if pattern is not None:
             out.append(pattern)
     return out
-
-
-def class_matches(pci_class: Optional[int], patterns: Sequence[ClassPattern]) -> bool:
-    """True when no pattern is given, or the class matches one of them."""
-    if not patterns:
-        return True
-    return pci_class is not None and any(pci_class >> shift == value for value, shift in patterns)

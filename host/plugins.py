@@ -5,9 +5,8 @@ broadcast hook call stops at the first implementation that raises. Here each ent
 loaded, registered and asked for its drivers inside its own guard, so a broken third-party
 package is logged with its distribution name and version and every other driver still loads.
 
-It is a little over 300 lines because the guards belong together: reading entry points
-(entry_points.txt, zipped eggs), the configured-first load order, disabled drivers and the
-failure report are one loading story.
+Entry points are read from entry_points.txt (zipped eggs included); configured drivers load
+first; disabled drivers are never imported; every failure is reported.
 """
 
 from __future__ import annotations
@@ -55,9 +54,8 @@ def _entry_points(group: str) -> List[Tuple[EntryPoint, Optional[str]]]:
     """Entry points of a group with "distribution version" for each.
 
     Reads only each distribution's entry_points.txt, and the name and version header lines
-    of those that declare ``group``: parsing every installed distribution's METADATA (what
-    importlib.metadata's ``distributions()`` walk costs) took ~100 ms of a 250 ms start with
-    the test extras installed. The search is importlib.metadata's own: the *.dist-info and
+    of those that declare ``group``, never every installed distribution's METADATA. The search
+    is importlib.metadata's own: the *.dist-info and
     *.egg-info directories of every sys.path entry, in order; zipped path entries go through
     importlib.metadata itself.
     """
@@ -169,8 +167,7 @@ DISABLED_REASON = "disabled by [host] disabled_drivers"
 
 
 class DriverRegistry:
-    # A plain class, like the records of this module (NamedTuples): a dataclass costs ~1.3 ms
-    # of start-up to generate its methods (issue 15), and nothing compares registries.
+    # A plain class, like the records of this module (NamedTuples): nothing compares registries.
     def __init__(self) -> None:
         self.drivers: Dict[str, Driver] = {}
         self.sources: Dict[str, str] = {}
@@ -227,7 +224,7 @@ class DriverRegistry:
 
         ``other_packages_only``: leave this distribution's own drivers pending. They are
         installed and tested with the host, so importing one that no resource uses only to
-        see that it imports tells an operator nothing and kept ~1.3 MB (issue 15); another
+        see that it imports tells an operator nothing; another
         package's driver is loaded, so a broken install is in the log and the metrics at
         start. A reload loads the rest when it runs (host/reload.py)."""
         if other_packages_only:

@@ -1,9 +1,9 @@
 """Process-wide settings that belong to the program, applied by its entry points only.
 
-They used to be set when ``host`` was imported, which changed the environment of every driver
-package, test run or tool that merely imported a data type. Now ``device-plugin-host`` (the
-console script, ``host.cli.main``) and ``python -m host`` apply them first thing, before
-anything imports grpc (grpc core reads them once, at its own import).
+Importing ``host`` changes no process setting, so a driver package, test run or tool that
+imports a data type keeps its environment. ``device-plugin-host`` (the console script,
+``host.cli.main``) and ``python -m host`` apply them first thing, before anything imports grpc
+(grpc core reads them once, at its own import).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def return_freed_heap() -> None:
     Registering every resource is a burst: 64 Register calls in flight at once, the kubelet
     dialling each socket back, 64 first ListAndWatch snapshots. What grpc and Python
     allocated for it is freed, but glibc keeps the pages of the main heap and of grpc's
-    threads' arenas: about 0.6 MB of the idle RSS of a 64-resource host. Idle afterwards,
+    threads' arenas. Idle afterwards,
     the host would never reuse most of them. Only once: later bursts (a kubelet restart)
     reuse what this leaves. A libc without malloc_trim (musl) is left alone.
     """
@@ -58,7 +58,7 @@ def pause_collector() -> None:
     """The program's entry points turn the cyclic garbage collector off until start-up is
     over: importing ~300 modules and building the first inventory set off collections whose
     passes over an ever larger heap found next to nothing, ~24 M instructions of a ~550 M
-    start (callgrind, issue 15). ``run`` turns it back on (``collect_again``) once it has
+    start. ``run`` turns it back on (``collect_again``) once it has
     frozen what the start built, every other command as soon as its command line is parsed.
     Not part of configure_process: the test kit applies that one inside long test runs."""
     import gc

@@ -27,7 +27,7 @@ RDMA_CM_NODE = "/dev/infiniband/rdma_cm"
 
 
 @dataclass(frozen=True)
-class CharDevice:
+class RdmaCharDevice:
     """One ``uverbsN`` or ``umadN``: where its node is and which RDMA device it serves."""
 
     name: str  # uverbs0
@@ -39,23 +39,23 @@ class CharDevice:
 
 
 @dataclass(frozen=True)
-class CharIndex:
+class RdmaCharIndex:
     """Every RDMA char device of the host, read once per scan."""
 
-    verbs: Tuple[CharDevice, ...] = ()
-    umad: Tuple[CharDevice, ...] = ()
+    verbs: Tuple[RdmaCharDevice, ...] = ()
+    umad: Tuple[RdmaCharDevice, ...] = ()
     rdma_cm: Optional[str] = None  # host path of the rdma_cm node when it exists
 
-    def verbs_of(self, ibdev: str, parent: Optional[str], sole: bool) -> List[CharDevice]:
+    def verbs_of(self, ibdev: str, parent: Optional[str], sole: bool) -> List[RdmaCharDevice]:
         return _match(self.verbs, ibdev, parent, sole)
 
-    def umad_of(self, ibdev: str, parent: Optional[str], sole: bool) -> List[CharDevice]:
+    def umad_of(self, ibdev: str, parent: Optional[str], sole: bool) -> List[RdmaCharDevice]:
         return _match(self.umad, ibdev, parent, sole)
 
 
 def _match(
-    entries: Iterable[CharDevice], ibdev: str, parent: Optional[str], sole: bool
-) -> List[CharDevice]:
+    entries: Iterable[RdmaCharDevice], ibdev: str, parent: Optional[str], sole: bool
+) -> List[RdmaCharDevice]:
     """Entries naming ``ibdev``; an entry whose ibdev could not be read is taken when it hangs
     off the same parent device and that parent has only this one RDMA device, because then
     the kernel's own tree says whose it is."""
@@ -74,7 +74,7 @@ def parent_of(host: HostFS, path: str) -> str:
     return linked or posixpath.dirname(posixpath.dirname(path))
 
 
-def scan_char_devices(host: HostFS) -> CharIndex:
+def scan_char_devices(host: HostFS) -> RdmaCharIndex:
     """uverbsN, umadN and rdma_cm of the host. rdma_cm is kept only when its node exists:
     it is one node for all devices, optional for verbs-only users (NCCL), and its absence
     means rdma_ucm is not loaded, not that a device is broken."""
@@ -87,14 +87,14 @@ def scan_char_devices(host: HostFS) -> CharIndex:
             break
     if rdma_cm is None and node is not None:
         log.warning("rdma_cm: the kernel has it (%s) but %s is missing", RDMA_CM_CLASS, node)
-    return CharIndex(
+    return RdmaCharIndex(
         verbs=tuple(_char_devices(host, INFINIBAND_VERBS, "uverbs")),
         umad=tuple(_char_devices(host, INFINIBAND_MAD, "umad")),
         rdma_cm=rdma_cm,
     )
 
 
-def _char_devices(host: HostFS, class_dir: str, prefix: str) -> List[CharDevice]:
+def _char_devices(host: HostFS, class_dir: str, prefix: str) -> List[RdmaCharDevice]:
     out = []
     for name in host.listdir(class_dir):
         # abi_version sits beside the devices as a plain file; issmN is not handed out
@@ -117,7 +117,7 @@ def _char_devices(host: HostFS, class_dir: str, prefix: str) -> List[CharDevice]
         node = dev_node_path(host, path, name, "/dev/infiniband")
         port = host.read_int(f"{path}/port", 10) if prefix == "umad" else None
         out.append(
-            CharDevice(
+            RdmaCharDevice(
                 name=name,
                 node=node,
                 present=host.exists(node),

@@ -6,9 +6,9 @@ system events (our socket deleted by someone else, a new kubelet.sock) and the e
 kubelet's own ListAndWatch stream only mark endpoints dirty; the endpoint's reconcile loop does
 the rest. A new kubelet (a new kubelet.sock identity) gets a fresh server on a fresh socket
 name: the old server is stopped (closing its stream) before the new one registers, which avoids
-the kubelet's same-name races (facts §3.4) and the grpcio unlink-on-stop race (facts §8).
+the kubelet's same-name races and the grpcio unlink-on-stop race.
 
-Retries (issue 10.2): a failed Register is retried on the same server after a jittered,
+Retries: a failed Register is retried on the same server after a jittered,
 doubling backoff, and nothing but a new kubelet identity cuts that backoff short; events
 caused by our own socket changes never wake a registration. After a connect failure the next
 attempts first check with a plain connect() that the socket accepts at all, so a dead
@@ -17,7 +17,7 @@ kubelet's left-over socket costs no Register calls while it is down.
 The kubelet's socket identity and channels are in host/kubelet_link.py, the plain-socket
 checks in host/socket_probe.py. The Endpoint's reconcile loop stays whole (a little under 400
 lines with the Registrar): its states and their transitions are one story, split apart they
-could no longer be read against the kubelet's behaviour (facts §3, §8).
+could no longer be read against the kubelet's behaviour.
 """
 
 from __future__ import annotations
@@ -56,8 +56,7 @@ NO_KUBELET_RECHECK_S = 10.0  # while kubelet.sock is missing, besides the direct
 def _jitter(salt: int) -> float:
     """A number in [0, 1) that spreads retries: the clock's nanoseconds and ``salt`` through
     a multiplicative hash. No import and no fd: the retry path runs when fds are exhausted,
-    where importing ``random`` there failed (EMFILE), and ``random`` at load costs every
-    start ~0.7 ms."""
+    where importing ``random`` there fails (EMFILE)."""
     return (((time.monotonic_ns() ^ salt) * 2654435761) & 0xFFFFFFFF) / 4294967296.0
 
 
@@ -94,7 +93,7 @@ class Endpoint:
         self._server_kid: Optional[KubeletId] = None  # the kubelet this server registered with
         self._last_kid: Optional[KubeletId] = None
         self._connect_failed_for: Optional[KubeletId] = None
-        # Issue 11.3: the kubelet's own stream is the first ListAndWatch opened on the current
+        # The kubelet's own stream is the first ListAndWatch opened on the current
         # server after our Register went out; only its end means "registering again".
         self._claim_open = False
         self._kubelet_stream: Optional[object] = None
@@ -122,7 +121,7 @@ class Endpoint:
 
     def socket_event(self, names: Optional[List[str]]) -> None:
         """A directory event. Our own socket appearing (or an old one of ours vanishing) is
-        our doing and wakes nothing (issue 10.2); our current socket gone, kubelet.sock
+        our doing and wakes nothing; our current socket gone, kubelet.sock
         changing or the directory itself coming or going does."""
         ours_gone = self.socket_name in (names or ()) and not self._socket_alive()
         if names is None or KUBELET_SOCKET in names or ours_gone:
@@ -220,7 +219,7 @@ class Endpoint:
             return
         if self._server_kid is not None and self._server_kid != kid:
             # A new kubelet: a fresh server for it, so no stale stream of the old one
-            # outlives the new registration (the kubelet's same-name race, facts §3.4).
+            # outlives the new registration (the kubelet's same-name race).
             await self._serve_fresh()
         if self._connect_failed_for == kid:
             why = self.link.accepts()
@@ -372,7 +371,7 @@ class Endpoint:
         self._connect_failed_for = self.registered_with
         self.registered_with = None
         # While an older host hands over, its stream's end makes kubelets up to 1.36 (clients
-        # keyed by resource name, facts §3.4) close ours: the kubelet is there, so at once.
+        # keyed by resource name) close ours: the kubelet is there, so register again at once.
         grace = 0.0 if time.monotonic() < self.quick_until else STREAM_END_GRACE_S
         self._not_before = time.monotonic() + grace
         self._arm_retry(grace)

@@ -64,8 +64,7 @@ class ConfigReloader:
         self.quiet_s = quiet_s
         data = self._read()
         # The bytes themselves, compared whole: exact, and a config is a few kB (4 MB at
-        # most, host/config.py). A sha256 would load OpenSSL's digests, ~0.8 MB of RSS the
-        # host keeps for its lifetime (issue 15).
+        # most, host/config.py). No digest, so OpenSSL's digests are never loaded.
         self._applied = data
         self._empty_at_start = data is not None and is_empty(data)
         self._rejected: Optional[Tuple[Optional[bytes], str]] = None

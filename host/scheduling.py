@@ -92,7 +92,7 @@ def watch_cdi(app: HostApp) -> None:
 
 def arm_health_checks(app: HostApp) -> None:
     # One timer per driver, at its resources' shortest interval: a rescan covers every
-    # resource of the driver, so a timer per resource rescanned it N times (issue 10.5).
+    # resource of the driver, so a timer per resource rescanned it N times.
     wanted: Dict[str, float] = {}
     for r in app.config.resources:
         if r.health_interval_s > 0:
@@ -150,9 +150,9 @@ def apply_drains(app: HostApp) -> None:
             app._sync(resource)
 
 
-#: The kernel's uevent monitor (pyudev: ~4 ms to import and open, and an ``ldconfig -p`` run
+#: The kernel's uevent monitor (pyudev: an import and an ``ldconfig -p`` run
 #: to find libudev) is armed a moment after every resource is registered, or this long after
-#: start if that takes longer: registration is what the kubelet waits for (issue 15). Not in
+#: start if that takes longer: registration is what the kubelet waits for. Not in
 #: the registration callback itself: the kubelet opens ListAndWatch right after Register
 #: returns, and a loop busy arming would hold back that first snapshot. A rescan right after
 #: arming catches whatever was plugged, unplugged or changed since the first scan.

@@ -35,9 +35,8 @@ _RANGES = re.compile(r"\s*\d+\s*(-\s*\d+\s*)?(,\s*\d+\s*(-\s*\d+\s*)?)*\Z")
 
 
 class IndexRanges:
-    """Inclusive index spans, ``"0-3,6"``; a plain class, not a dataclass, whose generated
-    methods cost start-up time (issue 15), nor a tuple, which selector values must not look
-    like."""
+    """Inclusive index spans, ``"0-3,6"``; a plain class, not a tuple, which selector values
+    must not look like."""
 
     __slots__ = ("spans",)
 
@@ -85,6 +84,13 @@ def class_pattern(text: str) -> Optional[ClassPattern]:
     return int(digits, 16), 24 - 4 * len(digits)
 
 
+def class_matches(pci_class: Optional[int], patterns: Sequence[ClassPattern]) -> bool:
+    """True when no pattern is given, or the 24-bit class matches one of them."""
+    if not patterns:
+        return True
+    return pci_class is not None and any(pci_class >> shift == value for value, shift in patterns)
+
+
 def hex_id(value: object) -> Optional[int]:
     """A hex id from config (``"0x10de"``, ``"10DE"``, 4318) or from sysfs text; None when it
     is not one."""
@@ -97,38 +103,52 @@ def hex_id(value: object) -> Optional[int]:
     return int(digits, 16) if digits and _HEX.match(digits) else None
 
 
+def normalise_hex_ids(values: Optional[Sequence[object]]) -> Optional[Set[int]]:
+    """Selector ids like "0x10de", "10de" or 4318 as a set of ints; None when ``values`` is.
+    Raises ValueError for a value that is not a hex id."""
+    if values is None:
+        return None
+    out = set()
+    for value in values:
+        number = hex_id(value)
+        if number is None:
+            raise ValueError(f"{value!r} is not a hex id")
+        out.add(number)
+    return out
+
+
 def _decimal(text: Optional[str]) -> Optional[int]:
     return int(text) if text is not None and text.isascii() and text.isdigit() else None
 
 
-def attribute_test(key: str, values: Sequence[object],
-                   attribute: Optional[str] = None) -> AttributeTest:
-    """The host's test for one selector ``key`` with its ``values`` (any of them), against
-    the device attribute ``attribute`` (default: the key's own name). Values are parsed once
-    here, not per device."""
-    name = attribute or key
-    if key in HEX_ID_KEYS:
-        ids = {i for i in (hex_id(v) for v in values) if i is not None}
-        return lambda attributes: hex_id(attributes.get(name, "")) in ids
-    if key == "pci_address":
-        wanted = {str(v) for v in values}
+def _hex_ids(values: Sequence[object], name: str) -> AttributeTest:
+    ids = {i for i in (hex_id(v) for v in values) if i is not None}
+    return lambda attributes: hex_id(attributes.get(name, "")) in ids
 
-        def address(attributes: Mapping[str, str]) -> bool:
-            actual = attributes.get(name)
-            return actual is not None and (
-                actual in wanted or (actual.startswith("0000:") and actual[5:] in wanted))
 
-        return address
-    if key == "class":
-        patterns = [p for p in (class_pattern(str(v)) for v in values) if p is not None]
-        if not patterns:
-            return lambda attributes: True  # nothing valid (check_selectors refuses that)
+def _pci_address(values: Sequence[object], name: str) -> AttributeTest:
+    wanted = {str(v) for v in values}
 
-        def pci_class(attributes: Mapping[str, str]) -> bool:
-            actual = hex_id(attributes.get(name, ""))
-            return actual is not None and any(actual >> s == v for v, s in patterns)
+    def address(attributes: Mapping[str, str]) -> bool:
+        actual = attributes.get(name)
+        return actual is not None and (
+            actual in wanted or (actual.startswith("0000:") and actual[5:] in wanted))
 
-        return pci_class
+    return address
+
+
+def _pci_class(values: Sequence[object], name: str) -> AttributeTest:
+    patterns = [p for p in (class_pattern(str(v)) for v in values) if p is not None]
+    if not patterns:
+        return lambda attributes: True  # nothing valid (check_selectors refuses that)
+
+    def pci_class(attributes: Mapping[str, str]) -> bool:
+        return class_matches(hex_id(attributes.get(name, "")), patterns)
+
+    return pci_class
+
+
+def _general(values: Sequence[object], name: str) -> AttributeTest:
     exact: Set[str] = set()
     numbers: Set[int] = set()
     ranges: List[IndexRanges] = []
@@ -153,6 +173,24 @@ def attribute_test(key: str, values: Sequence[object],
         return number is not None and (number in numbers or any(number in r for r in ranges))
 
     return general
+
+
+#: One filter per selector key with a meaning of its own: (values, attribute name) -> test.
+#: Every other key is ``_general``. A driver adds a key of its own by overriding
+#: ``Driver.selector_test`` for it.
+FILTERS: Mapping[str, Callable[[Sequence[object], str], AttributeTest]] = {
+    **{key: _hex_ids for key in HEX_ID_KEYS},
+    "pci_address": _pci_address,
+    "class": _pci_class,
+}
+
+
+def attribute_test(key: str, values: Sequence[object],
+                   attribute: Optional[str] = None) -> AttributeTest:
+    """The host's test for one selector ``key`` with its ``values`` (any of them), against
+    the device attribute ``attribute`` (default: the key's own name). Values are parsed once
+    here, not per device."""
+    return FILTERS.get(key, _general)(values, attribute or key)
 
 
 def all_of(tests: Sequence[AttributeTest]) -> AttributeTest:

@@ -189,8 +189,8 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
             await app.metrics.start(config.host.metrics_address)
             await app.start()
             # Everything built so far lives as long as the process: keep it out of the cyclic
-            # collector, whose full passes over ~80,000 objects (10,000 devices) took ~18 ms
-            # and set ListAndWatch's p99. Here, at the process entry, not in HostApp.start:
+            # collector, whose full passes over them would set ListAndWatch's p99. Here, at the
+            # process entry, not in HostApp.start:
             # a test or benchmark process starts hosts by the hundred.
             gc.freeze()
             collect_again()  # off since the process began (host/process.py)

@@ -1,8 +1,8 @@
 """The DevicePlugin service of one resource: the six RPCs, answered from its Snapshot.
 
 The rules that need no service state (refusals, CDI names in an answer, when
-GetPreferredAllocation is worth advertising) are in host/service_rules.py; a little over
-300 lines remain because each RPC's checks are read best next to its handler.
+GetPreferredAllocation is worth advertising) are in host/service_rules.py; each RPC's own
+checks sit next to its handler.
 
 Handlers are registered through a generic handler so ListAndWatch can yield pre-serialized
 snapshots (bytes pass through an identity serializer). Every refusal carries a gRPC status and a
@@ -20,7 +20,7 @@ import grpc
 
 from host import allocation
 from host.driver import Driver, implements
-from host.isolation import DriverCallError, DriverCalls
+from host.isolation import DriverCallError, DriverCalls, driver_allocate, driver_pre_start
 from host.model import ContainerAllocation, Device, Health, PreferredRequest, ResourceConfig
 from host.protocol import api
 from host.protocol.convert import allocate_response
@@ -29,7 +29,6 @@ from host.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
-PRE_START_TIMEOUT_S = 28.0  # inside the kubelet's 30 s PreStartContainer deadline
 # A snapshot sent this recently may still be on its way to the kubelet (or unread by it):
 # an Allocate it admitted from the snapshot before is judged by that one too.
 TOLD_GRACE_S = 1.0
@@ -240,7 +239,7 @@ class DevicePluginService:
         finally:
             # Whether this was the kubelet going away, another client hanging up or our own
             # server stopping, the endpoint decides: only the kubelet's own stream on the
-            # current server means re-register (issue 11.3).
+            # current server means re-register.
             if self.on_stream_end is not None:
                 self.on_stream_end(tag, stream)
 
@@ -280,17 +279,10 @@ class DevicePluginService:
         self, devices: Sequence[Device], merged: ContainerAllocation
     ) -> ContainerAllocation:
         try:
-            result = await self.calls.call(
-                self.driver.name, "allocate", self.allocate_timeout_s,
-                self.driver.allocate, self.resource, devices, merged,
-            )
+            return await driver_allocate(self.calls, self.driver, self.resource, devices,
+                                         merged, self.allocate_timeout_s)
         except DriverCallError as error:
             raise RequestError.from_driver(error, grpc.StatusCode.INTERNAL) from None
-        if not isinstance(result, ContainerAllocation):
-            raise RequestError(grpc.StatusCode.INTERNAL,
-                               f"driver {self.driver.name!r} allocate returned "
-                               f"{type(result).__name__}, not ContainerAllocation")
-        return result
 
     def _check_containers(self, count: int) -> None:
         """Every container asks for at least one device: more containers than devices is no
@@ -471,10 +463,7 @@ class DevicePluginService:
                                     require_healthy=False)
             if self.options.pre_start_required:
                 try:
-                    await self.calls.call(
-                        self.driver.name, "pre_start", PRE_START_TIMEOUT_S,
-                        self.driver.pre_start, self.resource, devices,
-                    )
+                    await driver_pre_start(self.calls, self.driver, self.resource, devices)
                 except DriverCallError as error:
                     raise RequestError.from_driver(
                         error, grpc.StatusCode.FAILED_PRECONDITION) from None

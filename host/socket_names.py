@@ -1,6 +1,6 @@
 """The names of the host's unix sockets, and the longest one it can ever create.
 
-grpcio refuses to bind unix socket paths of 106 and 107 bytes (facts §8), although sun_path
+grpcio refuses to bind unix socket paths of 106 and 107 bytes, although sun_path
 holds 107 plus the NUL. Every name is bounded (readable prefix cut, fixed-size hash, token and
 generation field), so config validation can check ``plugin_dir`` once, at start, against the
 longest path the host will bind, instead of a resource that never binds and retries forever.
@@ -31,8 +31,7 @@ DIGEST_LEN = 8  # hex digits of the resource name's CRC-32, for uniqueness past 
 def socket_file_name(resource: str, token: str, generation: int) -> str:
     """A bare, unique, short socket file name: readable prefix, hash for uniqueness."""
     # CRC-32, not a truncated sha1: as unlikely to collide for the names of one config (32 bits
-    # either way, and no adversary picks them), and hashlib would load OpenSSL's digests,
-    # ~0.8 MB of RSS for the process's lifetime (issue 15).
+    # either way, and no adversary picks them), and hashlib would load OpenSSL's digests.
     digest = f"{zlib.crc32(resource.encode()):0{DIGEST_LEN}x}"
     readable = re.sub(r"[^A-Za-z0-9]+", "-", resource).strip("-")[:READABLE_MAX]
     return _file_name(readable, digest, token, generation)

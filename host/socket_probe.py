@@ -2,7 +2,7 @@
 
 grpc's bind only says "Failed to bind" (and prints the reason on stderr), and a connect to a
 dead kubelet's left-over socket costs a whole Register attempt. A plain bind, connect or stat
-first gets the kernel's own reason in one line (issue 11.8, 10.2).
+first gets the kernel's own reason in one line.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class PluginDirError(OSError):
 def bind_problem(path: str) -> Optional[str]:
     """Bind a plain unix socket at ``path`` first (then remove it): the kernel's own reason
     (EROFS, ENOSPC, EACCES, ENOTDIR) comes back as a clean error, where grpc's bind would only
-    say "Failed to bind" and print the reason on stderr (issue 11.8)."""
+    say "Failed to bind" and print the reason on stderr."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.bind(path)

@@ -143,8 +143,8 @@ def remove_stale_device_info(directory: str, resources: Sequence[ResourceConfig]
                 removed.append(os.path.join(info_dir, devinfo.file_name(resource, device_id)))
     if recorded != current and (recorded or current):
         fileio.make_private_dir(directory)
-        fileio.write_atomic(path, json.dumps(sorted(map(list, current))) + "\n", 0o600,
-                            fsync=True)
+        fileio.write_atomic(path, json.dumps(sorted(map(list, current))) + "\n", mode=0o600,
+                            durable=True)
     return removed
 
 

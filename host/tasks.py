@@ -2,9 +2,9 @@
 
 The host starts work that outlives the call that started it: rescans, reload passes, the
 safety rescan, vanished-device expiry, health checks, the event scheduler's coalescing timer,
-CDI retries, the NFD file's deferred write, the device-info reconciler. Each used to keep its
-own handle (or none), and stop() cancelled what it remembered without waiting: a rescan still
-running when stop() returned rewrote a CDI spec after the files were removed (issue 12.1).
+CDI retries, the NFD file's deferred write, the device-info reconciler. None of it may run
+after stop() returned (a rescan still running then would rewrite a CDI spec after the files
+were removed).
 
 Here every such piece of work is registered in one place. ``aclose()`` stops new work from
 being started, cancels every timer and task, and returns only once the tasks have finished

@@ -109,7 +109,7 @@ class CombinedSource:
 
 def device_events(subsystems: Iterable[str]) -> EventSource:
     """uevents for the subsystems, plus rtnetlink link changes when a driver watches ``net``:
-    link up/down has no uevent (issue 10.4)."""
+    link up/down has no uevent."""
     wanted = set(subsystems)
     udev = UdevSource(wanted)
     if "net" not in wanted:
@@ -154,10 +154,8 @@ class RescanScheduler:
         self._coalesce_s = coalesce_s
         self._pending: Set[str] = set()
         self._everything = False
-        self.events = 0
 
     def event(self, subsystem: str) -> None:
-        self.events += 1
         if subsystem == "*":
             self._everything = True
         else:

@@ -3,7 +3,7 @@
 Each test holds a driver's discover in its worker thread across stop(), lets it return
 afterwards, and checks that the CDI directory stays as stop() left it (specs stay on disk for
 the pods holding their devices, unchanged): a rescan, a reload or the first scan still running
-when stop() returned used to write a spec after the host stopped.
+when stop() returned must not write a spec after the host stopped.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ _VERSIONS = ["0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1
 
 
 def check_spec_rules(spec: dict) -> None:
-    """The CDI rules of the facts sheet §5, as a runtime's CDI library applies them."""
+    """The CDI rules as a runtime's CDI library applies them."""
     assert set(spec) <= {"cdiVersion", "kind", "devices", "containerEdits", "annotations"}
     assert spec["cdiVersion"] in _VERSIONS
     version = tuple(int(p) for p in spec["cdiVersion"].split("."))

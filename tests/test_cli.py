@@ -560,7 +560,7 @@ def test_operator_errors_are_one_line_with_exit_1_or_2(tmp_path, argv, code):
     ["capture", "-o", "x.tree"],
 ])
 def test_a_command_parses_the_same_with_only_its_own_parser(argv):
-    """main() builds only the named command's parser (start-up, issue 15): what it parses
+    """main() builds only the named command's parser (start-up): what it parses
     must be what the whole command line parses."""
     from host.cli import _command_of, _parser
 

@@ -746,7 +746,7 @@ def test_example_is_valid_for_the_real_drivers(path: Path) -> None:
     assert {r.driver for r in config.resources} == set(_drivers_used(path))
 
 
-# -- hostile files (issue 11 items 5 and 6) ---------------------------------------------------
+# -- hostile files ---------------------------------------------------
 def _check_config(*args: str):
     import subprocess
     import sys
@@ -815,7 +815,7 @@ def test_the_base_config_does_not_say_it_is_read_once() -> None:
 def test_the_documented_keys_are_each_built_in_driver_s_keys_and_in_the_docs() -> None:
     """The examples are checked against DOCUMENTED; this keeps DOCUMENTED equal to what each
     built-in driver accepts, and every such key named in docs/drivers.md, so a new selector or
-    setting cannot land undocumented (issue 13: each new setting in docs/drivers.md)."""
+    setting cannot land undocumented (each setting is in docs/drivers.md)."""
     from host.hookspecs import ENTRY_POINT_GROUP
     from host.plugins import DriverRegistry
 

@@ -1,4 +1,4 @@
-"""``version = 1`` and ``[host] disabled_drivers``: accepted, optional, checked (issue 12.5)."""
+"""``version = 1`` and ``[host] disabled_drivers``: accepted, optional, checked."""
 
 from __future__ import annotations
 

@@ -138,7 +138,7 @@ def test_every_object_matches_the_kubernetes_schema(name, version):
     if name == "overlays/dra":
         pytest.skip("resource.k8s.io/v1 exists from 1.34: tests/test_deploy_dra.py validates it")
     objects = render(name)
-    # The headless Service lists the pods for Prometheus (issue 11, item 13).
+    # The headless Service lists the pods for Prometheus.
     assert {o["kind"] for o in objects} == {"Namespace", "ConfigMap", "DaemonSet", "Service"}
     problems = []
     for obj in objects:

@@ -15,7 +15,6 @@ import pytest
 
 from host import devinfo, fileio, nfd
 from host.cdi import CdiWriter
-from host.dra.atomic import write_atomic as dra_write_atomic
 from host.drain import DrainError, read_drains, update_drains
 from host.testing.drivers import make_devices
 
@@ -120,7 +119,8 @@ def test_every_created_file_has_its_mode_whatever_the_umask(tmp_path, umask_000)
     writer = CdiWriter(str(tmp_path / "cdi"))
     writer.update("example.com/gpu", make_devices("g", 1))
     assert _mode(Path(writer.path_for("example.com/gpu"))) == 0o644
-    dra_write_atomic(str(tmp_path / "dra" / "prepared-claims.json"), "{}\n", 0o600)
+    fileio.write_atomic(str(tmp_path / "dra" / "prepared-claims.json"), "{}\n", mode=0o600,
+                        durable=True, make_dirs=True)
     assert _mode(tmp_path / "dra" / "prepared-claims.json") == 0o600
     leftovers = [p for p in tmp_path.rglob(".*") if p.name.endswith(".tmp")]
     assert leftovers == []
@@ -131,7 +131,7 @@ def test_a_temp_name_that_exists_is_never_opened(tmp_path, victim, monkeypatch):
     picks = iter([b"\0" * 6, b"\1" * 6])
     monkeypatch.setattr(os, "urandom", lambda n: next(picks))
     _plant(tmp_path, [".dph-" + "00" * 6 + ".tmp"], victim)
-    fileio.write_atomic(str(tmp_path / "out"), "new\n", 0o644)
+    fileio.write_atomic(str(tmp_path / "out"), "new\n", mode=0o644)
     assert (tmp_path / "out").read_text() == "new\n"
     assert victim.read_text() == "precious\n"
 
@@ -184,3 +184,25 @@ def test_a_shared_output_directory_is_written_with_one_warning(tmp_path, caplog)
         writer.update("example.com/gpu", make_devices("g", 2))
     warnings = [r for r in caplog.records if "writable by others" in r.getMessage()]
     assert len(warnings) == 1 and str(directory) in warnings[0].getMessage()
+
+
+def test_a_durable_write_flushes_the_data_then_the_directory(tmp_path, monkeypatch):
+    """``durable=True``: the file's data before the rename, its directory after; a plain write
+    flushes nothing (the rename alone keeps a reader from seeing half a file)."""
+    flushed = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        flushed.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    target = tmp_path / "sub" / "state.json"
+    fileio.write_atomic(str(target), "{}\n", mode=0o600, durable=True, make_dirs=True)
+    assert target.read_text() == "{}\n" and _mode(target) == 0o600
+    assert len(flushed) == 2
+    assert flushed[0].startswith(str(tmp_path / "sub" / ".dph-")) and flushed[1] == str(
+        tmp_path / "sub")
+    flushed.clear()
+    fileio.write_atomic(str(target), "[]\n", mode=0o600)
+    assert flushed == [] and target.read_text() == "[]\n"

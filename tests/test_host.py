@@ -402,7 +402,7 @@ def test_options_reply_is_instant_and_derived(short_dir, run):
             await sim.wait_for(_registered(sim, ["example.com/x"]))
             options = await sim.call_options("example.com/x")
             # One device on one NUMA node: GetPreferredAllocation cannot change the kubelet's
-            # pick, so it is not advertised (issue 15; tests/test_preferred_option.py).
+            # pick, so it is not advertised (tests/test_preferred_option.py).
             assert options == api.DevicePluginOptions(
                 pre_start_required=False, get_preferred_allocation_available=False)
 

@@ -1,6 +1,6 @@
 """check-config over the hostile corpus (tests/resources/hostile_configs.py): every case is
 exit 0 with a reason or exit 2 with one ``file: key: reason`` line; none is exit 1 or a
-traceback (issue 11, "What must be shown")."""
+traceback."""
 
 from __future__ import annotations
 

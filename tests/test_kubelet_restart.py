@@ -1,4 +1,4 @@
-"""Kubelet restarts as the real kubelet does them (issue 10): a Register in flight when it
+"""Kubelet restarts as the real kubelet does them: a Register in flight when it
 stops, its dead socket left behind for an outage, every socket wiped at start. Every resource
 must be back within 100 ms of the new kubelet.sock, with one or two Register calls each."""
 

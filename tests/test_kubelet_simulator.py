@@ -326,7 +326,7 @@ def test_register_deadline_bounds_the_options_call(short_dir, run):
 
 
 def test_before_1_35_the_kubelet_registers_a_plugin_whose_register_timed_out(short_dir, run):
-    """Facts §8: with a background context (1.32) the options call outlives the plugin's
+    """With a background context (1.32) the options call outlives the plugin's
     deadline: the plugin sees DEADLINE_EXCEEDED and is registered all the same."""
 
     async def scenario():

@@ -1,5 +1,5 @@
 """What the daemon's start-up path imports: modules that only some commands or settings need
-load when they are used (issue 15), so ``device-plugin-host run`` starts close to what a bare
+load when they are used, so ``device-plugin-host run`` starts close to what a bare
 grpc process costs. Each check runs in a fresh interpreter and reads its sys.modules."""
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ def test_reload_keeps_unchanged_streams_adds_and_removes(short_dir, run, tmp_pat
             assert (keep.registrations, keep.endpoint, keep.snapshots) == keep_state
             assert keep.connected
             # Changed replicas: a new snapshot, and one registration more, since replicas turn
-            # GetPreferredAllocation on (issue 15: a change of that option re-registers).
+            # GetPreferredAllocation on (a change of that option re-registers).
             assert sim.resources["example.com/grow"].registrations == grow_registrations + 1
             assert "example.com/gone" not in app.served()
 

@@ -1,4 +1,4 @@
-"""Link state reaches the kubelet through rtnetlink (issue 10.4): ``ip link set down/up``
+"""Link state reaches the kubelet through rtnetlink: ``ip link set down/up``
 has no uevent, so without RTMGRP_LINK a PF going down waits for the 300 s safety rescan.
 
 Real kernel, real veth pair in a network namespace this test makes (and deletes), the real

@@ -1,4 +1,4 @@
-"""plugin_dir problems say what is wrong (issue 11.8): a regular file is a config error at
+"""plugin_dir problems say what is wrong: a regular file is a config error at
 start; missing, read-only or full is one log line with the path and the OS reason (JSON with
 ``log_format = "json"``, gRPC's own lines included), then retried with backoff until it works.
 

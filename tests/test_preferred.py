@@ -1,7 +1,7 @@
 """GetPreferredAllocation refuses what the kubelet never sends, with a reason: a must-include
 id outside the available list, or a size larger than that list (the kubelet's own requests
 always list must-include ids among the available ones and never ask for more than it has
-candidates for: kubelet-device-plugin-facts.md, Allocate flow step 2)."""
+candidates for)."""
 
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ def test_the_program_entry_points_still_apply_the_grpc_settings_before_grpc_load
         "import host.app  # the daemon's half: grpc loads here, after the entry point ran\n"
         "print(json.dumps([during, seen.get('at_grpc'),\n"
         "                  os.environ.get('GRPC_ENABLE_FORK_SUPPORT')]))")
-    # check-config needs no grpc at all (issue 15: every command pays only for what it uses).
+    # check-config needs no grpc at all (every command imports only what it uses).
     assert seen == ["not loaded", "ERROR", "false"]
     seen = _fresh(
         "import json, os, runpy, sys\n"
@@ -83,7 +83,7 @@ def test_the_program_entry_points_still_apply_the_grpc_settings_before_grpc_load
         "import host.app  # the daemon's half: grpc loads here, after the entry point ran\n"
         "print(json.dumps([during, seen.get('at_grpc'),\n"
         "                  os.environ.get('GRPC_ENABLE_FORK_SUPPORT')]))")
-    # check-config needs no grpc at all (issue 15: every command pays only for what it uses).
+    # check-config needs no grpc at all (every command imports only what it uses).
     assert seen == ["not loaded", "ERROR", "false"]
     # An operator's own value wins.
     seen = _fresh("import json, os\nfrom host.process import configure_process\n"
@@ -177,3 +177,23 @@ def test_the_collector_is_off_only_while_the_program_starts():
         "host.process.pause_collector()\n"
         "print(json.dumps(gc.isenabled()))")
     assert seen is False
+
+
+def test_the_built_in_drivers_import_only_the_public_api_and_their_own_modules():
+    """Every built-in driver is written against ``device_plugin_host`` alone, as a third
+    party's would be: no ``host.*`` import, and no other built-in's modules."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "drivers").rglob("*.py")):
+        own = "drivers." + path.relative_to(REPO / "drivers").parts[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom)
+                     and not node.level else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top == "host" or (top == "drivers" and name != own
+                                     and not name.startswith(own + ".")):
+                    found.append(f"{path.relative_to(REPO)}: {name}")
+    assert not found, found

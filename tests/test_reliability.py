@@ -44,7 +44,7 @@ def _serving(sim, names):
 # -- churn ------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_100_kubelet_restarts_with_outages_leave_idle_cpu_and_fds_unchanged(short_dir, run):
-    """Issue 10: restarts the kubelet's way (dead socket left for an outage, or gone; now and
+    """Restarts the kubelet's way (dead socket left for an outage, or gone; now and
     then a Register in flight at stop). Afterwards the host idles as before: no retry timer
     spinning, no channel reconnecting in the background, no descriptor left behind."""
     names = [f"example.com/o{i}" for i in range(8)]

@@ -1,5 +1,5 @@
 """Live reload against real files, a real inotify watch and the kubelet simulator: only a
-complete, valid file changes what is served (issue 11 items 5 and 6)."""
+complete, valid file changes what is served."""
 
 from __future__ import annotations
 
@@ -236,7 +236,7 @@ def test_a_reload_that_makes_two_resources_claim_one_gpu_is_rejected(
 def test_a_reload_naming_a_driver_not_loaded_at_start_loads_and_serves_it(
         tmp_path, short_dir, run):
     """`run` imports only the drivers its file names, and the host's own others only when a
-    reload needs them (issue 15: ~1.3 MB kept by importing all of them after start)."""
+    reload needs them."""
     from host.testing import fake_gpu
 
     root = tmp_path / "root"

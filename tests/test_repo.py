@@ -36,3 +36,16 @@ def test_builtin_drivers_come_through_the_public_entry_point_group():
     assert all(s.startswith("entry point") for s in registry.sources.values())
 
 
+
+
+def test_code_states_contracts_not_the_tracker_or_an_outside_sheet():
+    """Docstrings and comments say what holds, not which issue or unshipped document asked
+    for it: no "issue N" and no section of a facts sheet the repository does not carry."""
+    cited = re.compile(r"\bissue #?[0-9]|§[0-9]|facts\.md", re.I)
+    found = []
+    for top in ("host", "drivers", "device_plugin_host", "tests", "benchmarks"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if cited.search(line) and path.name != "test_repo.py":
+                    found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)

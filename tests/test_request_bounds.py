@@ -84,8 +84,8 @@ def test_a_flood_of_oversized_id_lists_is_refused_and_rss_stays_bounded(short_di
             assert client.returncode == 0
             codes = (await client.stdout.read()).decode().strip()
             assert codes == "['INVALID_ARGUMENT']"
-            # 100 requests of 3.2 MB, 16 at a time: the old host parsed and listed every one
-            # (peak +610 MB); now gRPC holds the raw bytes of those in flight, nothing more.
+            # 100 requests of 3.2 MB, 16 at a time: gRPC holds the raw bytes of those in flight,
+            # nothing is parsed or listed.
             assert peak - before < 200, f"RSS {before:.0f} MB -> peak {peak:.0f} MB"
 
     run(scenario(), timeout=120)

@@ -34,12 +34,20 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Sequence, Tuple
 
+from device_plugin_host import (
+    PCI_SELECTOR_TYPES,
+    Device,
+    DeviceNode,
+    Driver,
+    Health,
+    HostFS,
+    ResourceConfig,
+    SelectorError,
+    check_class_selector,
+    check_pci_selectors,
+    selector_values,
+)
 from drivers.accel.sysfs import AccelMinor, scan_minors
-from host.driver import Driver, SelectorError, selector_values
-from host.hostfs import HostFS
-from host.model import Device, DeviceNode, Health, ResourceConfig
-from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors
-from host.pci_class import check_class_selector
 
 log = logging.getLogger(__name__)
 

@@ -34,10 +34,17 @@ import re
 from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from host.chardev import dev_node_path, parent_device
-from host.hostfs import HostFS, is_pci_address
-from host.pci import PciFunction, read_function
-from host.rdma_chardev import CharDevice, parent_of, scan_char_devices
+from device_plugin_host import (
+    HostFS,
+    PciFunction,
+    RdmaCharDevice,
+    dev_node_path,
+    is_pci_address,
+    parent_device,
+    parent_of,
+    read_function,
+    scan_char_devices,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +62,7 @@ class CardRdma:
     """An RDMA device whose parent is the card, with its verbs char devices."""
 
     name: str  # hbl_0
-    verbs: Tuple[CharDevice, ...]  # uverbsN: node path and presence
+    verbs: Tuple[RdmaCharDevice, ...]  # uverbsN: node path and presence
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,7 @@ import posixpath
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from host.hostfs import HostFS
-from host.pci import PciFunction, read_function
+from device_plugin_host import HostFS, PciFunction, read_function
 
 log = logging.getLogger(__name__)
 

@@ -19,19 +19,24 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from drivers.fpga.dfl import ALL_ONES, DflRegion, normalise_uuid, scan_dfl
-from drivers.fpga.prestart import run_program
-from drivers.fpga.xrt import XrtCard, scan_xrt
-from host.driver import Driver, SelectorError, selector_values
-from host.hostfs import HostFS
-from host.model import Device, DeviceNode, Health, ResourceConfig
-from host.pci import (
+from device_plugin_host import (
     PCI_SELECTOR_TYPES,
+    Device,
+    DeviceNode,
+    Driver,
+    Health,
+    HostFS,
     PciFunction,
+    ResourceConfig,
+    SelectorError,
     check_pci_selectors,
     list_functions,
     matches_pci,
+    selector_values,
 )
+from drivers.fpga.dfl import ALL_ONES, DflRegion, normalise_uuid, scan_dfl
+from drivers.fpga.prestart import run_program
+from drivers.fpga.xrt import XrtCard, scan_xrt
 
 log = logging.getLogger(__name__)
 

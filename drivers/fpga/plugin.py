@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import List
 
+from device_plugin_host import Driver, hookimpl
 from drivers.fpga.driver import FpgaDriver
-from host.driver import Driver
-from host.hookspecs import hookimpl
 
 
 @hookimpl

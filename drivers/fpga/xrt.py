@@ -17,9 +17,8 @@ import logging
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from device_plugin_host import HostFS, PciFunction, is_pci_address
 from drivers.fpga.dfl import FpgaNode
-from host.hostfs import HostFS, is_pci_address
-from host.pci import PciFunction
 
 log = logging.getLogger(__name__)
 

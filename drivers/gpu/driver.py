@@ -58,6 +58,27 @@ import re
 from dataclasses import replace
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+from device_plugin_host import (
+    PCI_SELECTOR_TYPES,
+    ContainerAllocation,
+    Device,
+    DeviceNode,
+    Driver,
+    Health,
+    HostFS,
+    Mount,
+    PciFunction,
+    PreferredRequest,
+    ResourceConfig,
+    SelectorError,
+    check_class_selector,
+    check_pci_selectors,
+    class_matches,
+    class_patterns,
+    list_functions,
+    pci_matcher,
+    selector_values,
+)
 from drivers.gpu import amd
 from drivers.gpu.drm import drm_nodes
 from drivers.gpu.kfd import KfdNode, TopologyCache
@@ -71,24 +92,6 @@ from drivers.gpu.nvidia import (
     read_information,
 )
 from drivers.gpu.nvml import NvmlSource, NvmlView, PynvmlSource
-from host.driver import Driver, SelectorError, selector_values
-from host.hostfs import HostFS
-from host.model import (
-    ContainerAllocation,
-    Device,
-    DeviceNode,
-    Health,
-    Mount,
-    PreferredRequest,
-    ResourceConfig,
-)
-from host.pci import (
-    PCI_SELECTOR_TYPES,
-    PciFunction,
-    check_pci_selectors,
-    list_functions,
-    matches_pci,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +118,6 @@ PASSTHROUGH_ATTRIBUTE = "passthrough"
 KUBEVIRT_ENV_PREFIX = "PCI_RESOURCE"
 
 _NVIDIA_NODE = re.compile(r"nvidia(\d+)\Z")
-_HEX = re.compile(r"[0-9a-f]+\Z")
 
 
 MIG_STRATEGIES = ("none", "single", "mixed")
@@ -160,13 +162,7 @@ class GpuDriver(Driver):
     def check_selectors(self, selectors: Mapping[str, object]) -> None:
         super().check_selectors(selectors)
         check_pci_selectors(selectors)
-        for value in selector_values(selectors, "class") or []:
-            if _class_pattern(str(value)) is None:
-                raise SelectorError(
-                    "class",
-                    f'{value!r} is not a PCI class: use 2, 4 or 6 hex digits ("0x03" base'
-                    ' class, "0x0302" class and subclass, "0x030200" with prog-if)',
-                )
+        check_class_selector(selectors)
         for value in selector_values(selectors, "partition_mode") or []:
             problem = amd.mode_selector_error(str(value))
             if problem is not None:
@@ -277,7 +273,8 @@ class GpuDriver(Driver):
     def select(self, inventory: GpuInventory, resource: ResourceConfig) -> Sequence[Device]:
         selectors = resource.selectors
         named_drivers = selector_values(selectors, "kernel_driver") or []
-        patterns = [_class_pattern(str(v)) for v in selector_values(selectors, "class") or []]
+        patterns = class_patterns(selectors)
+        pci_matches = pci_matcher(selectors)
         modes = [str(v) for v in selector_values(selectors, "partition_mode") or []]
         strategy = str(resource.settings.get("mig_strategy", "none"))
         mig_resource = any(key in selectors for key in MIG_SELECTORS)
@@ -297,9 +294,8 @@ class GpuDriver(Driver):
             if verdict is None:
                 verdict = verdicts[fn.address] = (
                     (not entry.passthrough or fn.kernel_driver in named_drivers)
-                    and matches_pci(fn, selectors)
-                    and (not patterns or any(
-                        p is not None and _class_matches(fn.pci_class, p) for p in patterns))
+                    and pci_matches(fn)
+                    and class_matches(fn.pci_class, patterns)
                 )
             if not verdict:
                 continue
@@ -405,20 +401,6 @@ def _is_gpu(host: HostFS, fn: PciFunction) -> bool:
 def _is_passthrough(fn: PciFunction) -> bool:
     name = fn.kernel_driver or ""
     return name in PASSTHROUGH_DRIVERS or "vfio" in name
-
-
-def _class_pattern(text: str) -> Optional[Tuple[int, int]]:
-    """("0x03" -> (0x03, 16)): the value and how far to shift the 24-bit class to compare."""
-    text = text.strip().lower()
-    digits = text[2:] if text.startswith("0x") else text
-    if len(digits) not in (2, 4, 6) or not _HEX.match(digits):
-        return None
-    return int(digits, 16), 24 - 4 * len(digits)
-
-
-def _class_matches(pci_class: Optional[int], pattern: Tuple[int, int]) -> bool:
-    value, shift = pattern
-    return pci_class is not None and pci_class >> shift == value
 
 
 def _mig_matches(device: Device, selectors: Mapping[str, object]) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple, Tuple
 
-from host.hostfs import HostFS
+from device_plugin_host import HostFS
 
 _CARD = re.compile(r"card(\d+)\Z")
 _RENDER = re.compile(r"renderD(\d+)\Z")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import AbstractSet, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
 
-from host.hostfs import HostFS
+from device_plugin_host import HostFS
 
 TOPOLOGY = "/sys/class/kfd/kfd/topology/nodes"
 IOLINK_XGMI = 11

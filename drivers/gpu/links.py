@@ -21,8 +21,7 @@ from __future__ import annotations
 import itertools
 from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
-from host.allocation import natural_key
-from host.model import Device
+from device_plugin_host import Device, natural_key
 
 LINK_ATTRIBUTES = ("xgmi_peers", "nvlink_peers")
 MAX_GPUS_RANKED = 12  # 4096 subsets at most (~10 ms); a node has 8

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
-from host.hostfs import HostFS
+from device_plugin_host import HostFS
 
 CAPABILITIES = "/proc/driver/nvidia/capabilities"
 MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"

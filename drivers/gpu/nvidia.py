@@ -29,8 +29,7 @@ import re
 from dataclasses import replace
 from typing import Dict, Mapping, NamedTuple, Optional
 
-from host.hostfs import HostFS
-from host.model import Device
+from device_plugin_host import Device, HostFS
 
 PROC_GPUS = "/proc/driver/nvidia/gpus"
 

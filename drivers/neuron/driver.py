@@ -32,11 +32,19 @@ import logging
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from device_plugin_host import (
+    Device,
+    DeviceNode,
+    Driver,
+    Health,
+    HostFS,
+    PreferredRequest,
+    ResourceConfig,
+    SelectorError,
+    selector_values,
+)
 from drivers.neuron.sysfs import NeuronDevice, NeuronScan, scan
 from drivers.neuron.topology import connected_preferred, cores_preferred
-from host.driver import Driver, SelectorError, selector_values
-from host.hostfs import HostFS
-from host.model import Device, DeviceNode, Health, PreferredRequest, ResourceConfig
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,15 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from host.chardev import dev_node_path, parent_device
-from host.hostfs import HostFS, is_pci_address
-from host.pci import PciFunction, list_functions, read_function
+from device_plugin_host import (
+    HostFS,
+    PciFunction,
+    dev_node_path,
+    is_pci_address,
+    list_functions,
+    parent_device,
+    read_function,
+)
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from host.model import Device
+from device_plugin_host import Device
 
 
 def neighbours_of(devices: Sequence[Device]) -> Dict[str, Set[str]]:

@@ -31,18 +31,26 @@ import logging
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
-from host.chardev import CharDevice, CharIndex, dev_node_path
-from host.driver import Driver, SelectorError, selector_values
-from host.hostfs import HostFS, is_pci_address
-from host.model import Device, DeviceNode, Health, ResourceConfig
-from host.pci import (
+from device_plugin_host import (
     PCI_SELECTOR_TYPES,
+    AttributeTest,
+    CharDevice,
+    CharIndex,
+    Device,
+    DeviceNode,
+    Driver,
+    Health,
+    HostFS,
     PciFunction,
+    ResourceConfig,
+    SelectorError,
+    check_class_selector,
     check_pci_selectors,
+    dev_node_path,
+    is_pci_address,
     list_functions,
+    selector_values,
 )
-from host.pci_class import check_class_selector
-from host.selectors import AttributeTest
 
 log = logging.getLogger(__name__)
 

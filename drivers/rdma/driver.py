@@ -26,17 +26,23 @@ import posixpath
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from drivers.rdma.sysfs import LINK_LAYERS, IbDevice, count_by_parent, list_ib_devices
-from host.driver import Driver, SelectorError, selector_values
-from host.hostfs import HostFS
-from host.model import Device, DeviceNode, Health, ResourceConfig
-from host.pci import (
+from device_plugin_host import (
     PCI_SELECTOR_TYPES,
+    Device,
+    DeviceNode,
+    Driver,
+    Health,
+    HostFS,
     PciFunction,
+    RdmaCharDevice,
+    ResourceConfig,
+    SelectorError,
     check_pci_selectors,
     read_function,
+    scan_char_devices,
+    selector_values,
 )
-from host.rdma_chardev import CharDevice, scan_char_devices
+from drivers.rdma.sysfs import LINK_LAYERS, IbDevice, count_by_parent, list_ib_devices
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +68,8 @@ class Hca:
     id: str
     ib: IbDevice
     function: PciFunction
-    verbs: Tuple[CharDevice, ...]
-    umad: Tuple[CharDevice, ...]
+    verbs: Tuple[RdmaCharDevice, ...]
+    umad: Tuple[RdmaCharDevice, ...]
 
     @property
     def problem(self) -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import List
 
+from device_plugin_host import hookimpl
 from drivers.rdma.driver import RdmaDriver
-from host.hookspecs import hookimpl
 
 
 @hookimpl

@@ -14,8 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from host.hostfs import HostFS
-from host.rdma_chardev import parent_of
+from device_plugin_host import HostFS, parent_of
 
 log = logging.getLogger(__name__)
 

@@ -44,8 +44,26 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field, replace
-from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Hashable, List, Mapping, Optional, Sequence, Tuple
 
+from device_plugin_host import (
+    PCI_SELECTOR_TYPES,
+    AttributeTest,
+    ContainerAllocation,
+    Device,
+    DeviceNode,
+    Driver,
+    Health,
+    HostFS,
+    RdmaCharIndex,
+    ResourceConfig,
+    SelectorError,
+    TransitionLog,
+    check_pci_selectors,
+    scan_char_devices,
+    selector_values,
+    write_device_info,
+)
 from drivers.sriov.qat import QatPf, parse_services, read_qat
 from drivers.sriov.selectors import index_ranges, parse_pf
 from drivers.sriov.sysfs import (
@@ -54,13 +72,6 @@ from drivers.sriov.sysfs import (
     VirtualFunction,
     list_virtual_functions,
 )
-from host import devinfo
-from host.driver import Driver, SelectorError, normalise_hex_ids, selector_values
-from host.health import TransitionLog
-from host.hostfs import HostFS
-from host.model import ContainerAllocation, Device, DeviceNode, Health, ResourceConfig
-from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors
-from host.rdma_chardev import CharIndex, scan_char_devices
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +197,9 @@ class VfRecord:
 class SriovInventory:
     vfs: Tuple[VfRecord, ...] = ()
     qat: Mapping[str, QatPf] = field(default_factory=dict)  # per QAT PF address
+    # Each VF's attributes (``vfs`` order), built once per scan: what selectors are matched
+    # against and what its Device carries, in every resource.
+    attributes: Tuple[Mapping[str, str], ...] = ()
 
 
 @functools.lru_cache(maxsize=8192)
@@ -214,7 +228,7 @@ def _vfio(host: HostFS, vf: VirtualFunction) -> Tuple[List[DeviceNode], List[str
     return nodes, problems
 
 
-def _rdma(vf: VirtualFunction, chars: CharIndex) -> Tuple[List[DeviceNode], List[str], bool]:
+def _rdma(vf: VirtualFunction, chars: RdmaCharIndex) -> Tuple[List[DeviceNode], List[str], bool]:
     nodes, problems = [], []
     sole = len(vf.rdma_devices) == 1
     has_verbs = False
@@ -239,7 +253,7 @@ def _rdma(vf: VirtualFunction, chars: CharIndex) -> Tuple[List[DeviceNode], List
     return nodes, problems, has_verbs
 
 
-def build_record(host: HostFS, vf: VirtualFunction, chars: Optional[CharIndex]) -> VfRecord:
+def build_record(host: HostFS, vf: VirtualFunction, chars: Optional[RdmaCharIndex]) -> VfRecord:
     driver = vf.function.kernel_driver
     nodes: List[DeviceNode] = []
     problems: List[str] = []
@@ -304,6 +318,26 @@ class SriovDriver(Driver):
     def __init__(self) -> None:
         # What was last logged about each PF link and VF: health lines on change only.
         self._health_log = TransitionLog(log)
+
+    # -- selection: the SR-IOV keys that are more than one attribute -------------------------
+    def selector_test(self, key: str, values: Sequence[object]) -> AttributeTest:
+        if key == "pf_name":
+            return _pf_test(values, "pf_name", short=False)
+        if key == "pf_pci_address":
+            return _pf_test(values, "pf_pci_address", short=True)
+        if key == "vf_index":
+            return _vf_index_test(values)
+        if key == "link_type":
+            types = {str(v).lower() for v in values}
+            return lambda attributes: attributes.get("link_type") in types
+        if key == "rdma":
+            wanted = {bool(v) for v in values}
+            return lambda attributes: ("rdma_device" in attributes) in wanted
+        if key == "qat_services":
+            return _qat_services_test(values)
+        if key == "vgpu_type":
+            return _vgpu_type_test(values)
+        return super().selector_test(key, values)
 
     # -- configuration -----------------------------------------------------------------
     def check_selectors(self, selectors: Mapping[str, object]) -> None:
@@ -370,13 +404,14 @@ class SriovDriver(Driver):
         if any(r.mode == VGPU for r in records):
             records = _with_vgpu_names(host, records)
         qat = {address: facts for address, facts in seen.items() if facts is not None}
-        inventory = SriovInventory(vfs=tuple(records), qat=qat)
+        attributes = tuple(r.attributes(qat.get(r.vf.pf.function.address)) for r in records)
+        inventory = SriovInventory(vfs=tuple(records), qat=qat, attributes=attributes)
         self._log_links(inventory)
         return inventory
 
     def _log_links(self, inventory: SriovInventory) -> None:
         """One line when a PF's link goes down (with how many VFs it takes), one when it is
-        back: not one per VF per scan per resource (issues 10.5, 11.16)."""
+        back: not one per VF per scan per resource."""
         pfs: Dict[str, Tuple[str, int]] = {}
         for record in inventory.vfs:
             netdev = record.vf.pf.netdev
@@ -401,15 +436,14 @@ class SriovDriver(Driver):
         key = env_name(resource.name)
         want_rdma = resource.selectors.get("rdma")
         iommufd = _iommufd(resource)
-        matches = _Matcher(resource.selectors)
+        matches = self.matcher(resource.selectors)
         qat_problems = {address: facts.problem(address) for address, facts in
                         inventory.qat.items()}
         out = []
         qat_vfs: Dict[str, int] = {}  # QAT PF address -> how many of its VFs this resource has
-        for record in inventory.vfs:
+        for record, attributes in zip(inventory.vfs, inventory.attributes):
             pf_address = record.vf.pf.function.address
-            qat = inventory.qat.get(pf_address)
-            if not matches(record, qat):
+            if not matches(attributes):
                 continue
             problem = record.problem
             pf_down = qat_problems.get(pf_address)
@@ -448,7 +482,7 @@ class SriovDriver(Driver):
                     numa_nodes=record.vf.function.numa_nodes,
                     device_nodes=nodes,
                     env=env,
-                    attributes=record.attributes(qat),
+                    attributes=dict(attributes),
                 )
             )
         # A QAT PF's own problem (down, firmware heartbeat) reads the same for each of its
@@ -475,16 +509,7 @@ class SriovDriver(Driver):
         envs = dict(merged.envs)
         envs[env_name(resource.name) + "_INFO"] = json.dumps(
             {d.id: extra_info(d) for d in devices}, separators=(",", ":"), sort_keys=True)
-        if devinfo.enabled(resource):
-            directory = devinfo.directory_of(resource)
-            for device in devices:
-                info = devinfo.info_from_device(device)
-                try:
-                    devinfo.write(directory, resource.name, device.id, info)
-                except OSError as error:
-                    raise RuntimeError(
-                        f"cannot write the device-info file of {device.id} in {directory}: "
-                        f"{error.strerror or error}") from None
+        write_device_info(resource, devices)
         return replace(merged, envs=envs)
 
 
@@ -597,71 +622,57 @@ def _short(address: str) -> str:
     return address[5:] if address.startswith("0000:") else address
 
 
-class _Matcher:
-    """A resource's selectors parsed once per select, not once per VF (a QAT node has 256
-    VFs and three pools: parsing per VF was a fifth of discovery)."""
+def _pf_test(values: Sequence[object], attribute: str, short: bool) -> AttributeTest:
+    """``pf_name`` / ``pf_pci_address``: the PF (by interface, or by address in either form)
+    with an optional ``#<VF ranges>`` suffix."""
+    pfs = [parse_pf(str(v)) for v in values]
 
-    def __init__(self, selectors: Mapping[str, object]) -> None:
-        self.vendors = normalise_hex_ids(selector_values(selectors, "vendor"))
-        self.devices = normalise_hex_ids(selector_values(selectors, "device"))
-        self.drivers = selector_values(selectors, "kernel_driver")
-        addresses = selector_values(selectors, "pci_address")
-        self.addresses = None if addresses is None else {str(a) for a in addresses}
-        pf_names = selector_values(selectors, "pf_name")
-        self.pf_names = None if pf_names is None else [parse_pf(str(v)) for v in pf_names]
-        pf_addresses = selector_values(selectors, "pf_pci_address")
-        self.pf_addresses = (None if pf_addresses is None
-                             else [parse_pf(str(v)) for v in pf_addresses])
-        indexes = selector_values(selectors, "vf_index")
-        self.indexes = None if indexes is None else [index_ranges(v) for v in indexes]
-        link_types = selector_values(selectors, "link_type")
-        self.link_types = None if link_types is None else {str(v).lower() for v in link_types}
-        rdma = selectors.get("rdma")
-        self.rdma = None if rdma is None else bool(rdma)
-        self.pf_drivers = selector_values(selectors, "pf_kernel_driver")
-        services = selector_values(selectors, "qat_services")
-        self.services = None if services is None else [parse_services(str(v)) for v in services]
-        vgpu_types = selector_values(selectors, "vgpu_type")
-        self.vgpu_types = None if vgpu_types is None else {vgpu_key(str(v)) for v in vgpu_types}
+    def test(attributes: Mapping[str, str]) -> bool:
+        pf = attributes.get(attribute)
+        index = attributes.get("vf_index")
+        if pf is None or index is None:
+            return False
+        names = (pf, _short(pf)) if short else (pf,)
+        return any(selector.matches(names, int(index)) for selector in pfs)
 
-    def __call__(self, record: VfRecord, qat: Optional[QatPf]) -> bool:
-        vf = record.vf
-        function = vf.function
-        if self.vendors is not None and function.vendor not in self.vendors:
+    return test
+
+
+@functools.lru_cache(maxsize=64)
+def _services(text: str) -> FrozenSet[str]:
+    """A PF's ``qat_services`` attribute parsed (read_qat keeps only values that parse)."""
+    return parse_services(text)
+
+
+def _vf_index_test(values: Sequence[object]) -> AttributeTest:
+    ranges = [index_ranges(v) for v in values]
+
+    def test(attributes: Mapping[str, str]) -> bool:
+        index = attributes.get("vf_index")
+        return index is not None and any(int(index) in r for r in ranges)
+
+    return test
+
+
+def _qat_services_test(values: Sequence[object]) -> AttributeTest:
+    wanted = [parse_services(str(v)) for v in values]
+
+    def test(attributes: Mapping[str, str]) -> bool:
+        services = attributes.get("qat_services")
+        return services is not None and _services(services) in wanted
+
+    return test
+
+
+def _vgpu_type_test(values: Sequence[object]) -> AttributeTest:
+    """A configured type (never "0") whose id or name (whitespace as "_") is selected."""
+    wanted = {vgpu_key(str(v)) for v in values}
+
+    def test(attributes: Mapping[str, str]) -> bool:
+        type_id = attributes.get("vgpu_type_id")
+        if type_id is None or type_id in NO_VGPU_TYPE:
             return False
-        if self.devices is not None and function.device not in self.devices:
-            return False
-        if self.drivers is not None and function.kernel_driver not in self.drivers:
-            return False
-        if self.addresses is not None and not (
-                function.address in self.addresses
-                or _short(function.address) in self.addresses):
-            return False
-        if self.pf_names is not None:
-            names: Tuple[str, ...] = (vf.pf.netdev.name,) if vf.pf.netdev else ()
-            if not any(pf.matches(names, vf.index) for pf in self.pf_names):
-                return False
-        if self.pf_addresses is not None:
-            address = vf.pf.function.address
-            names = (address, _short(address))
-            if not any(pf.matches(names, vf.index) for pf in self.pf_addresses):
-                return False
-        if self.indexes is not None and not any(vf.index in r for r in self.indexes):
-            return False
-        if self.link_types is not None and vf.link_type not in self.link_types:
-            return False
-        if self.rdma is not None and bool(vf.rdma_devices) != self.rdma:
-            return False
-        if self.pf_drivers is not None and vf.pf.function.kernel_driver not in self.pf_drivers:
-            return False
-        if self.services is not None:
-            have = qat.service_set if qat is not None else None
-            if have is None or have not in self.services:
-                return False
-        if self.vgpu_types is not None:
-            type_id = vf.vgpu_type
-            if type_id is None or type_id in NO_VGPU_TYPE or not (
-                    type_id in self.vgpu_types
-                    or (record.vgpu_name and vgpu_key(record.vgpu_name) in self.vgpu_types)):
-                return False
-        return True
+        name = attributes.get("vgpu_type")
+        return type_id in wanted or bool(name and vgpu_key(name) in wanted)
+
+    return test

@@ -20,8 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import FrozenSet, Optional, Set
 
-from host.hostfs import HostFS
-from host.pci import PciFunction
+from device_plugin_host import HostFS, PciFunction
 
 #: Service names the kernel accepts in cfg_services (adf_cfg_services.c) and "cy" as Intel's
 #: plugin and qatlib call sym+asym.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from host.selectors import IndexRanges, parse_ranges
+from device_plugin_host import IndexRanges, parse_ranges
 
 __all__ = ["IndexRanges", "PfSelector", "index_ranges", "parse_pf", "parse_ranges"]
 

@@ -14,8 +14,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from host.hostfs import HostFS
-from host.pci import PCI_DEVICES, PciFunction, read_function
+from device_plugin_host import PCI_DEVICES, HostFS, PciFunction, read_function
 
 log = logging.getLogger(__name__)
 

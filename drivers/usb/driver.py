@@ -12,13 +12,22 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from device_plugin_host import (
+    Device,
+    DeviceNode,
+    Driver,
+    Health,
+    HostFS,
+    ResourceConfig,
+    SelectorError,
+    normalise_hex_ids,
+    replicate,
+    selector_values,
+)
 from drivers.usb.sysfs import NODE_KINDS, UsbDevice, port_sort_key, scan_usb
-from host.driver import Driver, SelectorError, normalise_hex_ids, selector_values
-from host.hostfs import HostFS
-from host.model import Device, DeviceNode, Health, ResourceConfig
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +138,7 @@ class UsbDriver(Driver):
         for usb in matched:
             device = _device(usb, inventory.ids[usb.name], kinds)
             if shared > 1:
-                out.extend(replace(device, id=f"{device.id}::{k}") for k in range(shared))
+                out.extend(replicate(device, shared))
             else:
                 out.append(device)
         return out

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from host.hostfs import HostFS
+from device_plugin_host import HostFS
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The kubelet calls NodeUnprepareResources for a claim long after it was prepared, perhaps to
 a host process started since; and it calls NodePrepareResources again after its own restart,
-expecting the same devices (facts §3). So every prepared claim is recorded with what was
+expecting the same devices. So every prepared claim is recorded with what was
 returned and which CDI spec files it owns, and the file is replaced atomically before a
 prepare is answered. A damaged or unreadable checkpoint is moved aside (never silently
 reused) with one error line and the host starts with no prepared claims: unprepare of an
@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, Callable, Dict, List, Mapping, Optional, Tuple
 
-from host.dra.atomic import write_atomic
+from host.fileio import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +263,8 @@ class Checkpoint:
     def _save(self, claims: Dict[str, PreparedClaim]) -> None:
         document = {"version": FORMAT_VERSION, "boot_id": self.boot_id,
                     "claims": [asdict(claim) for claim in claims.values()]}
-        write_atomic(self.path, json.dumps(document, indent=1, sort_keys=True) + "\n", 0o600)
+        write_atomic(self.path, json.dumps(document, indent=1, sort_keys=True) + "\n",
+                     mode=0o600, durable=True, make_dirs=True)
         self._seen = self._stat()
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence, Set, Tuple
 
 from host.cdi import cdi_kind, device_name
-from host.dra.atomic import write_atomic
+from host.fileio import write_atomic
 from host.model import ContainerAllocation, Device, DeviceNode, Mount
 
 FILE_PREFIX = "device-plugin-host-claim_"
@@ -166,4 +166,5 @@ def build_claim_spec(
 
 def write_claim_spec(path: str, spec: Dict[str, Any]) -> None:
     """Raises OSError; runtimes (and `cdi list`) must be able to read it: 0644."""
-    write_atomic(path, json.dumps(spec, indent=2, sort_keys=True) + "\n", 0o644)
+    write_atomic(path, json.dumps(spec, indent=2, sort_keys=True) + "\n", mode=0o644,
+                 durable=True, make_dirs=True)

@@ -6,7 +6,7 @@ end then updates the pool the DRA service prepares from and tells the slice publ
 both kubelet APIs see the same Device records. One DRA driver name may carry several
 resources (several pools); each driver name gets one DRA service and one plugin-watcher
 registration. Every (re-)registration republishes the slices, because a kubelet start wipes
-every ResourceSlice of the node (facts §4) and registers us again afterwards.
+every ResourceSlice of the node and registers us again afterwards.
 """
 
 from __future__ import annotations

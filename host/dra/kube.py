@@ -1,12 +1,8 @@
 """A small async client for the few Kubernetes API calls the host makes.
 
-Why our own over the official clients (measured on this machine, import of the client alone,
-over a bare python with ssl+json+asyncio: 36 ms / 10.9 MiB):
-  kubernetes 37 (+ResourceV1Api):  +290..340 ms, +40 MiB, 616 modules, and synchronous
-      (urllib3), so every call would need a worker thread to keep the event loop free;
-  kubernetes-asyncio 36 (aiohttp): +320..380 ms, +63 MiB, 1261 modules;
-  httpx 0.28:                      +55 ms total, +14.4 MiB total, 179 modules.
-We need six REST calls on raw JSON (the publisher compares JSON, the DRA service reads
+It is built on httpx rather than the official clients (kubernetes is synchronous; both it
+and kubernetes-asyncio import hundreds of modules). We need six REST calls on raw JSON (the
+publisher compares JSON, the DRA service reads
 status.allocation as JSON), so generated model classes would only be converted back. httpx is
 async, well kept, does TLS through the standard ssl module, pools connections and has timeouts.
 
@@ -16,9 +12,6 @@ source does, because the kubelet rotates projected tokens; the CA bundle of the 
 account), or a kubeconfig file (current-context; server, certificate-authority[-data],
 insecure-skip-tls-verify, token, tokenFile, client-certificate[-data]/client-key[-data]; paths
 relative to the file).
-
-Near 400 lines: the configuration rules (in-cluster, kubeconfig) and the six calls with their
-error mapping are one client; split, each half would repeat the other's types.
 """
 
 from __future__ import annotations
@@ -409,9 +402,6 @@ class KubeClient:
                 raise KubeError(0, "Timeout", f"watch {path}: {err!r}") from err
             except httpx.RequestError as err:
                 raise KubeError(0, "Unavailable", f"watch {path}: {err!r}") from err
-
-    async def get_resource_slice(self, name: str) -> Dict[str, Any]:
-        return await self._call("GET", f"{RESOURCE_API}/resourceslices/{name}")
 
     async def create_resource_slice(self, obj: Dict[str, Any]) -> Dict[str, Any]:
         return await self._call("POST", f"{RESOURCE_API}/resourceslices", obj)

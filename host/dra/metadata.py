@@ -148,13 +148,13 @@ def write_request(data_dir: str, cdi_dir: str, driver: str, claim: Mapping[str, 
     host_file = file_path(data_dir, namespace, name, request)
     _make_dirs(os.path.join(data_dir, SUB_DIR), os.path.dirname(host_file))
     fileio.write_atomic(host_file, document(driver, claim, request_ref, devices, versions),
-                        FILE_MODE, fsync=True)
+                        mode=FILE_MODE, durable=True)
     spec, cdi_id = cdi_spec(driver, uid, request, host_file,
                             container_path(driver, name, request, pod_claim_name(claim)))
     path = spec_path(cdi_dir, driver, uid, request)
     os.makedirs(cdi_dir, mode=DIR_MODE, exist_ok=True)
-    fileio.write_atomic(path, json.dumps(spec, indent=2, sort_keys=True) + "\n", FILE_MODE,
-                        fsync=True)
+    fileio.write_atomic(path, json.dumps(spec, indent=2, sort_keys=True) + "\n",
+                        mode=FILE_MODE, durable=True)
     return [host_file, path], {path: spec}, cdi_id
 
 

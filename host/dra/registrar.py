@@ -7,7 +7,7 @@ dials each (10 s), calls ``GetInfo`` (1 s deadline), validates the answer with t
 socket deregisters the plugin. So each plugin here converges on one goal: *its service socket
 served, then its registration socket served*, in that order, because a registration whose
 endpoint does not answer yet makes the kubelet's first calls fail with Unavailable and gRPC's
-reconnect backoff delays recovery by seconds (facts §2). A wiped or replaced socket of ours is
+reconnect backoff delays recovery by seconds. A wiped or replaced socket of ours is
 noticed by inotify and served again; a new service socket also gets a fresh registration
 socket, whose create event makes the kubelet register the new endpoint at once.
 
@@ -153,7 +153,6 @@ class _Registration(registration_grpc.RegistrationServicer):
 
     async def GetInfo(self, request: reg_api.InfoRequest,
                       context: grpc.aio.ServicerContext) -> reg_api.PluginInfo:
-        self._endpoint.info_calls += 1
         return self._endpoint.info
 
     async def NotifyRegistrationStatus(
@@ -194,7 +193,6 @@ class PluginWatcherEndpoint:
         self.ever_registered = False  # the kubelet has accepted this endpoint at least once
         self.last_error: Optional[str] = None
         self.registrations = 0
-        self.info_calls = 0
         self._dirty = asyncio.Event()
         self._task: Optional[asyncio.Task] = None
         self._retry: Optional[asyncio.TimerHandle] = None

@@ -1,6 +1,6 @@
 """The DRA service of one driver: NodePrepareResources / NodeUnprepareResources, v1 and v1beta1.
 
-The kubelet sends only {namespace, name, uid} per claim (facts §3), so each claim is read from
+The kubelet sends only {namespace, name, uid} per claim, so each claim is read from
 the API server, its allocation results for our driver are mapped back to Device records of our
 pools, the driver's allocate / pre_start hooks run isolated under timeouts (as for the device
 plugin side), a CDI spec is written per claim and resource, the claim is checkpointed, and the
@@ -25,6 +25,9 @@ A device shared by several claims (``replicas``, host.dra.sharing) is prepared p
 result's ``shareID`` is returned as ``share_id``, each share gets a CDI entry of its own, and
 no more shares of a device are handed out than it has. With device metadata on
 (host.dra.metadata), each request's devices are also described in a file mounted by CDI.
+
+The per-claim steps (read, map, taints, overlap hold, hooks, CDI, checkpoint) run in the order
+the kubelet's DRA manager expects, and each error is reported for its claim.
 """
 
 from __future__ import annotations
@@ -52,7 +55,6 @@ import grpc
 
 from host import allocation
 from host.dra import claim_cdi, containers, hardware, metadata, sharing, taints
-from host.dra.atomic import remove_file
 from host.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from host.dra.protocol import (
     DRA_HEALTH_SERVICE,
@@ -64,7 +66,8 @@ from host.dra.protocol import (
     dra_v1beta1,
 )
 from host.driver import Driver, implements
-from host.isolation import DriverCallError, DriverCalls
+from host.fileio import remove_file
+from host.isolation import DriverCallError, DriverCalls, driver_allocate, driver_pre_start
 from host.model import ContainerAllocation, Device, ResourceConfig
 
 log = logging.getLogger(__name__)
@@ -76,7 +79,6 @@ CLAIM_GET_TIMEOUT_S = 10.0  # well inside the kubelet's 45 s NodePrepareResource
 HEALTH_TIMEOUT_S = 60
 HEALTH_RESEND_S = 20.0
 HEALTH_MESSAGE_MAX = 1024
-PRE_START_TIMEOUT_S = 28.0
 MAX_CLAIMS_PER_CALL = 10_000
 
 
@@ -144,7 +146,6 @@ class DraService:
         self.allocate_timeout_s = allocate_timeout_s
         self.claim_get_timeout_s = claim_get_timeout_s
         self._locks: Dict[str, Tuple[asyncio.Lock, int]] = {}  # claim uid -> (lock, users)
-        self.prepared_calls = 0
         self.env_fallbacks = 0  # claims whose list-valued env stayed per request
         self.in_flight = 0  # prepare/unprepare calls being answered now
         self.last_call_end = 0.0  # time.monotonic() the last one was answered
@@ -271,7 +272,6 @@ class DraService:
                     device_name=device.device_name, cdi_device_ids=list(device.cdi_device_ids))
                 if device.share_id and "share_id" in added.DESCRIPTOR.fields_by_name:
                     added.share_id = device.share_id  # v1 only; v1beta1 has no field for it
-        self.prepared_calls += 1
         self._observe("prepare", started)
         return response
 
@@ -707,13 +707,10 @@ class DraService:
         driver, resource = pool.driver, pool.resource
         if implements(driver, "allocate"):
             try:
-                merged = await self.calls.call(driver.name, "allocate", self.allocate_timeout_s,
-                                               driver.allocate, resource, devices, merged)
+                merged = await driver_allocate(self.calls, driver, resource, devices, merged,
+                                               self.allocate_timeout_s)
             except DriverCallError as error:
                 raise ClaimError(str(error)) from None
-            if not isinstance(merged, ContainerAllocation):
-                raise ClaimError(f"driver {driver.name!r} allocate returned "
-                                 f"{type(merged).__name__}, not ContainerAllocation")
         return merged
 
     async def _hooks(self, pool: DraPool, devices: List[Device]) -> ContainerAllocation:
@@ -725,8 +722,7 @@ class DraService:
             needs = False
         if needs:
             try:
-                await self.calls.call(driver.name, "pre_start", PRE_START_TIMEOUT_S,
-                                      driver.pre_start, resource, devices)
+                await driver_pre_start(self.calls, driver, resource, devices)
             except DriverCallError as error:
                 raise ClaimError(str(error)) from None
         return merged

@@ -2,7 +2,7 @@
 
 ListAndWatch snapshots are assembled from per-device encoded bytes: a repeated message field is
 just its elements' encodings, each behind a tag and a length, so a 10,000-device snapshot is a
-join of cached byte strings instead of 10,000 Python message objects (63 ms against ~1 ms).
+join of cached byte strings instead of 10,000 Python message objects.
 """
 
 from __future__ import annotations

@@ -53,9 +53,7 @@ with the Status body the real server would send.
 convention) with the same helper methods (``SHARED_HELPERS``); the ``kube_api`` fixture starts
 it once per process and empties it for each test.
 
-Over 1,000 lines: one HTTP server with the registry's semantics (versions, conflicts, watches,
-failure injection) plus the envtest runner with the same helpers; its validation rules are
-already apart (resource_validation.py).
+Its validation rules are in resource_validation.py.
 """
 
 from __future__ import annotations

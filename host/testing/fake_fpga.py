@@ -14,8 +14,7 @@ XRT: two physical functions per card on one slot, the management PF bound to ``x
 bus << 8 | devfn, class dir ``xrt_mgmt``) and the user PF bound to ``xocl`` (``user_pf``,
 ``drm/renderD*`` and ``drm/cardN``; nodes /dev/dri/renderD*, /dev/dri/cardN).
 
-A little over 300 lines: the two card families' layouts (DFL, XRT) in one place, like the
-fpga driver that reads both.
+Both card families' layouts (DFL, XRT) are here, as the fpga driver reads both.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ nodes. AMD and Intel: the function bound to amdgpu / i915 / xe with ``drm/cardN`
 /dev/dri nodes (major 226); AMD adds /dev/kfd, Intel the /dev/dri/by-path links udev makes.
 Every piece can be left out to build the odd cases (driver not loaded, node not created).
 
-Near 500 lines: the three vendors' layouts and the AMD partition/KFD shapes in one place,
-like the gpu driver that reads them all.
+The three vendors' layouts and the AMD partition/KFD shapes are here, as the gpu driver
+reads them all.
 """
 
 from __future__ import annotations

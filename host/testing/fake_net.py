@@ -10,8 +10,7 @@ its own IOMMU group, and either a netdev driver with ``net/<ifname>`` or vfio-pc
 links, ``ibdev`` files, uevents and /dev nodes. Every helper returns what a test needs to
 break the tree afterwards (paths of nodes, links and attributes).
 
-A little over 300 lines: SR-IOV and RDMA share the PCI function and netdev builders, so they
-live in one module.
+SR-IOV and RDMA share the PCI function and netdev builders.
 """
 
 from __future__ import annotations

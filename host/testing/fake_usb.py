@@ -14,8 +14,7 @@ where the real drivers put them:
 with the /sys/class/{tty,hidraw,video4linux} links, /sys/bus/usb/devices links and the /dev
 nodes (/dev/bus/usb/BBB/DDD, major 189). Every piece can be left out for the odd cases.
 
-A little over 300 lines: one builder per kernel driver's layout, kept together so that each
-shape can be compared with the others and with the driver that reads it.
+One builder per kernel driver's layout.
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ DeviceAttributeMaxValueLength 64, ResourceSliceMaxAttributesAndCapacitiesPerDevi
 DeviceTaintsMaxLength 16). Error texts follow apimachinery's field.Error strings, because that
 is what an operator reads in our logs for a 422.
 
-Near 500 lines: it follows validation.go function by function, so it can be checked against
-it line by line; split, that correspondence would be lost.
+It follows validation.go function by function.
 """
 
 from __future__ import annotations

@@ -20,8 +20,6 @@ import posixpath
 from pathlib import Path
 from typing import Iterable, List, Optional, Union
 
-from host.capture import capture_tree  # noqa: F401  (the program's; re-exported for the kit)
-
 PathLike = Union[str, "os.PathLike[str]"]
 
 

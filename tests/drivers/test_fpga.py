@@ -21,12 +21,13 @@ from drivers.fpga.driver import (
 )
 from drivers.fpga.prestart import PreStartError
 from drivers.fpga.xrt import xrt_instance
+from host.capture import capture_tree
 from host.config import load_config
 from host.driver import SelectorError
 from host.hostfs import HostFS
 from host.model import Device, DeviceNode, Health, ResourceConfig
 from host.testing import fake_fpga as ff
-from host.testing.tree import FakeTree, capture_tree, load_machine
+from host.testing.tree import FakeTree, load_machine
 
 REPO = Path(__file__).resolve().parents[2]
 DFL = ResourceConfig("fpga.intel.com/dfl-port", "fpga", {"kind": "dfl"})

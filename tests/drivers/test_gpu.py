@@ -60,7 +60,7 @@ def test_nvidia_gpu_carries_its_minor_node_control_nodes_and_env(tree):
     device = devices_of(tree, NVIDIA_GPU)["0000:3b:00.0"]
 
     assert device.health is Health.HEALTHY, device.health_reason
-    assert node_paths(device) == [  # no /dev/nvidia-modeset by default (issue 11, item 16)
+    assert node_paths(device) == [  # no /dev/nvidia-modeset by default
         "/dev/nvidia3", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
     ]
     assert all(n.permissions == "rw" and n.container_path == n.host_path

@@ -198,7 +198,7 @@ def test_repartition_updates_the_advertisement_without_a_restart(tmp_path, short
 
 def test_capture_keeps_what_partition_discovery_reads(tmp_path):
     """A `device-plugin-host capture` of an MI300X node in CPX reproduces its partitions."""
-    from host.testing.tree import capture_tree
+    from host.capture import capture_tree
 
     machine = _machine(tmp_path / "real", [("CPX", "NPS4"), ("SPX", "NPS1")])
     lines = list(capture_tree(machine.tree.root, ("/dev/kfd", "/dev/dri/*")))

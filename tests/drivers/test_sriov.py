@@ -231,8 +231,8 @@ def test_pf_link_down_makes_its_vfs_unhealthy_until_it_comes_up(tree: FakeTree) 
 
 
 def test_pf_link_down_is_one_warning_per_pf_not_one_per_vf_or_per_scan(tree, caplog) -> None:
-    """Issue 11 item 16: a PF with 64 VFs whose link is down logged 64 identical lines on
-    every scan. One line names the PF and how many VFs it takes down; the next scan of the
+    """A PF with 64 VFs whose link is down logs one line, not 64 identical lines per
+    scan. One line names the PF and how many VFs it takes down; the next scan of the
     same driver says nothing new; once the link is back and down again, it is said again."""
     pf = e810(tree, operstate="down", carrier=None)
     driver = SriovDriver()

@@ -12,12 +12,13 @@ import pytest
 from drivers.usb import plugin
 from drivers.usb.driver import MAX_SHARED, UsbDriver
 from drivers.usb.sysfs import port_sort_key
+from host.capture import capture_tree
 from host.config import load_config
 from host.driver import SelectorError
 from host.hostfs import HostFS
 from host.model import Device, Health, ResourceConfig
 from host.testing import fake_usb as fu
-from host.testing.tree import FakeTree, capture_tree, load_machine
+from host.testing.tree import FakeTree, load_machine
 
 REPO = Path(__file__).resolve().parents[2]
 ALL = ResourceConfig("example.com/usb", "usb", {})

@@ -5,8 +5,8 @@ way a real kubelet treats it: dial-back inside Register, options taken from
 GetDevicePluginOptions (never from the request), every ListAndWatch message a full snapshot, no
 reconnect after a stream ends, every socket in the directory wiped on restart, the topology
 manager's NUMA choice, and the exact GetPreferredAllocation / Allocate / PreStartContainer calls.
-A stand-in kinder than the kubelet would let plugin bugs through, so this follows the behaviour
-recorded in shared/spec/kubelet-device-plugin-facts.md (sections 1, 3, 4, 8).
+A stand-in kinder than the kubelet would let plugin bugs through, so this follows the kubelet's
+behaviour (``pkg/kubelet/cm/devicemanager``).
 
 Typical use::
 

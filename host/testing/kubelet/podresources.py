@@ -3,7 +3,7 @@
 Tools that map devices to pods (``pods``, the allocated-device metric, monitoring agents) must
 cope with what the real kubelet sends: one ContainerDevices entry per (device, NUMA node), no
 topology at all for devices that had none, healthy devices only in GetAllocatableResources,
-Go-style error texts, and a token-bucket rate limit shared by every call (facts §2).
+Go-style error texts, and a token-bucket rate limit shared by every call.
 """
 
 from __future__ import annotations

@@ -5,15 +5,15 @@ ListAndWatch stream; ``stop()`` cancels and awaits all of it, so fifty restarts 
 channel or descriptor.
 
 Restarts are as unkind as the kubelet's (``dm/plugin/v1beta1/server.go`` Start/Stop,
-``dm/manager.go`` CleanupPluginDirectory, issue 10): a Register in flight when the kubelet stops
+``dm/manager.go`` CleanupPluginDirectory): a Register in flight when the kubelet stops
 fails (1.36: "failed to get device plugin options: context canceled"; 1.32: "client connection
 is closing"), the stopped kubelet's socket stays behind as a dead file that refuses connections
 (the process is gone, nothing unlinked it) unless ``stop(unlink=True)``, nothing listens for
 the whole outage, and the next start wipes every socket in the directory, the dead
 ``kubelet.sock`` included, before the new one appears.
 
-Near 600 lines (its state lives in kubelet/state.py): registration, dial-back, streams and
-stop share one loop and one generation counter, and their failure orders are the point.
+Its state lives in kubelet/state.py. Registration, dial-back, streams and stop share one
+loop and one generation counter; their failure orders are the point.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ DIAL_TIMEOUT_S = 10.0  # the kubelet's blocking dial-back
 ENDPOINT_STOP_GRACE_S = 300.0  # dm/types.go endpointStopGracePeriod
 STOP_GRACE_S = 0.2  # time for in-flight Register handlers to answer with their error at stop
 DEADLINE_SLACK_S = 0.05  # a cancel this close to the plugin's deadline is that deadline
-_GRPC_PATH_MAX = 105  # grpcio refuses 106- and 107-byte unix socket paths (facts §8)
+_GRPC_PATH_MAX = 105  # grpcio refuses 106- and 107-byte unix socket paths
 CONTEXT_CANCELED = (
     "failed to get device plugin options: rpc error: code = Canceled desc = context canceled"
 )
@@ -94,7 +94,7 @@ class KubeletSimulator:
     serve the PodResources v1 API there (``self.pod_resources``) while started.
     ``kubelet_version``: before (1, 35) the dial-back and GetDevicePluginOptions ignore the
     plugin's Register deadline (a plugin can end up registered although its Register failed
-    with DEADLINE_EXCEEDED, facts §8) and a stop fails Register with "client connection is
+    with DEADLINE_EXCEEDED) and a stop fails Register with "client connection is
     closing"; from 1.35 on both run within the deadline and a stop says "context canceled".
     """
 

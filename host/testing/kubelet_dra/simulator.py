@@ -12,6 +12,8 @@ as in the scenario of a node whose kubelet dirs are cleaned, the plugin sockets;
 infos survive as the kubelet's checkpoint does, but as "not prepared". A prepared device
 keeps the plugin's ``share_id`` (v1), as claiminfo.go does for shared devices; the health
 stream is opened on the service ``pickHealthService`` would choose (``health_services``).
+
+The plugin watcher, the manager's checks and its restarts share one state, as in the kubelet.
 """
 
 from __future__ import annotations
