@@ -92,6 +92,7 @@ def test_an_emptied_file_is_rejected_once_and_a_good_file_then_applies(
             assert f"{config}: (file): is empty" in rejected[0]
             assert "built-in defaults" in rejected[0]
             config.write_text(A)
+            assert await _outcome(reloader) == "applied"
             await sim.wait_for(lambda s: not s.resources["example.com/b"].connected,
                                what="b removed by the good file")
             assert app.served() == ["example.com/a"] and reloader.reloads == 1

@@ -37,12 +37,14 @@ def _drains() -> str:
 def make_config(plugin_dir: str, resources: Sequence[ResourceConfig], **host: object) -> Config:
     """A config for tests: the drain file defaults to a per-plugin-dir temp path (never the
     real /var/lib, never inside the plugin dir; the same plugin dir gets the same path, so a
-    restarted host finds its marks)."""
+    restarted host finds its marks); no NFD file and no PodResources socket unless given (a
+    kubelet running on the machine must not answer a test's host)."""
     # CRC-32, like the host's socket names: hashlib would load OpenSSL's digests into the
     # benchmarks' host process (benchmarks/hostproc.py), which the real host never loads.
     digest = f"{zlib.crc32(plugin_dir.encode()):08x}"
     host.setdefault("drain_file", os.path.join(_drains(), digest, "drained"))
     host.setdefault("nfd_features_file", "")  # never the node's real NFD directory
+    host.setdefault("pod_resources_socket", "")  # nor a kubelet running on this machine
     settings = HostSettings(plugin_dir=plugin_dir, **host)  # type: ignore[arg-type]
     return Config(path=None, host=settings, resources=tuple(resources), is_default=False)
 

@@ -386,6 +386,29 @@ class Node:
         busybox_archive(archive)
         self._ctr("images", "import", str(archive))
 
+    def import_image(self, layout: Path, tag: str, ref: str) -> str:
+        """The image ``tag`` of the OCI layout ``layout`` (deploy/container/build's) imported
+        into the node's containerd as ``ref``, as an operator loads it without a registry."""
+        index = json.loads((layout / "index.json").read_text())
+        [manifest] = [m for m in index["manifests"]
+                      if (m.get("annotations") or {}).get("org.opencontainers.image.ref.name")
+                      == tag]
+        manifest = dict(manifest, annotations={"io.containerd.image.name": ref,
+                                               "org.opencontainers.image.ref.name": tag})
+        archive = WORK / "image.tar"
+        with tarfile.open(archive, "w") as tar:
+            tar.add(layout / "oci-layout", "oci-layout")
+            tar.add(layout / "blobs", "blobs")
+            data = json.dumps({"schemaVersion": 2, "manifests": [manifest]}).encode()
+            info = tarfile.TarInfo("index.json")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        try:
+            self._ctr("images", "import", str(archive))
+        finally:
+            archive.unlink()
+        return ref
+
     @staticmethod
     def _alive(proc: Optional[Proc]) -> bool:
         return proc is not None and proc.alive()

@@ -12,6 +12,7 @@ import re
 import shlex
 import shutil
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -22,8 +23,6 @@ from nodelib import GPU_ADDRESSES, HOSTNAME, Host, Pods, container, gpu_resource
 GPU = "nvidia.com/gpu"
 NUMA0, NUMA1 = GPU_ADDRESSES[:4], GPU_ADDRESSES[4:]
 CONTROL = {"nvidiactl", "nvidia-uvm"}
-ISSUE_25 = ("The DaemonSet's image, real: built from nothing, run by a real runtime, for "
-            "amd64 and arm64")
 DRA_DRIVER = "gpu.nvidia.com.device-plugin-host.io"
 
 
@@ -430,8 +429,64 @@ def test_move_a_resource_between_the_apis(node: nodelib.Node, hosts: Hosts,
     assert status.get("extendedResourceClaimStatus"), status  # served through DRA
 
 
-@pytest.mark.xfail(reason=ISSUE_25, strict=False)
-def test_daemonset_image_serves_the_pods(node: nodelib.Node) -> None:
-    images = node._ctr("images", "ls", "-q").stdout.split()
-    assert any("device-plugin-host" in i for i in images), \
-        "no device-plugin-host image to import into containerd (none is built here)"
+IMAGE_LAYOUT = nodelib.REPO / "build" / "image" / "oci"
+
+
+def test_daemonset_image_serves_the_pods(node: nodelib.Node, pods: Pods, tmp_path: Path) -> None:
+    """The image deploy/container/build made, imported into containerd, run by the kubelet as
+    the DaemonSet's own pod (its command, user, securityContext, probe and mounts, from
+    deploy/kubernetes/base/daemonset.yaml; only the host paths a test must not touch are
+    moved, /sys to the machine's tree): the kubelet registers its GPUs, its liveness probe
+    passes, and a pod asking for a GPU gets one."""
+    import yaml
+
+    if not (IMAGE_LAYOUT / "index.json").is_file():
+        pytest.skip(f"no image in {IMAGE_LAYOUT}: `deploy/container/build --arch amd64` "
+                    "makes it (.ci/run does, where mmdebstrap can be installed)")
+    tags = [(m.get("annotations") or {}).get("org.opencontainers.image.ref.name", "")
+            for m in json.loads((IMAGE_LAYOUT / "index.json").read_text())["manifests"]]
+    [tag] = [t for t in tags if t.endswith("-amd64")]
+    ref = node.import_image(IMAGE_LAYOUT, tag, "localhost/device-plugin-host:node-test")
+    manifest = nodelib.REPO / "deploy" / "kubernetes" / "base" / "daemonset.yaml"
+    [daemonset] = [d for d in yaml.safe_load_all(manifest.read_text())
+                   if d and d.get("kind") == "DaemonSet"]
+    template = daemonset["spec"]["template"]
+    spec = template["spec"]
+    spec["nodeName"] = HOSTNAME  # what the DaemonSet controller's pod for this node names
+    [main] = spec["containers"]
+    main["image"], main["imagePullPolicy"] = ref, "Never"
+    moved = {"sys": str(node.tree / "sys")}
+    for volume in spec["volumes"]:
+        path = (volume.get("hostPath") or {}).get("path", "")
+        if volume["name"] in moved:
+            volume["hostPath"]["path"] = moved[volume["name"]]
+        elif path and not path.startswith(("/var/lib/kubelet", "/var/run/cdi", "/dev")):
+            (tmp_path / volume["name"]).mkdir()
+            volume["hostPath"]["path"] = str(tmp_path / volume["name"])  # state, NFD, ...
+    base = (manifest.parent / "config.toml").read_text()
+    config_map = next(v["configMap"]["name"] for v in spec["volumes"] if "configMap" in v)
+    node.api.create(f"{pods.ns}/configmaps", {"metadata": {"name": config_map}, "data": {
+        "config.toml": base + "\n" + gpu_resources(extra="cdi = true\n")}})
+    pods.created["host"] = nodelib.time.monotonic()
+    node.api.create(f"{pods.ns}/pods", {"metadata": {"name": "host", "labels": template[
+        "metadata"]["labels"], "annotations": template["metadata"].get("annotations", {})},
+        "spec": spec})
+    pods.running("host", timeout=60)
+    nodelib.wait_allocatable(GPU, GPU_ADDRESSES, None)
+    pods.create("p", [container("a", {GPU: 1})])
+    pods.running("p")
+    # The container's own procfs lacks the tree's /proc/driver/nvidia (a real node's kernel
+    # shows it in every procfs; runc mounts nothing under /proc): the host numbers the minors
+    # in PCI order and names the GPU by its PCI address, which NVIDIA's toolkit accepts.
+    seen = pods.seen("p", "a")
+    assert len(seen.gpus) == 1 and seen.dev >= CONTROL, seen.text
+    assert seen.visible == [GPU_ADDRESSES[int(seen.gpus[0][len("nvidia"):])]], seen.text
+    pod = pods.get("host")
+    [status] = pod["status"]["containerStatuses"]
+    assert status["restartCount"] == 0 and status["ready"], status
+    probe = main["livenessProbe"]["httpGet"]
+    port = next(p["containerPort"] for p in main["ports"] if p["name"] == probe["port"])
+    url = f"http://{pod['status']['podIP']}:{port}{probe['path']}"
+    with urllib.request.urlopen(url, timeout=5) as answer:  # what the kubelet's probe gets
+        assert answer.status == 200, url
+
