@@ -6,6 +6,7 @@ watcher checks at every step that no name and no device is ever offered through 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import sys
@@ -233,6 +234,29 @@ def test_moving_a_resource_both_ways_with_pods_holding_devices(short_dir, run, k
     run(body(), timeout=90)
 
 
+@contextlib.asynccontextmanager
+async def _kubelets(config, api, grace_s: float, status_s: float):
+    """The kubelet's device manager (``grace_s``: its endpoint stop grace), its node status
+    sync every ``status_s`` and its plugin watcher for DRA drivers; yields (device manager,
+    status sync, KubeClient)."""
+    kubelet = KubeletSimulator(config.host.plugin_dir, endpoint_stop_grace_s=grace_s,
+                               pod_resources_socket=config.host.pod_resources_socket)
+    await kubelet.start()
+    client = KubeClient.from_settings(api.kubeconfig_path)
+    dra_kubelet = DraKubeletSimulator(config.host.plugins_registry_dir,
+                                      get_claim=client.get_resource_claim, node_name=NODE)
+    await dra_kubelet.start()
+    status = NodeStatusSync(kubelet, api, NODE, interval_s=status_s)
+    status.start()
+    try:
+        yield kubelet, status, client
+    finally:
+        await status.stop()
+        await kubelet.stop()
+        await dra_kubelet.stop()
+        await client.close()
+
+
 def test_a_stopped_device_plugin_s_capacity_is_waited_for_at_start(short_dir, run,
                                                                    monkeypatch):
     """The name still in the Node's capacity from a plugin that stopped (the kubelet keeps it
@@ -246,49 +270,37 @@ def test_a_stopped_device_plugin_s_capacity_is_waited_for_at_start(short_dir, ru
         driver = MemoryDriver(devices={GPU.name: make_devices("gpu", 3)})
 
         async def body():
-            kubelet = KubeletSimulator(config.host.plugin_dir, endpoint_stop_grace_s=1.5,
-                                       pod_resources_socket=config.host.pod_resources_socket)
-            await kubelet.start()
-            client = KubeClient.from_settings(api.kubeconfig_path)
-            dra_kubelet = DraKubeletSimulator(config.host.plugins_registry_dir,
-                                              get_claim=client.get_resource_claim,
-                                              node_name=NODE)
-            await dra_kubelet.start()
-            status = NodeStatusSync(kubelet, api, NODE, interval_s=STATUS_S)
-            status.start()
-            watcher = Watcher(client, kubelet)
-            old = HostApp(config, {"memory": driver}, events=None)
-            await old.start()
-            await _until(lambda: status.written_allocatable.get(GPU.name) == "3", "served")
-            dra = _with_api(config, "dra")
-            early = HostApp(dra, {"memory": driver}, events=None)
-            with pytest.raises(DraStartError, match="running device plugin"):
+            async with _kubelets(config, api, grace_s=1.5, status_s=STATUS_S) as (
+                    kubelet, status, client):
+                watcher = Watcher(client, kubelet)
+                old = HostApp(config, {"memory": driver}, events=None)
+                await old.start()
+                await _until(lambda: status.written_allocatable.get(GPU.name) == "3", "served")
+                dra = _with_api(config, "dra")
+                early = HostApp(dra, {"memory": driver}, events=None)
+                with pytest.raises(DraStartError, match="running device plugin"):
+                    try:
+                        await early.start()
+                    finally:
+                        await early.stop()
+                await old.stop()  # no empty list: the kubelet keeps capacity 3, allocatable 0
+                await _until(lambda: status.written_allocatable.get(GPU.name) == "0", "stopped")
+                assert status.written[GPU.name] == "3"
+                watcher.start()
+                app = HostApp(dra, {"memory": driver}, events=None)
+                started = time.monotonic()
+                await app.start()
                 try:
-                    await early.start()
+                    assert app.moves.blocked(GPU.name)
+                    assert any("moving to dra" in line for line in app.metrics.notes())
+                    await app.moves.wait_idle(10)
+                    assert time.monotonic() - started >= 1.0  # the rest of the grace period
+                    assert status.written[GPU.name] == "0"
+                    await _until(lambda: len(api.devices(DRIVER, NODE)) == 3, "published")
+                    await watcher.stop()
+                    assert watcher.violations == []
                 finally:
-                    await early.stop()
-            await old.stop()  # no empty list: the kubelet keeps capacity 3, allocatable 0
-            await _until(lambda: status.written_allocatable.get(GPU.name) == "0", "stopped")
-            assert status.written[GPU.name] == "3"
-            watcher.start()
-            app = HostApp(dra, {"memory": driver}, events=None)
-            started = time.monotonic()
-            await app.start()
-            try:
-                assert app.moves.blocked(GPU.name)
-                assert any("moving to dra" in line for line in app.metrics.notes())
-                await app.moves.wait_idle(10)
-                assert time.monotonic() - started >= 1.0  # the rest of the grace period
-                assert status.written[GPU.name] == "0"
-                await _until(lambda: len(api.devices(DRIVER, NODE)) == 3, "published")
-                await watcher.stop()
-                assert watcher.violations == []
-            finally:
-                await app.stop()
-                await status.stop()
-                await kubelet.stop()
-                await dra_kubelet.stop()
-                await client.close()
+                    await app.stop()
 
         run(body(), timeout=60)
 
@@ -307,36 +319,24 @@ def test_a_device_plugin_stopped_just_before_the_start_is_waited_out(short_dir, 
         driver = MemoryDriver(devices={GPU.name: make_devices("gpu", 3)})
 
         async def body():
-            kubelet = KubeletSimulator(config.host.plugin_dir, endpoint_stop_grace_s=1.0,
-                                       pod_resources_socket=config.host.pod_resources_socket)
-            await kubelet.start()
-            client = KubeClient.from_settings(api.kubeconfig_path)
-            dra_kubelet = DraKubeletSimulator(config.host.plugins_registry_dir,
-                                              get_claim=client.get_resource_claim,
-                                              node_name=NODE)
-            await dra_kubelet.start()
-            status = NodeStatusSync(kubelet, api, NODE, interval_s=1.0)  # a slow status write
-            status.start()
-            watcher = Watcher(client, kubelet)
-            old = HostApp(config, {"memory": driver}, events=None)
-            await old.start()
-            await _until(lambda: status.written_allocatable.get(GPU.name) == "3", "served")
-            watcher.start()
-            await old.stop()
-            assert status.written_allocatable.get(GPU.name) == "3"  # not written yet
-            app = HostApp(_with_api(config, "dra"), {"memory": driver}, events=None)
-            try:
-                await app.start()
-                assert status.written_allocatable.get(GPU.name) == "0"
-                await app.moves.wait_idle(10)
-                await _until(lambda: len(api.devices(DRIVER, NODE)) == 3, "published")
-                await watcher.stop()
-                assert watcher.violations == []
-            finally:
-                await app.stop()
-                await status.stop()
-                await kubelet.stop()
-                await dra_kubelet.stop()
-                await client.close()
+            async with _kubelets(config, api, grace_s=1.0, status_s=1.0) as (  # a slow write
+                    kubelet, status, client):
+                watcher = Watcher(client, kubelet)
+                old = HostApp(config, {"memory": driver}, events=None)
+                await old.start()
+                await _until(lambda: status.written_allocatable.get(GPU.name) == "3", "served")
+                watcher.start()
+                await old.stop()
+                assert status.written_allocatable.get(GPU.name) == "3"  # not written yet
+                app = HostApp(_with_api(config, "dra"), {"memory": driver}, events=None)
+                try:
+                    await app.start()
+                    assert status.written_allocatable.get(GPU.name) == "0"
+                    await app.moves.wait_idle(10)
+                    await _until(lambda: len(api.devices(DRIVER, NODE)) == 3, "published")
+                    await watcher.stop()
+                    assert watcher.violations == []
+                finally:
+                    await app.stop()
 
         run(body(), timeout=60)
