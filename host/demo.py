@@ -177,7 +177,14 @@ async def _dra_demo(app, api, config) -> None:
         if not devices:
             return
         first = sorted(devices)[0]
-        pod = "0b6c4f1e-demo-pod"
+        # The pod the claim is reserved for, as the scheduler leaves it: its one container
+        # uses the claim, so the prepare knows what that container receives.
+        pod = api.put_pod({
+            "metadata": {"name": "demo-pod", "namespace": "default"},
+            "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimName": "demo-gpu"}],
+                     "containers": [{"name": "rocm", "image": "rocm/dev-ubuntu-24.04",
+                                     "resources": {"claims": [{"name": "gpu"}]}}]}},
+        )["metadata"]["uid"]
         api.put_resource_claim({
             "metadata": {"name": "demo-gpu", "namespace": "default"},
             "spec": {"devices": {"requests": [

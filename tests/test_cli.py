@@ -105,6 +105,10 @@ def test_demo_runs_end_to_end():
     assert result.returncode == 0, result.stderr
     assert "registered" in result.stdout and "Allocate" in result.stdout
     assert "/dev/nvidia" in result.stdout
+    # a new user's first command says nothing alarming: no warning, no error, no traceback
+    noise = [line for line in (result.stdout + result.stderr).splitlines()
+             if any(word in line for word in ("WARNING", "ERROR", "Traceback"))]
+    assert noise == []
 
 
 def test_demo_runs_with_a_temp_dir_too_long_for_socket_paths(tmp_path):
