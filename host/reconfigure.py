@@ -18,6 +18,7 @@ from host.config import Config
 from host.driver import UnavailableDriver
 from host.inventory import Inventory
 from host.overlap import Overlap
+from host.settings import restart_only
 
 if TYPE_CHECKING:
     from host.app import HostApp
@@ -50,13 +51,10 @@ async def apply_config(app: HostApp, config: Config) -> None:
         return
     old = {r.name: r for r in app.config.resources}
     new = {r.name: r for r in config.resources}
-    for field in ("plugin_dir", "host_root", "pod_resources_socket", "drain_file",
-                  "cdi_dir", "metrics_address", "nfd_features_file", "node_name",
-                  "kubeconfig", "plugins_registry_dir", "dra_plugins_dir", "dra_state_dir",
-                  "disabled_drivers"):
-        if getattr(config.host, field) != getattr(app.config.host, field):
-            log.warning("reload: [host] %s changed; it takes effect at the next restart",
-                        field)
+    for field in restart_only(app.config.host, config.host):
+        log.warning("reload: [host] %s changed; it takes effect at the next restart", field)
+    app.inventory.discover_timeout_s = config.host.discover_timeout_s
+    app.inventory.vanished_grace_s = config.host.vanished_grace_s
     if app.publisher is not None:  # applied live: every pool is rewritten the new way
         app.publisher.set_taint_unhealthy(config.host.dra_unhealthy == "taint")
     app.config = config

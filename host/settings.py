@@ -16,36 +16,50 @@ from host.config_values import Range, check_enum, check_node_name, check_path, c
 from host.model import ResourceConfig
 from host.socket_names import POD_RESOURCES_SOCKET
 
+RESTART = "device_plugin_host.restart"  # field metadata: takes effect at the next start
+
+
+def _restart(default: Any) -> Any:
+    return dataclasses.field(default=default, metadata={RESTART: True})
+
 
 @dataclass(frozen=True)
 class HostSettings:
     """How the host process runs. Values are stored as validated: paths normalised, enums in
-    lowercase, times as float seconds, so consumers never re-check them."""
+    lowercase, times as float seconds, so consumers never re-check them. A setting made with
+    ``_restart`` is read once at start: a reload that changes it is told so and applies the
+    rest (``restart_only``); every other one follows a reload."""
 
-    plugin_dir: str = "/var/lib/kubelet/device-plugins"
-    host_root: str = "/"
-    pod_resources_socket: str = POD_RESOURCES_SOCKET
-    log_level: str = "info"  # debug|info|warning|error
-    log_format: str = "plain"  # plain|json
-    allocate_timeout_s: float = 5.0  # driver allocate/preferred hooks
+    plugin_dir: str = _restart("/var/lib/kubelet/device-plugins")
+    host_root: str = _restart("/")
+    pod_resources_socket: str = _restart(POD_RESOURCES_SOCKET)
+    log_level: str = _restart("info")  # debug|info|warning|error
+    log_format: str = _restart("plain")  # plain|json
+    allocate_timeout_s: float = _restart(5.0)  # driver allocate/preferred hooks
     discover_timeout_s: float = 30.0  # one driver scan
-    register_timeout_s: float = 20.0  # Register covers the kubelet's 10 s dial-back + options
+    # Register covers the kubelet's 10 s dial-back + options
+    register_timeout_s: float = _restart(20.0)
     liveness_grace_s: float = 300.0  # /healthz fails after a resource this long unregistered
     rescan_interval_s: float = 300.0  # safety rescan; 0 disables
     vanished_grace_s: float = 300.0  # how long a device gone from sysfs is still Unhealthy
-    drain_file: str = "/var/lib/device-plugin-host/drained"  # operator's Unhealthy marks
-    cdi_dir: str = "/var/run/cdi"  # where CDI specs go for resources with cdi = true
-    metrics_address: str = "127.0.0.1:9400"  # Prometheus endpoint; "" disables it
+    # The operator's Unhealthy marks
+    drain_file: str = _restart("/var/lib/device-plugin-host/drained")
+    cdi_dir: str = _restart("/var/run/cdi")  # where CDI specs go for resources with cdi = true
+    metrics_address: str = _restart("127.0.0.1:9400")  # Prometheus endpoint; "" disables it
     # Node labels through NFD's local source (host/nfd.py); "" disables the feature file.
-    nfd_features_file: str = "/etc/kubernetes/node-feature-discovery/features.d/device-plugin-host"
+    nfd_features_file: str = _restart(
+        "/etc/kubernetes/node-feature-discovery/features.d/device-plugin-host")
     # DRA (resources with api = "dra") and plugin-watcher registration:
     # This node's name; by default the NODE_NAME environment variable (the downward API).
     node_name: str = dataclasses.field(
-        default_factory=lambda: os.environ.get("NODE_NAME", "").strip())
-    kubeconfig: Optional[str] = None  # API access; None means the in-cluster service account
-    plugins_registry_dir: str = "/var/lib/kubelet/plugins_registry"
-    dra_plugins_dir: str = "/var/lib/kubelet/plugins"
-    dra_state_dir: str = "/var/lib/device-plugin-host/dra"  # the prepared-claims checkpoint
+        default_factory=lambda: os.environ.get("NODE_NAME", "").strip(),
+        metadata={RESTART: True})
+    # API access; None means the in-cluster service account
+    kubeconfig: Optional[str] = _restart(None)
+    plugins_registry_dir: str = _restart("/var/lib/kubelet/plugins_registry")
+    dra_plugins_dir: str = _restart("/var/lib/kubelet/plugins")
+    # The prepared-claims checkpoint
+    dra_state_dir: str = _restart("/var/lib/device-plugin-host/dra")
     # Unhealthy DRA devices: "omit" (left out of the slice; safe on every version) or "taint"
     # (published with a NoSchedule or NoExecute taint, docs/dra.md; needs the DRADeviceTaints
     # gate, on by default from 1.36; where the server drops the taint the host falls back to
@@ -56,7 +70,13 @@ class HostSettings:
     dra_device_metadata: str = "off"
     # Installed driver packages the host must not load (a broken third-party driver, a kind
     # of device this node must not advertise); resources naming one are a config error.
-    disabled_drivers: Tuple[str, ...] = ()
+    disabled_drivers: Tuple[str, ...] = _restart(())
+
+
+def restart_only(old: HostSettings, new: HostSettings) -> List[str]:
+    """The settings read once at start whose value differs between ``old`` and ``new``."""
+    return [f.name for f in dataclasses.fields(HostSettings)
+            if f.metadata.get(RESTART) and getattr(old, f.name) != getattr(new, f.name)]
 
 
 @dataclass(frozen=True)

@@ -260,3 +260,38 @@ def test_aer_counters_of_functions_gone_are_pruned(tmp_path, short_dir, run):
             calls.shutdown()
 
     run(scenario())
+
+
+def test_a_reload_applies_live_settings_and_names_each_restart_only_one(short_dir, run, caplog):
+    """Settings read once at start (marked on HostSettings) are named in one warning each when
+    a reload changes them; the others take effect at once (the inventory's scan timeout and
+    vanished grace here), and nothing else is reported."""
+    import dataclasses
+    import logging
+
+    from host.settings import RESTART, HostSettings
+
+    resource = ResourceConfig(name="example.com/x", driver="memory")
+    config = make_config(short_dir, [resource])
+    driver = MemoryDriver("memory", {"example.com/x": make_devices("x", 2)})
+    restart = {f.name for f in dataclasses.fields(HostSettings)
+               if f.metadata.get(RESTART)}
+    assert {"log_level", "allocate_timeout_s", "register_timeout_s", "plugin_dir"} <= restart
+    assert not {"discover_timeout_s", "vanished_grace_s", "rescan_interval_s",
+                "liveness_grace_s", "dra_unhealthy", "dra_device_metadata"} & restart
+
+    async def scenario():
+        async with kubelet_and_host(config, {"memory": driver}) as (_sim, app):
+            changed = replace(config, host=replace(
+                config.host, log_level="debug", allocate_timeout_s=9.0,
+                discover_timeout_s=7.0, vanished_grace_s=11.0))
+            with caplog.at_level(logging.WARNING, logger="host"):
+                await app.reload(changed)
+            assert (app.inventory.discover_timeout_s, app.inventory.vanished_grace_s) == (
+                7.0, 11.0)
+            return [r.getMessage() for r in caplog.records if "next restart" in r.getMessage()]
+
+    warned = run(scenario())
+    assert sorted(warned) == [
+        "reload: [host] allocate_timeout_s changed; it takes effect at the next restart",
+        "reload: [host] log_level changed; it takes effect at the next restart"]
