@@ -90,5 +90,6 @@ class RegistrationLiveness:
             else:
                 problems.append(f"DRA driver {name} has not been registered by the kubelet's "
                                 f"plugin watcher for {waited:.0f} s while the kubelet is up "
-                                f"({kubelet}): the kubelet prepares none of its claims")
+                                f"({kubelet}): the kubelet prepares none of its claims, and "
+                                "its pools are published only once it is")
         return problems
