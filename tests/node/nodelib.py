@@ -30,7 +30,9 @@ import tarfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 # ../shared/k8s beside the project (DPH_SHARED_K8S names another place, for a worktree).
@@ -281,18 +283,16 @@ def _pids_of(exe_prefixes: Sequence[str]) -> List[int]:
     """Processes whose executable is one of ``exe_prefixes`` (what an earlier run of ours left:
     containerd-shim-runc-v2 for our containerd's socket, the kubelet from the unpacked
     assets)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        text = b" ".join(cmdline).decode(errors="replace")
-        if any(prefix in text for prefix in exe_prefixes):
-            found.append(int(entry))
-    return found
+    return [pid for pid, argv in _command_lines()
+            if any(prefix in " ".join(argv) for prefix in exe_prefixes)]
+
+
+def _command_lines() -> Iterator[Tuple[int, List[str]]]:
+    """(pid, argv) of every process with a command line (kernel threads have none)."""
+    for process in psutil.process_iter(["cmdline"]):
+        argv = process.info["cmdline"]
+        if argv:
+            yield process.pid, argv
 
 
 def _kill_pids(pids: Sequence[int]) -> None:
@@ -576,18 +576,9 @@ def _recorded_pids(path: Path) -> List[int]:
 
 def _foreign_runtime() -> List[int]:
     """Running kubelets and containerds not started with this suite's config."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if os.path.basename(argv[0].decode(errors="replace")) in ("kubelet", "containerd") \
-                and str(WORK).encode() not in b" ".join(argv):
-            found.append(int(entry))
-    return found
+    return [pid for pid, argv in _command_lines()
+            if os.path.basename(argv[0]) in ("kubelet", "containerd")
+            and str(WORK) not in " ".join(argv)]
 
 
 def _is_ours(pid: int, name: str) -> bool:
