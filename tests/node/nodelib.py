@@ -686,8 +686,12 @@ class Pods:
             spec["nodeName"] = HOSTNAME
         if claims:
             spec["resourceClaims"] = claims
-        self.created[name] = time.monotonic()
-        self.api.create(f"{self.ns}/pods", {"metadata": {"name": name}, "spec": spec})
+        self.submit({"name": name}, spec)
+
+    def submit(self, metadata: Dict[str, Any], spec: Dict[str, Any]) -> None:
+        """A pod of a whole spec (a manifest's template) in this namespace."""
+        self.created[metadata["name"]] = time.monotonic()
+        self.api.create(f"{self.ns}/pods", {"metadata": metadata, "spec": spec})
 
     def get(self, name: str) -> Dict[str, Any]:
         return self.api.get(f"{self.ns}/pods/{name}")  # type: ignore[no-any-return]

@@ -467,10 +467,7 @@ def test_daemonset_image_serves_the_pods(node: nodelib.Node, pods: Pods, tmp_pat
     config_map = next(v["configMap"]["name"] for v in spec["volumes"] if "configMap" in v)
     node.api.create(f"{pods.ns}/configmaps", {"metadata": {"name": config_map}, "data": {
         "config.toml": base + "\n" + gpu_resources(extra="cdi = true\n")}})
-    pods.created["host"] = nodelib.time.monotonic()
-    node.api.create(f"{pods.ns}/pods", {"metadata": {"name": "host", "labels": template[
-        "metadata"]["labels"], "annotations": template["metadata"].get("annotations", {})},
-        "spec": spec})
+    pods.submit({"name": "host", **template["metadata"]}, spec)
     pods.running("host", timeout=60)
     nodelib.wait_allocatable(GPU, GPU_ADDRESSES, None)
     pods.create("p", [container("a", {GPU: 1})])
