@@ -197,7 +197,15 @@ def test_a_recreated_plugin_dir_is_served_again_through_kubelet_restarts(tmp_pat
             async with KubeletSimulator(plugin_dir) as sim:
                 await sim.wait_for(_registered, timeout=15, what="registered at start")
             with open(held, "w"):  # another process's file in the old directory, kept open
-                shutil.rmtree(plugin_dir)
+                # The host puts back a socket it sees vanish, so, as with ``rm -rf`` by
+                # hand, a removal can meet a freshly made socket: try again until it is gone.
+                for _ in range(100):
+                    try:
+                        shutil.rmtree(plugin_dir)
+                        break
+                    except OSError:
+                        await asyncio.sleep(0.01)
+                assert not os.path.exists(plugin_dir)
                 os.mkdir(plugin_dir, 0o750)
                 # The host serves in the new directory before any kubelet is there: the
                 # kubelet.sock that appears next is the only news it gets.
