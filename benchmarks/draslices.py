@@ -193,7 +193,7 @@ async def _measure_republish(wipes: int) -> Dict[str, Any]:
     try:
         uid = api.add_node(NODE)["metadata"]["uid"]
         floor_uid = api.add_node(FLOOR_NODE)["metadata"]["uid"]
-        # As the app runs it (host/dra_wiring.py): a NodeWatch follows the Node and hands
+        # As the app runs it (host/outputs/dra.py): a NodeWatch follows the Node and hands
         # the publisher its uid, so a wipe's DELETED events do not make it read the Node.
         publisher.set_node_uid(uid)
         ours: List[Dict[str, Any]] = []

@@ -32,9 +32,9 @@ from typing import Dict, List, Optional
 from host.config import Config
 from host.model import Device, ResourceConfig
 from host.process import return_freed_heap
-from host.scheduling import EVENTS_AFTER_READY_S
 from host.testing.drivers import MemoryDriver, make_devices
 from host.testing.harness import make_config, running_host
+from host.triggers.events import EVENTS_AFTER_READY_S
 
 DRIVER = "memory"
 
@@ -92,7 +92,7 @@ async def serve(resources: int, devices: int, plugin_dir: str, host_root: str,
         gc.freeze()  # as `cli run` does once the host has started
 
         def armed() -> None:
-            if events and app.events is None:
+            if events and app.events.source is None:
                 print("event source failed to start", file=sys.stderr, flush=True)
                 stop.set()
                 return
@@ -103,7 +103,7 @@ async def serve(resources: int, devices: int, plugin_dir: str, host_root: str,
             # are no other drivers to load here): the freed heap of that burst goes back.
             loop.call_later(0.5, return_freed_heap)
             # The kernel's event monitor is armed a moment after every resource registered
-            # (host/scheduling.py arm_events); "ready" means registered and watching.
+            # (host/triggers/events.py DeviceEvents.arm); "ready" means registered and watching.
             delay = EVENTS_AFTER_READY_S + 0.05 if events else 0.0
             loop.call_later(delay, armed)
 

@@ -2,9 +2,9 @@
 
 Setup: the real HostApp in this process and loop (as the tests run it) with one resource of N
 MemoryDriver devices, registered with the kubelet simulator. Each sample builds the new device
-list first (untimed), then times ``app.snapshots[name].update(new_list)`` (the call a rescan
-makes: diff against cached encodings, wake the stream) until the simulator has applied the
-next snapshot; the flipped device's health is checked after each sample.
+list first (untimed), then times ``app.device_plugin.snapshots[name].update(new_list)``
+(the call a rescan makes: diff against cached encodings, wake the stream) until the
+simulator has applied the next snapshot; the flipped device's health is checked after each sample.
 
 Floor: a bare grpc.aio server-stream in the same loop pushing a payload of the same bytes to a
 client that only receives it (parsed by the same generated message class the simulator's stub
@@ -55,7 +55,7 @@ async def _measure_size(n: int, updates: int, root: str) -> Dict[str, List[float
                 await sim.wait_for(lambda k: k.resources[RESOURCE].live
                                    and len(k.resources[RESOURCE].devices) == n, timeout=30,
                                    what=f"{n} devices registered")
-                snapshot = app.snapshots[RESOURCE]
+                snapshot = app.device_plugin.snapshots[RESOURCE]
                 state = sim.resources[RESOURCE]
                 current = list(devices)
                 for i in range(updates):

@@ -154,11 +154,11 @@ async def _measure_outages(n: int, outages: Sequence[float], restarts: int,
                     samples = out.setdefault(outage, {"host": [], "floor": []})
                     for restart in range(restarts):
                         before = sum(ep.registrations
-                                     for ep in app.registrar.endpoints.values())
+                                     for ep in app.device_plugin.registrar.endpoints.values())
                         received = sum(host_sim.register_calls.get(x, 0) for x in names)
                         # A Register in flight when the kubelet stops.
                         host_sim.register_delay_s = 30.0
-                        victim = app.registrar.endpoints[names[restart % n]]
+                        victim = app.device_plugin.registrar.endpoints[names[restart % n]]
                         if victim.socket_path is not None:
                             os.unlink(victim.socket_path)
                         await host_sim.wait_for(lambda k: k.registers_in_flight > 0,
@@ -169,7 +169,7 @@ async def _measure_outages(n: int, outages: Sequence[float], restarts: int,
                                                 what="every resource back after the outage")
                         samples["host"].append(_since_start(host_sim, names))
                         after = sum(ep.registrations
-                                    for ep in app.registrar.endpoints.values())
+                                    for ep in app.device_plugin.registrar.endpoints.values())
                         attempts.append((after - before) / n)
                         received = sum(host_sim.register_calls.get(x, 0)
                                        for x in names) - received

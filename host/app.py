@@ -1,63 +1,55 @@
-"""The host: one event loop that discovers, serves, registers and keeps everything current.
+"""The conductor: builds the host's pieces, keeps their start and stop order, and hands every
+changed resource from the inventory to the outputs.
+
+Data flows one way: triggers (host/triggers/) ask for rescans; the inventory scans drivers
+off the loop and keeps each resource's trusted device list; a resource whose devices
+changed goes through the CDI stage (its spec on disk before anything is advertised) to its
+API output (device plugin or DRA), and, once that serves it, to every other output
+(metrics, node labels, device-info files). A reloaded config is compared with the running
+one (host/reconfigure.py ``plan``) and applied as forget/changed/sync calls.
 
 Start-up order is the one the kubelet needs: scan every driver (concurrently, off the loop),
-then for each resource create its snapshot and service, serve its socket, and only then
-register. Later rescans only update snapshots; ListAndWatch streams see the change at once.
-
-Around it: the timers and watches that start rescans (host/scheduling.py), applying a reloaded
-config (host/reconfigure.py), the DRA side (host/dra_wiring.py), and the one owner of every
-task and timer (host/tasks.py). What stays is the lifecycle (start and stop order), one
-resource's sync (snapshot, CDI spec, service, registration) and readiness.
+write the CDI specs, then for each resource create its snapshot and service, serve its
+socket, and only then register. Every task and timer belongs to one owner
+(``background``); stop() cancels and awaits them all before it removes any file.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
-from typing import (
-    TYPE_CHECKING,
-    Any,
-    Callable,
-    Dict,
-    Iterable,
-    List,
-    Mapping,
-    Optional,
-    Set,
-    Tuple,
-    TypeVar,
-    Union,
-)
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Mapping, Optional, Set, Union
 
-from host import devinfo, dra_wiring, reconfigure, scheduling
-from host.cdi import CdiWriter
 from host.config import Config, overlap_error
-from host.driver import Driver, UnavailableDriver
+from host.devinfo import DeviceInfoReconciler, Held
+from host.driver import Driver
 from host.hostfs import HostFS
-from host.inotify import DirectoryWatch
 from host.inventory import Inventory
 from host.isolation import DriverCalls
 from host.liveness import RegistrationLiveness
 from host.metrics import HostMetrics
 from host.migration import Migrations
-from host.model import Device, Health, ResourceConfig
-from host.nfd import FeatureFile
+from host.model import ResourceConfig
+from host.outputs import Output
+from host.outputs.cdi import CdiStage
+from host.outputs.device_plugin import DevicePluginOutput
+from host.outputs.dra import DraOutput
+from host.outputs.metrics import MetricsOutput
+from host.outputs.nfd import FeatureFile
 from host.overlap import Overlap
-from host.registration import Endpoint, Registrar
-from host.service import DevicePluginService
-from host.snapshot import Snapshot
+from host.reconfigure import plan
+from host.registration import Endpoint
 from host.tasks import Background
-from host.watch import EventSource, RescanScheduler
+from host.triggers.drains import DrainWatch
+from host.triggers.events import DeviceEvents
+from host.triggers.timers import Expiry, HealthChecks, SafetyRescan
+from host.watch import EventSource
 
-if TYPE_CHECKING:  # host.dra is imported only when a resource needs it
-    from host.dra.frontend import DraFrontEnd
-    from host.dra.registrar import PluginWatcherEndpoint
+if TYPE_CHECKING:  # the PodResources client loads on first use
     from host.podresources import PodResourcesClient
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 #: On a hand-over, how long a DRA call in flight may still finish once deregistered.
 DRA_DRAIN_S = 10.0
 
@@ -68,9 +60,12 @@ class HostApp:
         config: Config,
         drivers: Dict[str, Driver],
         events: Union[str, EventSource, None] = "udev",
+        metrics: Optional[HostMetrics] = None,
     ) -> None:
         """``events``: "udev" for the kernel's uevents, an EventSource (tests inject events),
-        or None for no event-driven rescans (the safety rescan still runs)."""
+        or None for no event-driven rescans (the safety rescan still runs). ``metrics``: the
+        registry every piece reports to (one for the config's PodResources socket by
+        default)."""
         self.config = config
         self.drivers = drivers
         self.host = HostFS(config.host.host_root)
@@ -81,69 +76,79 @@ class HostApp:
             discover_timeout_s=config.host.discover_timeout_s,
             vanished_grace_s=config.host.vanished_grace_s,
         )
-        self.registrar = Registrar(config.host.plugin_dir, config.host.register_timeout_s)
-        self.registrar.on_registered = self._endpoint_registered
-        self.cdi = CdiWriter(config.host.cdi_dir)
-        self.snapshots: Dict[str, Snapshot] = {}
-        self.services: Dict[str, DevicePluginService] = {}
         self.ready = asyncio.Event()
         self.started_at = time.monotonic()
         self.on_ready: List[Callable[[], None]] = []
-        # Every task and timer of the host (rescans, reloads, safety rescan, expiry, health
-        # checks, the event scheduler, CDI retries, the NFD write, device-info passes):
-        # stop() cancels and awaits them all before it removes any file (host/tasks.py).
+        # Every task and timer of the host and its pieces: stop() cancels and awaits them
+        # all before it removes any file (host/tasks.py).
         self.background = Background("host")
         self._stopped = False
-        self._events_spec = events
-        self._drain_watch: Optional[DirectoryWatch] = None
-        self._health_checked: Set[str] = set()  # drivers with a health-check timer
-        self._cdi_watch: Optional[DirectoryWatch] = None
-        self._cdi_backoff = 1.0
-        self._cdi_thread: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._cdi_check: Optional[asyncio.Task] = None  # scheduling.schedule_cdi_check's
-        self._cdi_check_again = False
-        self.events: Optional[EventSource] = None
-        self.scheduler = RescanScheduler(self._drivers_for_subsystem, self.request_rescan,
-                                         background=self.background)
-        self.metrics = HostMetrics(pod_resources_socket=config.host.pod_resources_socket)
-        # SR-IOV CNI device-info files: written at Allocate by the driver, removed here.
-        self.devinfo = devinfo.DeviceInfoReconciler(
-            lambda: self.config.resources, lambda name: self.inventory.devices.get(name, []),
-            self._held_devices, background=self.background)
-        self._pod_client: Optional[PodResourcesClient] = None
-        self.nfd = FeatureFile(config.host.nfd_features_file, background=self.background)
-        # Resources with api = "dra", and device plugins registered through the plugin
-        # watcher: built at start only when configured, so the device-plugin-only path never
-        # imports host.dra (nor the API client).
-        self.dra: Optional[DraFrontEnd] = None
-        self.kube: Optional[Any] = None
-        self.publisher: Optional[Any] = None
-        self.node_watch: Optional[Any] = None  # host.dra.node.NodeWatch
-        self.watched: Dict[str, PluginWatcherEndpoint] = {}
-        self._dra_deferred: Set[str] = set()
         # Names this process's plugin-watcher sockets, so that an old and a new host overlap
         # during an upgrade (host/socket_names.py instance_id; set by `run`, "" keeps the
         # fixed names of a single instance).
         self.instance = ""
+        self.metrics = metrics or HostMetrics(
+            pod_resources_socket=config.host.pod_resources_socket)
+        self._pod_client: Optional[PodResourcesClient] = None  # made on first use
+
+        # -- the outputs --
+        self.cdi = CdiStage(
+            config.host.cdi_dir, self.background,
+            served=lambda: [r for r in self.config.resources
+                            if self.device_plugin.serves(r.name)],
+            devices_of=lambda name: self.inventory.devices.get(name, []),
+            resync=self._resync)
+        self.device_plugin = DevicePluginOutput(
+            lambda: self.config.host, drivers, self.calls, self.metrics,
+            self.cdi.writer.resolvable, lambda: self.instance,
+            on_registered=self.check_ready, on_new=self.ready.clear)
         # Resources moving between the device plugin API and DRA (host/migration.py).
         self.moves = Migrations(self)
+        self.dra = DraOutput(
+            lambda: self.config, drivers, self.calls, self.metrics, self.host,
+            self.background, lambda: self.instance, hold_at_start=self.moves.hold_at_start,
+            notes=self.moves.notes, on_registered=self.check_ready,
+            on_unready=self.ready.clear)
+        # SR-IOV CNI device-info files: written at Allocate by the driver, removed here.
+        self.devinfo = DeviceInfoReconciler(
+            lambda: self.config.resources, lambda name: self.inventory.devices.get(name, []),
+            self.held_devices, background=self.background)
+        self.nfd = FeatureFile(config.host.nfd_features_file, background=self.background)
+        #: Every output beside the two APIs, in the order each gets a resource.
+        self.outputs: List[Output] = [
+            MetricsOutput(self.metrics),
+            self.nfd,
+            self.devinfo,
+        ]
+
+        # -- the triggers --
+        self.events = DeviceEvents(
+            events, self.background, self._subsystems,
+            self.inventory.drivers_for_subsystem, self.request_rescan,
+            lambda: self.config.host.rescan_interval_s)
+        self.safety_rescan = SafetyRescan(
+            self.background, lambda: self.config.host.rescan_interval_s, self.request_rescan)
+        self.health_checks = HealthChecks(self.background, self.request_rescan)
+        self.expiry = Expiry(self.background, self.inventory.next_expiry, self.request_rescan)
+        self.drains = DrainWatch(
+            lambda: self.config.host.drain_file, lambda: self.inventory.drains,
+            self.inventory.set_drains, self._resync_name)
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         """Raises DraStartError (before serving anything) when DRA cannot work here."""
         self.metrics.liveness = RegistrationLiveness(
-            lambda: {name: ep.registered for name, ep in self.registrar.endpoints.items()},
+            self.device_plugin.registered,
             lambda: self.config.host.plugin_dir, lambda: self.config.host.liveness_grace_s,
-            dra_registered=lambda: {} if self.dra is None else {
-                name: ep.registered for name, ep in self.dra.endpoints.items()},
+            dra_registered=self.dra.registered,
         ).problems
         if any(r.api == "dra" for r in self.config.resources):
-            await self._start_dra()
-        self.registrar.start()
+            await self.dra.start()
+        self.device_plugin.start()
         # Armed now for an injected source; the kernel's once registered, with a catch-up
-        # rescan (scheduling.arm_events): nothing plugged in meanwhile is missed.
-        scheduling.arm_events(self)
-        scheduling.watch_drains(self)
+        # rescan: nothing plugged in meanwhile is missed.
+        self.events.arm(self.on_ready)
+        self.drains.start()
         self.inventory.warn_overlaps = self.config.is_default
         await self.inventory.scan()
         self.inventory.warn_overlaps = True
@@ -155,20 +160,19 @@ class HostApp:
             # are the drivers' doing; the first resource keeps the device (inventory).
             raise overlap_error(self.config, self.inventory.overlaps[0])
         self.metrics.sync_drivers(self.inventory.status)
-        await self._write_specs(self.config.resources)
+        await self.cdi.write(self.config.resources)
         if self._stopped:
             return
         for resource in self.config.resources:
-            self._sync(resource)
-        self.nfd.flush()
-        self.devinfo.start()
-        scheduling.watch_cdi(self)
-        scheduling.arm_cdi_retry(self)
-        scheduling.arm_safety_rescan(self)
-        scheduling.arm_health_checks(self)
-        scheduling.arm_expiry(self)
+            self.sync(resource)
+        self._synced(first=True)
+        self.cdi.start_watch(self.config.resources)
+        self.cdi.arm_retry()
+        self.safety_rescan.arm()
+        self.health_checks.arm(self.config.resources)
+        self.expiry.arm()
         self.moves.write_state()
-        self._check_ready()
+        self.check_ready()
 
     async def stop(self, hand_over: bool = False) -> None:
         """Stop serving and remove our sockets and files; hung driver threads are abandoned.
@@ -180,36 +184,29 @@ class HostApp:
         sockets go; the node labels and device-info files stay (they are that host's now),
         and the DRA drivers drain (deregistered first, calls in flight may finish)."""
         self._stopped = True
-        if self._drain_watch is not None:
-            self._drain_watch.close()
-        if self._cdi_watch is not None:
-            self._cdi_watch.close()
-        if self.events is not None:
-            self.events.close()
-        self.scheduler.close()
+        self.drains.close()
+        self.cdi.close_watch()
+        self.events.close()
         await self.background.aclose()
-        await self.registrar.close()
-        for endpoint in list(self.watched.values()):
-            await endpoint.close()
-        self.watched.clear()
-        await self._stop_dra(DRA_DRAIN_S if hand_over else None)
+        await self.device_plugin.close(hand_over)
+        await self.dra.close(hand_over, DRA_DRAIN_S if hand_over else None)
         self.cdi.close()  # waits for a write in progress; none starts after it
-        if self._cdi_thread is not None:
-            self._cdi_thread.shutdown(wait=False)
-        await self.devinfo.stop(remove=not hand_over)
+        for output in reversed(self.outputs):
+            await output.close(hand_over)
         if self._pod_client is not None:
             await self._pod_client.close()
-        self.nfd.remove(keep_file=hand_over)
         self.calls.shutdown()
 
     # -- serving ---------------------------------------------------------------------------
     def served(self) -> List[str]:
-        return list(self.registrar.endpoints)
+        return list(self.device_plugin.registrar.endpoints)
 
     def endpoint(self, resource: str) -> Optional[Endpoint]:
-        return self.registrar.endpoints.get(resource)
+        return self.device_plugin.registrar.endpoints.get(resource)
 
-    def _sync(self, resource: ResourceConfig) -> None:
+    def sync(self, resource: ResourceConfig) -> None:
+        """Hand the resource's devices now to its API output and, once that serves it, to
+        every other output."""
         if self._stopped:
             return  # files are being (or were) removed: never write or serve again
         if self.moves.blocked(resource.name):
@@ -217,47 +214,31 @@ class HostApp:
         devices = list(self.moves.visible(
             resource.name, self.inventory.devices.get(resource.name, [])))
         if resource.api == "dra":
-            self._sync_dra(resource, devices)
-            return
-        snapshot = self.snapshots.get(resource.name)
-        if snapshot is None:
-            if not devices and not resource.register_when_empty:
-                return  # a built-in default with nothing on this node: not advertised
-            snapshot = Snapshot()
-            devices = self._write_cdi(resource, devices)
-            snapshot.update(devices)
-            driver = self.drivers.get(resource.driver) or UnavailableDriver(
-                resource.driver, "not installed"
-            )
-            service = DevicePluginService(
-                resource, driver,
-                snapshot, self.calls, allocate_timeout_s=self.config.host.allocate_timeout_s,
-                observer=self.metrics.allocate_observer,
-            )
-            service.cdi_resolvable = self.cdi.resolvable
-            self.snapshots[resource.name] = snapshot
-            self.services[resource.name] = service
-            if resource.registration == "plugin-watcher":
-                self._watch_register(service)
-            else:
-                self.registrar.add(service)
-            self.metrics.set_devices(resource.name, devices)
-            self.nfd.update(resource.name, devices)
-            self.ready.clear()
-            return
-        devices = self._write_cdi(resource, devices)  # before the kubelet can ask for one
-        if snapshot.update(devices):
-            log.info("resource %s: %d devices (%d healthy)", resource.name, len(devices),
-                     sum(1 for d in devices if d.healthy))
-        current = self.services.get(resource.name)
-        if current is not None and current.refresh_options():
-            self._register_again(current, "GetPreferredAllocation is "
-                                 + ("useful now" if current.options.
-                                    get_preferred_allocation_available else "no longer useful"))
-        self.metrics.set_devices(resource.name, devices)
-        self.nfd.update(resource.name, devices)
+            if not self.dra.wants(resource):
+                return
+            self.dra.sync(resource, devices)
+        else:
+            if not self.device_plugin.wants(resource, devices):
+                return
+            devices = self.cdi.stage(resource, devices)  # before the kubelet can ask for one
+            self.device_plugin.sync(resource, devices)
+        for output in self.outputs:
+            output.sync(resource, devices)
 
-    async def _held_devices(self) -> devinfo.Held:
+    def _resync(self, resource: ResourceConfig) -> None:
+        if resource in self.config.resources:  # not replaced by a reload meanwhile
+            self.sync(resource)
+
+    def _resync_name(self, name: str) -> None:
+        resource = self.inventory.resources.get(name)
+        if resource is not None:
+            self.sync(resource)
+
+    def _synced(self, first: bool) -> None:
+        for output in self.outputs:
+            output.synced(first)
+
+    async def held_devices(self) -> Held:
         """(resource, device id) pairs some container holds, from the kubelet; None when the
         PodResources API does not answer."""
         if not self.config.host.pod_resources_socket:
@@ -273,59 +254,18 @@ class HostApp:
             return None
         return {(a.resource, d) for a in assignments(pods) for d in a.devices}
 
-    async def _write_specs(self, resources: Iterable[ResourceConfig]) -> None:
-        """Write these resources' CDI specs in a worker thread: JSON and fsync of thousands of
-        devices must not stall the loop (and every ListAndWatch stream with it). ``_sync``
-        then finds each spec current for the very device list it pushes (no JSON, one
-        stat). One thread: writes land in the order they were asked for."""
-        items = [(r.name, self.inventory.devices.get(r.name, [])) for r in resources if r.cdi]
-        if items:
-            await self._in_cdi_thread(lambda: self._write_now(items))
-
-    async def _in_cdi_thread(self, fn: Callable[[], T]) -> Optional[T]:
-        """Run ``fn`` in the CDI writer's one thread; None (not run) once stopped."""
-        if self._stopped:
-            return None
-        if self._cdi_thread is None:
-            self._cdi_thread = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="cdi-writer")
-        return await asyncio.get_running_loop().run_in_executor(self._cdi_thread, fn)
-
-    def _write_now(self, items: List[Tuple[str, List[Device]]]) -> None:
-        for name, devices in items:
-            self.cdi.update(name, devices)
-
-    def _write_cdi(self, resource: ResourceConfig, devices: List[Device]) -> List[Device]:
-        """Write the resource's CDI spec; the devices as they may be advertised.
-
-        A device whose CDI name is not in the spec on disk cannot be used by a runtime: it is
-        Unhealthy with the reason, unless ``cdi_fallback`` lets Allocate hand out its device
-        nodes instead (the service then leaves the CDI names out)."""
-        if not resource.cdi:
-            return devices
-        self.cdi.update(resource.name, devices)
-        if resource.cdi_fallback:
-            return devices
-        broken = self.cdi.unresolvable(resource.name, devices)
-        if not broken:
-            return devices
-        return [d.with_health(Health.UNHEALTHY, broken[d.id])
-                if d.id in broken and d.healthy else d for d in devices]
-
     async def rescan(self, drivers: Optional[Iterable[str]] = None) -> Set[str]:
-        """Rescan drivers and push every changed resource to its streams."""
+        """Rescan drivers and push every changed resource to the outputs."""
         changed = await self.inventory.scan(drivers)
         self.metrics.sync_drivers(self.inventory.status)
-        await self._write_specs(r for r in map(self.inventory.resources.get, changed)
-                                if r is not None)
+        await self.cdi.write(r for r in map(self.inventory.resources.get, changed)
+                             if r is not None)
         for name in changed:
-            resource = self.inventory.resources.get(name)
-            if resource is not None:
-                self._sync(resource)
+            self._resync_name(name)
         if changed:
-            self.nfd.schedule()
-        await scheduling.check_cdi(self)
-        scheduling.arm_expiry(self)
+            self._synced(first=False)
+        await self.cdi.check()
+        self.expiry.arm()
         return changed
 
     def request_rescan(self, drivers: Optional[Iterable[str]] = None) -> None:
@@ -334,11 +274,25 @@ class HostApp:
         # Owned: cancelled and awaited by stop(), its failure logged, never lost.
         self.background.spawn(self.rescan(drivers), "rescan", on_error=_rescan_failed)
 
+    def _subsystems(self) -> Set[str]:
+        return {s for name in self.inventory.by_driver
+                for s in getattr(self.drivers.get(name), "subsystems", ())}
+
+    def _driver_unhung(self, driver: str) -> None:
+        log.info("driver %r returned from a call that had timed out; rescanning it", driver)
+        self.request_rescan([driver])
+
     # -- live reload ------------------------------------------------------------------------
     async def overlaps_in(self, config: Config) -> List[Overlap]:
         """Scan with a config's resources, without applying them, for devices two of them
-        claim (host/reconfigure.py)."""
-        return await reconfigure.overlaps_in(self, config)
+        claim: a reload that would double-advertise a device is rejected like a bad file."""
+        trial = Inventory(
+            self.host, self.drivers, config.resources, self.calls,
+            discover_timeout_s=config.host.discover_timeout_s, vanished_grace_s=0,
+        )
+        trial.warn_overlaps = False
+        await trial.scan()
+        return trial.overlaps
 
     def adopt_drivers(self, drivers: Mapping[str, Driver]) -> None:
         """Drivers loaded after start (host/serve.py, host/reload.py): known from now on, for
@@ -347,87 +301,95 @@ class HostApp:
             self.drivers.setdefault(name, driver)
             self.inventory.drivers.setdefault(name, driver)
 
-    async def reload(self, config: Config) -> None:
-        """Apply a new, already validated config without a blip for unchanged resources
-        (host/reconfigure.py)."""
-        await reconfigure.apply_config(self, config)
-
-    # -- periodic health and operator drains ---------------------------------------------------
-    def _drivers_for_subsystem(self, subsystem: str) -> Set[str]:
-        return self.inventory.drivers_for_subsystem(subsystem)
-
-    def _driver_unhung(self, driver: str) -> None:
-        log.info("driver %r returned from a call that had timed out; rescanning it", driver)
-        self.request_rescan([driver])
-
-    def _register_again(self, service: DevicePluginService, why: str) -> None:
-        """New options reach the kubelet only through a new registration (it reads them in
-        GetDevicePluginOptions inside Register): the endpoint serves a fresh server and
-        registers again, as after a dropped stream."""
-        endpoint = self.registrar.endpoints.get(service.resource.name)
-        if endpoint is None:
-            return
-        log.info("resource %s: %s; registering again with the new options",
-                 service.resource.name, why)
-        service.served_options = None
-        endpoint.registered_with = None
-        endpoint.poke()
-
-    # -- readiness -----------------------------------------------------------------------
-    # -- DRA and plugin-watcher registration ----------------------------------------------------
-    async def _start_dra(self) -> None:
-        """Raises DraStartError (before serving anything) when DRA cannot work here."""
-        await dra_wiring.start_dra(self)
-
     async def start_dra_live(self, config: Config) -> None:
         """A reloaded config brings the first DRA resource: build the DRA side now. Raises
         DraStartError (nothing changed) when DRA cannot work here."""
-        if self.dra is None and not self._stopped:
-            await dra_wiring.start_dra(self, config,
-                                       ours=[*self.services, *self.watched])
+        if not self.dra.started and not self._stopped:
+            await self.dra.start(config, ours=self.device_plugin.names())
 
-    async def _stop_dra(self, grace_s: Optional[float] = None) -> None:
-        await dra_wiring.stop_dra(self, grace_s)
+    async def reload(self, config: Config) -> None:
+        """Apply a new, already validated config without a blip for what stays.
 
-    def _sync_dra(self, resource: ResourceConfig, devices: List[Device]) -> None:
-        dra_wiring.sync_dra(self, resource, devices)
+        Unchanged resources keep their socket, registration and stream. Changed ones keep
+        them too when the kubelet-visible options are the same (new selectors or replicas
+        just send a new snapshot); otherwise they re-register (also when replicas turn
+        GetPreferredAllocation on or off). New ones register; removed ones stop serving; a
+        changed ``api`` moves the resource (host/migration.py). Host settings that need a
+        restart are reported, not applied."""
+        if self._stopped:
+            return
+        change = plan(self.config, config)
+        for field in change.restart_only:
+            log.warning("reload: [host] %s changed; it takes effect at the next restart",
+                        field)
+        self.inventory.discover_timeout_s = config.host.discover_timeout_s
+        self.inventory.vanished_grace_s = config.host.vanished_grace_s
+        self.dra.set_taint_unhealthy(config.host.dra_unhealthy == "taint")
+        self.config = config
+        self.inventory.set_resources(config.resources)
+        for resource in change.removed:
+            log.info("reload: resource %s removed; it stops serving", resource.name)
+            self.moves.cancel(resource.name)
+            self.cdi.forget(resource.name)
+        # Together, not one after the other: each stop waits for its server's grace period
+        # (255 removals one by one took 13 s).
+        await asyncio.gather(*(self._forget(resource) for resource in change.removed))
+        for resource in change.moved:
+            self.moves.begin(resource)  # never served by both (host/migration.py)
+        for resource in change.added:
+            log.info("reload: resource %s added", resource.name)
+        for before, after in change.changed:
+            await self._reconfigure(before, after)
+        await self.rescan(change.drivers)
+        await self.cdi.write(config.resources)
+        for resource in config.resources:
+            self.sync(resource)
+            # Each new resource starts an endpoint task (server, socket, Register): let the
+            # loop run between them, so a reload to 256 resources never holds it for long.
+            await asyncio.sleep(0)
+        if self._stopped:
+            return  # stop() came meanwhile: start no watch, arm no timer
+        self.moves.write_state()
+        self.cdi.start_watch(config.resources)
+        self._synced(first=False)
+        self.health_checks.arm(config.resources)
 
-    def _watch_register(self, service: DevicePluginService) -> None:
-        """A device plugin registered through the plugin watcher instead of kubelet.sock."""
-        dra_wiring.watch_register(self, service)
+    async def _forget(self, resource: ResourceConfig) -> None:
+        for output in self.outputs:
+            await output.forget(resource)
+        await self.device_plugin.forget(resource)
+        await self.dra.forget(resource)
 
-    async def _unserve(self, name: str) -> None:
-        await self.registrar.remove(name)
-        endpoint = self.watched.pop(name, None)
-        if endpoint is not None:
-            await endpoint.close()
-        if self.dra is not None and name in self.dra.pools:
-            await self.dra.remove(name)
+    async def _reconfigure(self, before: ResourceConfig, after: ResourceConfig) -> None:
+        name = after.name
+        if after.api == "dra":
+            if before.dra_driver_name != after.dra_driver_name:
+                log.info("reload: resource %s changed its DRA driver name", name)
+                await self.dra.unserve(name)  # the old driver's registration goes with it
+            return  # its pool is updated by the sync after the rescan
+        if not self.device_plugin.serves(name):
+            log.info("reload: resource %s added", name)
+            return  # served by the sync after the rescan
+        if self.device_plugin.reconfigure(before, after):
+            log.info("reload: resource %s changed; same stream, new snapshot", name)
+        else:
+            log.info("reload: resource %s changed its driver or options; re-registering",
+                     name)
+            await self.device_plugin.unserve(name)
+        if before.cdi and not after.cdi:
+            self.cdi.forget(name)
+        for output in self.outputs:
+            output.changed(before, after)
 
-    def _watched_registered(self, endpoint: Any) -> None:
-        self.metrics.registered(endpoint.name)
-        self._check_ready()
+    # -- readiness -----------------------------------------------------------------------
+    def all_registered(self) -> bool:
+        return self.device_plugin.all_registered() and self.dra.all_registered()
 
-    def _dra_registered(self, endpoint: Any) -> None:
-        self._check_ready()
-
-    def _all_registered(self) -> bool:
-        return (self.registrar.all_registered()
-                and all(ep.registered for ep in self.watched.values())
-                and (self.dra is None or self.dra.all_registered()))
-
-    def _endpoint_registered(self, endpoint: Endpoint) -> None:
-        if endpoint.service.options_stale():
-            self._register_again(endpoint.service, "the options changed during Register")
-        self.metrics.registered(endpoint.name)
-        self.metrics.kubelet_restarts_seen(self.registrar.link.restarts_seen)
-        self._check_ready()
-
-    def _check_ready(self) -> None:
-        if self._all_registered() and not self.ready.is_set():
+    def check_ready(self) -> None:
+        if self.all_registered() and not self.ready.is_set():
             self.ready.set()
-            device_plugins = len(self.registrar.endpoints) + len(self.watched)
-            dra = 0 if self.dra is None else len(self.dra.pools)
+            device_plugins = self.device_plugin.count()
+            dra = self.dra.count()
             log.info("all %d resources registered (%d device-plugin, %d DRA), %.0f ms after "
                      "start", device_plugins + dra, device_plugins, dra,
                      (time.monotonic() - self.started_at) * 1000)

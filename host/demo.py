@@ -163,7 +163,7 @@ async def _dra_demo(app, api, config) -> None:
         print(f"\n{DRA_RESOURCE} through DRA: driver {driver} registered with the plugin "
               f"watcher in {(time.monotonic() - started) * 1000:.0f} ms "
               f"({plugin.chosen_service}, {plugin.endpoint})")
-        await app.publisher.wait_synced()
+        await app.dra.publisher.wait_synced()
         for piece in api.resource_slices(driver, DRA_NODE):
             spec = piece["spec"]
             print(f"ResourceSlice {piece['metadata']['name']}: pool {spec['pool']['name']} "

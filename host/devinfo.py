@@ -47,6 +47,7 @@ from typing import (
 
 from host import fileio
 from host.model import Device, ResourceConfig
+from host.outputs import Output
 from host.tasks import Background, cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -178,8 +179,10 @@ def _rewritten(directory: str, resource: str, device_id: str, mtime: float) -> b
         return False
 
 
-class DeviceInfoReconciler:
-    """Owns the removal side: one background task, started and stopped by the host."""
+class DeviceInfoReconciler(Output):
+    """Owns the removal side, as an output: one background task, running while some
+    resource writes device-info files; a resource that leaves the config or stops writing
+    them has its files removed, and so has every resource on a stop that is no hand-over."""
 
     def __init__(
         self,
@@ -274,6 +277,20 @@ class DeviceInfoReconciler:
         directory = directory_of(resource)
         for device_id in owned(directory, resource.name):
             remove(directory, resource.name, device_id)
+
+    def synced(self, first: bool) -> None:
+        self.start()
+
+    def changed(self, before: ResourceConfig, after: ResourceConfig) -> None:
+        if enabled(before) and not enabled(after):
+            self.remove_resource(before)
+
+    async def forget(self, resource: ResourceConfig) -> None:
+        if enabled(resource):
+            self.remove_resource(resource)
+
+    async def close(self, hand_over: bool) -> None:
+        await self.stop(remove=not hand_over)
 
     async def stop(self, remove: bool = True) -> None:
         """``remove``: False when another host serves the node now and keeps the files."""

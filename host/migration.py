@@ -130,7 +130,7 @@ class Migrations:
         where the host has a DRA side; ``pods`` shows it."""
         from host import fileio
 
-        if self.app.dra is None and not self.finished:
+        if not self.app.dra.started and not self.finished:
             return
         directory = self.app.config.host.dra_state_dir
         try:
@@ -208,8 +208,8 @@ class Migrations:
                  if held else "")
         resource = self.app.inventory.resources.get(name)
         if resource is not None:
-            self.app._sync(resource)
-            self.app._check_ready()
+            self.app.sync(resource)
+            self.app.check_ready()
         self._arm_poll()
         self.write_state()
         async with self._done:
@@ -217,29 +217,24 @@ class Migrations:
 
     async def _leave_device_plugin(self, name: str, move: Move) -> None:
         app = self.app
-        service = app.services.get(name)
-        snapshot = app.snapshots.get(name)
+        service = app.device_plugin.services.get(name)
+        snapshot = app.device_plugin.snapshots.get(name)
         if service is not None and snapshot is not None:
             move.step = "the device plugin sends an empty list"
             snapshot.update([])
             await _sent_empty(service, EMPTY_SENT_S)
         move.step = "the device plugin stops serving"
-        await app.registrar.remove(name)
-        endpoint = app.watched.pop(name, None)
-        if endpoint is not None:
-            await endpoint.close()
-        app.snapshots.pop(name, None)
-        app.services.pop(name, None)
+        await app.device_plugin.unserve(name)
 
     async def _node_clear(self, name: str) -> None:
-        watch = self.app.node_watch
+        watch = self.app.dra.node_watch
         if watch is None:
             return
         await watch.wait_for_node(lambda node: not advertised(node, name))
 
     async def _leave_dra(self, name: str, move: Move) -> None:
         app = self.app
-        dra = app.dra
+        dra = app.dra.frontend
         if dra is None:
             return
         pool = dra.pools.get(name)
@@ -255,9 +250,9 @@ class Migrations:
 
         app = self.app
         delay = 0.01
-        while app.kube is not None:
+        while app.dra.kube is not None:
             try:
-                slices = await app.kube.list_resource_slices(driver, app.config.host.node_name)
+                slices = await app.dra.kube.list_resource_slices(driver, app.config.host.node_name)
             except KubeError as error:
                 log.debug("listing ResourceSlices of pool %s failed (%s); again", pool, error)
             else:
@@ -281,7 +276,7 @@ class Migrations:
             return set()
         said = False
         while True:
-            held = await self.app._held_devices()
+            held = await self.app.held_devices()
             if held is not None:
                 return {base_id(device) for resource, device in held if resource == name}
             if not said:
@@ -292,14 +287,14 @@ class Migrations:
             await asyncio.sleep(HOLD_POLL_S)
 
     def _claim_holds(self, name: str) -> Set[str]:
-        dra = self.app.dra
+        dra = self.app.dra.frontend
         if dra is None:
             return set()
         return {device.device_id for claim in dra.prepared_claims()
                 for device in claim.devices if device.resource == name}
 
     def _arm_poll(self) -> None:
-        dra = self.app.dra
+        dra = self.app.dra.frontend
         if self._poll is None and (any(self.held.values())
                                    or (dra is not None and dra.draining())):
             self._poll = self.app.background.spawn(self._poll_holds(), "move holds",
@@ -321,7 +316,7 @@ class Migrations:
                         if not socket or not os.path.lexists(socket):
                             now: Set[str] = set()
                         else:
-                            got = await self.app._held_devices()
+                            got = await self.app.held_devices()
                             if got is None:
                                 continue
                             now = {base_id(d) for r, d in got if r == name}
@@ -332,9 +327,9 @@ class Migrations:
                         log.info("resource %s: %d device(s) released by the other API (%s)",
                                  name, len(held - now), ", ".join(sorted(held - now)))
                         self.held[name] = now
-                        self.app._sync(resource)
+                        self.app.sync(resource)
                         self.write_state()
-                dra = self.app.dra
+                dra = self.app.dra.frontend
                 if dra is not None:
                     await dra.close_drained()
                 if not any(self.held.values()) and (dra is None or not dra.draining()):

@@ -209,7 +209,7 @@ class ConfigReloader:
             overlaps = await self.app.overlaps_in(config)
             if overlaps:
                 raise overlap_error(config, overlaps[0])
-        if self.app.dra is None and any(r.api == "dra" for r in config.resources):
+        if not self.app.dra.started and any(r.api == "dra" for r in config.resources):
             # The first DRA resource (a new one, or one moving from the device plugin API):
             # the DRA side is built now; where it cannot work, the file is rejected.
             from host.dra.startup import DraStartError

@@ -50,7 +50,8 @@ async def announce_ready(app: HostApp, notifier: Notifier, config: Config) -> No
     try:
         await asyncio.wait_for(app.ready.wait(), config.host.register_timeout_s)
     except asyncio.TimeoutError:
-        pending = [name for name, ep in app.registrar.endpoints.items() if not ep.registered]
+        pending = [name for name, registered in app.device_plugin.registered().items()
+                   if not registered]
         notifier.ready(f"serving; registration pending for {', '.join(pending)}")
 
 
@@ -136,7 +137,7 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
             if lock.following and not announced:
                 announced.append(True)
                 lock.announce_ready()
-                app.registrar.expect_hand_over(HAND_OVER_WINDOW_S)
+                app.device_plugin.registrar.expect_hand_over(HAND_OVER_WINDOW_S)
                 log.info("serving and registered beside %s; it hands over now",
                          lock.predecessor.describe() if lock.predecessor else "the old host")
                 follow()
@@ -177,7 +178,7 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
                 app.background.later("host lock check", LOCK_CHECK_S, check_lock)
 
         if not lock.held:
-            app.registrar.link.on_dir_usable = take_lock
+            app.device_plugin.registrar.link.on_dir_usable = take_lock
         app.on_ready.append(announce_successor)
         state_watch = DirectoryWatch(lock.state_dir, successor_ready)
         state_watch.start()

@@ -46,7 +46,7 @@ class HostSettings:
     drain_file: str = _restart("/var/lib/device-plugin-host/drained")
     cdi_dir: str = _restart("/var/run/cdi")  # where CDI specs go for resources with cdi = true
     metrics_address: str = _restart("127.0.0.1:9400")  # Prometheus endpoint; "" disables it
-    # Node labels through NFD's local source (host/nfd.py); "" disables the feature file.
+    # Node labels through NFD's local source (host/outputs/nfd.py); "" disables the feature file.
     nfd_features_file: str = _restart(
         "/etc/kubernetes/node-feature-discovery/features.d/device-plugin-host")
     # DRA (resources with api = "dra") and plugin-watcher registration:

@@ -253,7 +253,8 @@ def test_spec_missing_after_a_full_disk_is_retried_and_devices_are_unhealthy_mea
             assert not spec.exists()
             assert state.allocatable == 0
             assert {d.health for d in state.devices.values()} == {"Unhealthy"}
-            reasons = {d.health_reason for d in app.snapshots["example.com/gpu"].devices}
+            snapshot = app.device_plugin.snapshots["example.com/gpu"]
+            reasons = {d.health_reason for d in snapshot.devices}
             assert len(reasons) == 1 and "No space left on device" in reasons.pop()
             with pytest.raises(Exception, match="unhealthy"):
                 await sim.allocate("example.com/gpu", 1)

@@ -184,7 +184,7 @@ def test_a_spec_deleted_while_the_event_queue_overflows_is_restored(short_dir, r
         async with kubelet_and_host(_config(short_dir, cdi_dir), {"m": driver}) as (_sim, app):
             spec = cdi_dir / SPEC
             wanted = spec.read_bytes()
-            assert app._cdi_watch is not None
+            assert app.cdi.watch is not None
             _overflow(cdi_dir)  # no await: the loop cannot drain the queue meanwhile
             spec.unlink()  # this event is lost: the queue is full
             await _until(lambda: spec.exists() and spec.read_bytes() == wanted,

@@ -9,9 +9,10 @@ import os
 from pathlib import Path
 
 from drivers.sriov.driver import SriovDriver
-from host import devinfo, nfd
+from host import devinfo
 from host.app import HostApp
 from host.model import Device, ResourceConfig
+from host.outputs import nfd
 from host.testing.fake_qat import heartbeat_status, qat_pf
 from host.testing.harness import make_config
 from host.testing.kubelet import KubeletSimulator

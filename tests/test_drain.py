@@ -132,7 +132,6 @@ def test_a_drain_racing_admission_fails_no_pod_and_applies_from_the_next_snapsho
 
     import grpc
 
-    from host import scheduling
     from host.model import DeviceNode, ResourceConfig
     from host.testing.drivers import MemoryDriver, make_devices
     from host.testing.harness import kubelet_and_host, make_config
@@ -156,8 +155,8 @@ def test_a_drain_racing_admission_fails_no_pod_and_applies_from_the_next_snapsho
             # The operator's drain lands between the snapshot the kubelet admitted from and
             # its Allocate: the host updates its snapshot at once, the kubelet has not read it.
             update_drains(config.host.drain_file, (name, "g0"), "replacing the fan")
-            scheduling.apply_drains(app)
-            assert not app.snapshots[name].device("g0").healthy
+            app.drains.read()
+            assert not app.device_plugin.snapshots[name].device("g0").healthy
             answer = await sim.call_allocate(name, [["g0"]])
             assert [d.host_path for d in answer.container_responses[0].devices] == \
                 [str(nodes / "g0")]
@@ -173,7 +172,7 @@ def test_a_drain_racing_admission_fails_no_pod_and_applies_from_the_next_snapsho
             # Told Healthy, but its device node is gone: it cannot work, refused at once.
             os.unlink(nodes / "g1")
             update_drains(config.host.drain_file, (name, "g1"), "gone")
-            scheduling.apply_drains(app)
+            app.drains.read()
             with pytest.raises(grpc.aio.AioRpcError) as gone:
                 await sim.call_allocate(name, [["g1"]])
             assert gone.value.code() == grpc.StatusCode.FAILED_PRECONDITION

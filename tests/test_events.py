@@ -118,11 +118,11 @@ def test_real_kernel_uevents_trigger_a_rescan(short_dir, run):
                 await sim.wait_for(lambda s: "example.com/n" in s.resources
                                    and s.resources["example.com/n"].snapshots)
                 # The monitor is armed once everything registered, then one catch-up scan
-                # runs (host/scheduling.py arm_events); the change below comes after both,
-                # so only the uevent can bring it.
+                # runs (host/triggers/events.py DeviceEvents.arm); the change below comes after
+                # both, so only the uevent can bring it.
                 await asyncio.wait_for(app.ready.wait(), 5)
                 await driver.scanned(2)
-                assert app.events is not None, "the udev monitor did not start"
+                assert app.events.source is not None, "the udev monitor did not start"
                 await app.rescan()  # scans run one at a time: the catch-up one has ended too
                 scans = driver.scans
                 driver.devices["example.com/n"] = make_devices("n", 2)

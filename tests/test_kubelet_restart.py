@@ -63,11 +63,11 @@ def _restart_with_register_in_flight(short_dir, run, outage_s: float, unlink: bo
     async def body():
         async with kubelet_and_host(config, {"m": driver}) as (sim, app):
             before = dict(sim.register_calls)
-            made_before = {n: app.registrar.endpoints[n].registrations for n in NAMES}
+            made_before = {n: app.device_plugin.registrar.endpoints[n].registrations for n in NAMES}
             # A slow kubelet and a socket wiped under one resource: that resource serves anew
             # and registers, and its Register is still in flight when the kubelet stops.
             sim.register_delay_s = 30.0
-            victim = app.registrar.endpoints[NAMES[0]]
+            victim = app.device_plugin.registrar.endpoints[NAMES[0]]
             os.unlink(victim.socket_path)
             await sim.wait_for(lambda k: k.registers_in_flight >= 1, what="a Register in flight")
             sim.register_delay_s = 0.0
@@ -75,7 +75,8 @@ def _restart_with_register_in_flight(short_dir, run, outage_s: float, unlink: bo
             await sim.wait_for(_all_live, timeout=15, what="every resource back")
             slowest = max(sim.resources[n].live_at for n in NAMES) - sim.started_at
             attempts = {n: sim.register_calls[n] - before.get(n, 0) for n in NAMES}
-            made = {n: app.registrar.endpoints[n].registrations - made_before[n] for n in NAMES}
+            endpoints = app.device_plugin.registrar.endpoints
+            made = {n: endpoints[n].registrations - made_before[n] for n in NAMES}
             return slowest, attempts, made, sim.describe()
 
     slowest, attempts, made, state = run(body(), timeout=60)
@@ -146,7 +147,7 @@ def test_another_client_closing_a_listandwatch_stream_never_reregisters(short_di
 
     async def body():
         async with kubelet_and_host(config, {"m": driver}) as (sim, app):
-            endpoint = app.registrar.endpoints[name]
+            endpoint = app.device_plugin.registrar.endpoints[name]
             generation, calls = endpoint.generation, sim.register_calls[name]
             ended = asyncio.Event()
             hook = endpoint.service.on_stream_end

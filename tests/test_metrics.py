@@ -91,8 +91,8 @@ class Node:
             plugin_dir, pod_resources_socket=self.pod_socket if with_pod_resources else None)
         self.metrics = HostMetrics(pod_resources_socket=self.pod_socket,
                                    pod_list_min_interval_s=list_interval)
-        self.app = HostApp(self.config, {"mem": self.driver}, events=None)
-        self.app.metrics = self.metrics  # the test's instance: a fast List interval
+        # The test's instance: a fast List interval.
+        self.app = HostApp(self.config, {"mem": self.driver}, events=None, metrics=self.metrics)
 
     async def __aenter__(self) -> Node:
         await self.sim.start()

@@ -63,7 +63,7 @@ def test_100_kubelet_restarts_with_outages_leave_idle_cpu_and_fds_unchanged(shor
         return 100 * spent / (asyncio.get_running_loop().time() - started)
 
     def attempts_of(app) -> int:
-        return sum(ep.registrations for ep in app.registrar.endpoints.values())
+        return sum(ep.registrations for ep in app.device_plugin.registrar.endpoints.values())
 
     async def scenario():
         sim = KubeletSimulator(short_dir)
@@ -80,7 +80,8 @@ def test_100_kubelet_restarts_with_outages_leave_idle_cpu_and_fds_unchanged(shor
                 for restart in range(100):
                     if restart % 10 == 0:  # a Register in flight when the kubelet stops
                         sim.register_delay_s = 30.0
-                        os.unlink(app.registrar.endpoints[names[restart % 8]].socket_path)
+                        endpoints = app.device_plugin.registrar.endpoints
+                        os.unlink(endpoints[names[restart % 8]].socket_path)
                         await sim.wait_for(lambda k: k.registers_in_flight > 0)
                         sim.register_delay_s = 0.0
                     await sim.restart(outage_s=rng.random() * 0.15, unlink=restart % 3 == 0)
@@ -101,7 +102,7 @@ def test_100_kubelet_restarts_with_outages_leave_idle_cpu_and_fds_unchanged(shor
                 attempts = attempts_of(app) - attempts_before
                 # One Register per resource per restart, plus the ten in flight at a stop.
                 assert attempts <= len(names) * 100 + 10 + len(names), attempts
-                assert all(ep.registered for ep in app.registrar.endpoints.values())
+                assert all(ep.registered for ep in app.device_plugin.registrar.endpoints.values())
         finally:
             await sim.stop()
 
@@ -233,7 +234,7 @@ def test_never_follows_a_symlink_planted_at_its_socket_path(short_dir, run, tmp_
             app = HostApp(config, {"m": driver}, events=None)
             # Plant links at the names the next generations would use.
             for generation in range(1, 4):
-                name = socket_file_name(RESOURCE, app.registrar.token, generation)
+                name = socket_file_name(RESOURCE, app.device_plugin.registrar.token, generation)
                 os.symlink(victim, os.path.join(short_dir, name))
             await app.start()
             try:

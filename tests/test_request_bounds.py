@@ -60,7 +60,7 @@ def _rss_mb() -> float:
 
 
 def _socket(app) -> str:
-    path = app.registrar.endpoints[GPU].socket_path
+    path = app.device_plugin.registrar.endpoints[GPU].socket_path
     assert path is not None
     return path
 

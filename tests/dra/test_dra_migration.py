@@ -172,7 +172,7 @@ def test_moving_a_resource_both_ways_with_pods_holding_devices(short_dir, run, k
         watcher = Watcher(client, kubelet)
         await app.start()
         try:
-            assert app.dra is None  # no DRA resource at start: built by the move
+            assert not app.dra.started  # no DRA resource at start: built by the move
             await _until(lambda: status.written.get(GPU.name) == "3", "Node capacity 3")
             await kubelet.allocate(GPU.name, 1, pod="dp-pod")
             held = kubelet.in_use(GPU.name)

@@ -82,7 +82,7 @@ def test_device_plugin_and_dra_side_by_side_in_one_process(short_dir, run, kube_
             [ready] = [m for m in caplog.messages if "resources registered" in m]
             assert ready.startswith("all 3 resources registered (2 device-plugin, 1 DRA), ")
             # the slices, read back from the API server
-            assert await app.publisher.wait_synced()
+            assert await app.dra.publisher.wait_synced()
             published = kube_api.devices(dra_driver, NODE)
             assert sorted(published) == ["gpu0", "gpu1", "gpu2"]
             [piece] = kube_api.resource_slices(dra_driver, NODE)
@@ -100,7 +100,7 @@ def test_device_plugin_and_dra_side_by_side_in_one_process(short_dir, run, kube_
                     "reservedFor": [{"resource": "pods", "name": "p", "uid": pod}]}})
             [info] = await dra_kubelet.prepare(pod, [("default", "c")])
             assert info.devices[dra_driver][0].device_name == "gpu1"
-            assert [c.uid for c in app.dra.prepared_claims()] == [claim["metadata"]["uid"]]
+            assert [c.uid for c in app.dra.frontend.prepared_claims()] == [claim["metadata"]["uid"]]
             sample = app.metrics.registry.get_sample_value
             labels = {"driver": dra_driver, "outcome": "prepared"}
             assert sample("device_plugin_host_dra_claims_total", labels) == 1
@@ -110,31 +110,31 @@ def test_device_plugin_and_dra_side_by_side_in_one_process(short_dir, run, kube_
             # a hot-plug reaches the DRA pool and the slice through the same inventory
             driver.devices[DRA.name] = make_devices("gpu", 4)
             await app.rescan(["memory"])
-            assert "gpu3" in app.dra.pools[DRA.name].by_name
-            assert await app.publisher.wait_synced()
+            assert "gpu3" in app.dra.frontend.pools[DRA.name].by_name
+            assert await app.dra.publisher.wait_synced()
             assert sorted(kube_api.devices(dra_driver, NODE)) == ["gpu0", "gpu1", "gpu2", "gpu3"]
             # health: an Unhealthy device leaves the slice, and comes back
             sick = make_devices("gpu", 4)
             sick[2] = sick[2].with_health(Health.UNHEALTHY, "link down")
             driver.devices[DRA.name] = sick
             await app.rescan(["memory"])
-            assert await app.publisher.wait_synced()
+            assert await app.dra.publisher.wait_synced()
             assert sorted(kube_api.devices(dra_driver, NODE)) == ["gpu0", "gpu1", "gpu3"]
             driver.devices[DRA.name] = make_devices("gpu", 4)
             await app.rescan(["memory"])
-            assert await app.publisher.wait_synced()
+            assert await app.dra.publisher.wait_synced()
             assert "gpu2" in kube_api.devices(dra_driver, NODE)
             # a kubelet restart wipes the node's slices; our re-registration republishes
             await dra_kubelet.restart(wipe_sockets=True)
             assert kube_api.devices(dra_driver, NODE) == {}
             await dra_kubelet.wait_registered(dra_driver)
-            await _until(lambda: app.dra.all_registered())
-            assert await app.publisher.wait_synced()
+            await _until(lambda: app.dra.frontend.all_registered())
+            assert await app.dra.publisher.wait_synced()
             assert len(kube_api.devices(dra_driver, NODE)) == 4
             [again] = await dra_kubelet.prepare(pod, [("default", "c")])
             assert again.devices[dra_driver][0].device_name == "gpu1"
             await dra_kubelet.unprepare(pod)
-            assert app.dra.prepared_claims() == []
+            assert app.dra.frontend.prepared_claims() == []
         finally:
             await app.stop()
             await dra_kubelet.stop()
@@ -189,10 +189,10 @@ def test_an_api_server_outage_at_start_is_not_fatal(short_dir, run):
                 app = HostApp(config, {"memory": _driver()}, events=None)
                 await app.start()
                 try:
-                    assert DRA.name in app.dra.pools
+                    assert DRA.name in app.dra.frontend.pools
                     await kubelet.wait_registered(dra_driver)
                     api.start()
-                    assert await app.publisher.wait_synced(timeout_s=20)
+                    assert await app.dra.publisher.wait_synced(timeout_s=20)
                     assert sorted(api.devices(dra_driver, NODE)) == ["gpu0", "gpu1", "gpu2"]
                 finally:
                     await app.stop()
@@ -270,7 +270,7 @@ def test_reload_moves_a_resource_between_the_apis_and_renames_a_driver(short_dir
             await dra_kubelet.watcher.wait_for(lambda w: w.by_name("DRAPlugin", old_driver)
                                                is None, what="the old driver deregistered")
             assert app.served() == []
-            assert await app.publisher.wait_synced()
+            assert await app.dra.publisher.wait_synced()
             assert sorted(kube_api.devices("gpu.example.com", NODE)) == ["gpu0", "gpu1", "gpu2"]
             assert kube_api.devices(old_driver, NODE) == {}
             assert sorted(kube_api.devices(naming.driver_name(DP.name, None), NODE)) == [
@@ -302,7 +302,7 @@ def test_slices_wiped_after_the_host_went_away_come_back_with_it(short_dir, run,
             app = HostApp(config, {"memory": _driver()}, events=None)
             await app.start()
             await kubelet.wait_registered(dra_driver)
-            assert await app.publisher.wait_synced()
+            assert await app.dra.publisher.wait_synced()
             assert len(kube_api.devices(dra_driver, NODE)) == 3
             await app.stop()  # its registration socket goes: deregistered, wiped
             await kubelet.watcher.wait_for(lambda w: kubelet.wiped_drivers == [dra_driver],
@@ -313,7 +313,7 @@ def test_slices_wiped_after_the_host_went_away_come_back_with_it(short_dir, run,
             await app.start()
             try:
                 await kubelet.wait_registered(dra_driver)
-                assert await app.publisher.wait_synced()
+                assert await app.dra.publisher.wait_synced()
                 assert len(kube_api.devices(dra_driver, NODE)) == 3
             finally:
                 await app.stop()
@@ -400,7 +400,7 @@ def test_an_operator_drain_reaches_the_slice_the_health_stream_and_prepare(short
                 lambda w: kubelet.health(dra_driver, pool, "gpu1")[0] == "Unhealthy",
                 what="the drain in the health stream")
             assert kubelet.health(dra_driver, pool, "gpu1")[1].endswith("RMA ticket 42")
-            assert await app.publisher.wait_synced()
+            assert await app.dra.publisher.wait_synced()
             assert sorted(kube_api.devices(dra_driver, NODE)) == ["gpu0", "gpu2"]
             pod = str(uuid.uuid4())
             kube_api.put_resource_claim({
@@ -453,11 +453,11 @@ def test_a_kubelet_start_wipe_that_lands_after_our_registration_is_repaired(shor
         await app.start()
         try:
             await kubelet.wait_registered(dra_driver)
-            assert await app.publisher.wait_synced()
+            assert await app.dra.publisher.wait_synced()
             kubelet.startup_wipe_delay_s = 0.3
             await kubelet.restart(wipe_sockets=True)
             await kubelet.wait_registered(dra_driver)
-            assert await app.publisher.wait_synced()
+            assert await app.dra.publisher.wait_synced()
             await _until(lambda: len(wiped) == 2)
             assert wiped[-1] == 1  # the wipe came after the republish and took our slice
             loop = asyncio.get_running_loop()
@@ -496,10 +496,10 @@ def test_dra_unhealthy_taint_taints_a_drained_device_where_the_server_keeps_tain
                     await kubelet.wait_registered(dra_driver)
                     update_drains(config.host.drain_file, (DRA.name, "gpu1"), "RMA ticket 42")
                     await app.rescan()
-                    assert await app.publisher.wait_synced()
+                    assert await app.dra.publisher.wait_synced()
                     omitted = api.devices(dra_driver, NODE)
                     await app.reload(tainting)
-                    assert await app.publisher.wait_synced()
+                    assert await app.dra.publisher.wait_synced()
                     return omitted, api.devices(dra_driver, NODE)
                 finally:
                     await app.stop()
@@ -530,7 +530,7 @@ def test_dra_unhealthy_from_the_config_file_reaches_the_publisher(short_dir, run
             app = HostApp(config, {"memory": _driver()}, events=None)
             await app.start()
             try:
-                return app.publisher.taint_unhealthy
+                return app.dra.publisher.taint_unhealthy
             finally:
                 await app.stop()
 
@@ -583,7 +583,8 @@ def test_healthz_fails_while_the_plugin_watcher_has_not_registered_our_dra_drive
             kubelet = None
             try:
                 await app.start()
-                assert app.registrar.endpoints == {}  # no device plugin to hold against us
+                # no device plugin to hold against us
+                assert app.device_plugin.registrar.endpoints == {}
                 text = await status_until(app, 503, "a DRA driver nobody registers")
                 assert f"DRA driver {dra_driver} has not been registered by the kubelet's " \
                        "plugin watcher" in text
@@ -628,7 +629,7 @@ def test_a_pool_is_published_only_once_the_kubelet_has_registered_its_driver(sho
                 async with _PluginWatcher(config, api) as kubelet:
                     await kubelet.wait_registered(dra_driver)
                     registered = asyncio.get_running_loop().time()
-                    assert await app.publisher.wait_synced()
+                    assert await app.dra.publisher.wait_synced()
                     assert sorted(api.devices(dra_driver, NODE)) == ["gpu0", "gpu1", "gpu2"]
                     assert asyncio.get_running_loop().time() - registered < 1.0
             finally:

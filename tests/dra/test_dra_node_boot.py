@@ -268,7 +268,7 @@ def test_a_node_registered_again_gets_every_slice_owned_by_the_new_uid(api_serve
         before = ours(api)
         api.delete_node(NODE)
         deadline = loop.time() + 5
-        while not app.node_watch.waiting() and loop.time() < deadline:
+        while not app.dra.node_watch.waiting() and loop.time() < deadline:
             await asyncio.sleep(0.01)  # the host sees the deletion ...
         if collect:
             # (the collector acts on the deletion later than a watch hears of it; slices
@@ -283,7 +283,7 @@ def test_a_node_registered_again_gets_every_slice_owned_by_the_new_uid(api_serve
         else:
             assert sorted(s["metadata"]["resourceVersion"] for s in ours(api)) == \
                 sorted(s["metadata"]["resourceVersion"] for s in before)
-        assert "waiting for Node" in "".join(app.node_watch.waiting())
+        assert "waiting for Node" in "".join(app.dra.node_watch.waiting())
         created = time.monotonic()
         new_uid = api.add_node(NODE)["metadata"]["uid"]
 
@@ -307,12 +307,12 @@ def test_a_node_registered_again_gets_every_slice_owned_by_the_new_uid(api_serve
         await app.start()
         try:
             await dra_kubelet.wait_registered(*drivers)
-            assert await app.publisher.wait_synced()
+            assert await app.dra.publisher.wait_synced()
             first = ours(api)
             assert len(first) == 3 and set(_owners(first)) == {old["metadata"]["uid"]}
             took, uid = await replaced(app, collect=False)
             assert took < 2.0, f"owned by the new Node {took:.2f} s after it was created"
-            assert app.node_watch.waiting() == []
+            assert app.dra.node_watch.waiting() == []
             took, uid2 = await replaced(app, collect=True)
             assert took < 2.0, f"owned by the new Node {took:.2f} s after it was created"
             assert uid2 != uid

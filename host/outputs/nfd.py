@@ -30,7 +30,8 @@ import re
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
 from host import fileio
-from host.model import Device
+from host.model import Device, ResourceConfig
+from host.outputs import Output
 from host.tasks import Background
 
 log = logging.getLogger(__name__)
@@ -116,8 +117,9 @@ def render(resources: Mapping[str, Sequence[Device]],
     return "".join(lines)
 
 
-class FeatureFile:
-    """The host's one feature file: ``update`` per resource, ``flush`` once per change."""
+class FeatureFile(Output):
+    """The host's one feature file, as an output: ``sync`` per device-plugin resource, the
+    file written at start (``synced(first=True)``) and ``delay_s`` after later batches."""
 
     def __init__(self, path: str, delay_s: float = 1.0,
                  background: Optional[Background] = None) -> None:
@@ -139,9 +141,22 @@ class FeatureFile:
         self._devices[resource] = list(devices)
         self._blocks.pop(resource, None)
 
-    def forget(self, resource: str) -> None:
-        self._devices.pop(resource, None)
-        self._blocks.pop(resource, None)
+    def sync(self, resource: ResourceConfig, devices: Sequence[Device]) -> None:
+        if resource.api != "dra":
+            self.update(resource.name, devices)
+
+    def synced(self, first: bool) -> None:
+        if first:
+            self.flush()
+        else:
+            self.schedule()
+
+    async def forget(self, resource: ResourceConfig) -> None:
+        self._devices.pop(resource.name, None)
+        self._blocks.pop(resource.name, None)
+
+    async def close(self, hand_over: bool) -> None:
+        self.remove(keep_file=hand_over)
 
     def schedule(self) -> None:
         """Flush ``delay_s`` from now, coalescing the changes of a burst of rescans: labels
