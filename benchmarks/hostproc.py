@@ -30,8 +30,8 @@ import tempfile
 from typing import Dict, List, Optional
 
 from host.config import Config
+from host.memory import return_freed_heap
 from host.model import Device, ResourceConfig
-from host.process import return_freed_heap
 from host.testing.drivers import MemoryDriver, make_devices
 from host.testing.harness import make_config, running_host
 from host.triggers.events import EVENTS_AFTER_READY_S

@@ -102,13 +102,17 @@ class HostApp:
             lambda: self.config.host, drivers, self.calls, self.metrics,
             self.cdi.writer.resolvable, lambda: self.instance,
             on_registered=self.check_ready, on_new=self.ready.clear)
-        # Resources moving between the device plugin API and DRA (host/migration.py).
-        self.moves = Migrations(self)
         self.dra = DraOutput(
             lambda: self.config, drivers, self.calls, self.metrics, self.host,
-            self.background, lambda: self.instance, hold_at_start=self.moves.hold_at_start,
-            notes=self.moves.notes, on_registered=self.check_ready,
+            self.background, lambda: self.instance,
+            hold_at_start=lambda name, node: self.moves.hold_at_start(name, node),
+            notes=lambda: self.moves.notes(), on_registered=self.check_ready,
             on_unready=self.ready.clear)
+        # Resources moving between the device plugin API and DRA (host/migration.py).
+        self.moves = Migrations(
+            lambda: self.config, self.background, self.device_plugin, self.dra,
+            lambda name: self.inventory.resources.get(name), self.sync, self.check_ready,
+            self.held_devices)
         # SR-IOV CNI device-info files: written at Allocate by the driver, removed here.
         self.devinfo = DeviceInfoReconciler(
             lambda: self.config.resources, lambda name: self.inventory.devices.get(name, []),

@@ -31,8 +31,8 @@ from host.drain import (
 from host.exit import EXIT_CONFIG, CommandError
 from host.lock import running_host, state_dir_of
 from host.logs import setup_logging
+from host.memory import collect_again
 from host.plugins import DriverRegistry, configured_drivers, disabled_in_config, load_drivers
-from host.process import collect_again
 from host.reload import is_empty
 from host.serve import run
 from host.socket_names import POD_RESOURCES_SOCKET
@@ -230,7 +230,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     args = _parser(_command_of(words)).parse_args(words)
     if args.command != "run":
-        collect_again()  # off only for the daemon's start (host/process.py)
+        collect_again()  # off only for the daemon's start (host/memory.py)
     try:
         code = _dispatch(args)
         sys.stdout.flush()  # a closed pipe shows up here when the output was buffered

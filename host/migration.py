@@ -30,12 +30,16 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Dict, List, Optional, Sequence, Set
 
+from host.config import Config
+from host.devinfo import Held
 from host.model import Device, ResourceConfig
+from host.tasks import Background
 
 if TYPE_CHECKING:
-    from host.app import HostApp
+    from host.outputs.device_plugin import DevicePluginOutput
+    from host.outputs.dra import DraOutput
 
 log = logging.getLogger("host.app")
 
@@ -56,20 +60,6 @@ def base_id(device_id: str) -> str:
     return device_id.split("::", 1)[0]
 
 
-def _nonzero(quantity: Any) -> bool:
-    text = str(quantity if quantity is not None else "").strip()
-    return text not in ("", "0")
-
-
-def advertised(node: Optional[Dict[str, Any]], name: str) -> bool:
-    """Whether the Node's status lists ``name`` with a non-zero capacity or allocatable."""
-    if node is None:
-        return False
-    status = node.get("status") or {}
-    return (_nonzero((status.get("capacity") or {}).get(name))
-            or _nonzero((status.get("allocatable") or {}).get(name)))
-
-
 @dataclass
 class Move:
     to: str  # DRA or DEVICE_PLUGIN
@@ -81,8 +71,23 @@ class Move:
 class Migrations:
     """The moves in progress, and the devices held through the API a resource left."""
 
-    def __init__(self, app: HostApp) -> None:
-        self.app = app
+    def __init__(self, config: Callable[[], Config], background: Background,
+                 device_plugin: DevicePluginOutput, dra: DraOutput,
+                 resource: Callable[[str], Optional[ResourceConfig]],
+                 sync: Callable[[ResourceConfig], None], check_ready: Callable[[], None],
+                 held_devices: Callable[[], Awaitable[Held]]) -> None:
+        """``resource``: a resource's config by name (None once it left); ``sync``: hand
+        a resource's devices to the outputs again; ``held_devices``: what containers hold
+        through the device plugin (the kubelet's PodResources API; None when it does not
+        answer)."""
+        self._config = config
+        self._background = background
+        self._device_plugin = device_plugin
+        self._dra = dra
+        self._resource = resource
+        self._sync = sync
+        self._check_ready = check_ready
+        self._held_devices = held_devices
         self.moves: Dict[str, Move] = {}
         # resource -> device ids (replica suffix dropped) held through the other API
         self.held: Dict[str, Set[str]] = {}
@@ -90,7 +95,7 @@ class Migrations:
         self._poll: Optional[asyncio.Task] = None
         self._done = asyncio.Condition()
 
-    # -- what the app asks -------------------------------------------------------------------
+    # -- what the conductor asks ----------------------------------------------------------------
 
     def blocked(self, name: str) -> bool:
         """The resource is between APIs: served by neither."""
@@ -106,7 +111,7 @@ class Migrations:
     def serving(self) -> Dict[str, str]:
         """Resource -> what serves it now: "device-plugin", "dra", or "moving to ... (step)"."""
         out: Dict[str, str] = {}
-        for resource in self.app.config.resources:
+        for resource in self._config().resources:
             move = self.moves.get(resource.name)
             if move is not None:
                 out[resource.name] = f"moving to {move.to}: {move.step}"
@@ -130,9 +135,9 @@ class Migrations:
         where the host has a DRA side; ``pods`` shows it."""
         from host import fileio
 
-        if not self.app.dra.started and not self.finished:
+        if not self._dra.started and not self.finished:
             return
-        directory = self.app.config.host.dra_state_dir
+        directory = self._config().host.dra_state_dir
         try:
             fileio.make_private_dir(directory)
             fileio.write_atomic(os.path.join(directory, STATE_FILE), json.dumps(
@@ -179,7 +184,7 @@ class Migrations:
     def _start(self, name: str, to: str, step: str) -> None:
         move = Move(to=to, step=step, since=time.monotonic())
         self.moves[name] = move
-        move.task = self.app.background.spawn(self._run(name, move), f"move {name} to {to}",
+        move.task = self._background.spawn(self._run(name, move), f"move {name} to {to}",
                                               on_error=_move_failed)
         self.write_state()
 
@@ -206,35 +211,35 @@ class Migrations:
                  move.to, seconds * 1000,
                  f"; {len(held)} device(s) stay out until released ({', '.join(sorted(held))})"
                  if held else "")
-        resource = self.app.inventory.resources.get(name)
+        resource = self._resource(name)
         if resource is not None:
-            self.app.sync(resource)
-            self.app.check_ready()
+            self._sync(resource)
+            self._check_ready()
         self._arm_poll()
         self.write_state()
         async with self._done:
             self._done.notify_all()
 
     async def _leave_device_plugin(self, name: str, move: Move) -> None:
-        app = self.app
-        service = app.device_plugin.services.get(name)
-        snapshot = app.device_plugin.snapshots.get(name)
+        service = self._device_plugin.services.get(name)
+        snapshot = self._device_plugin.snapshots.get(name)
         if service is not None and snapshot is not None:
             move.step = "the device plugin sends an empty list"
             snapshot.update([])
             await _sent_empty(service, EMPTY_SENT_S)
         move.step = "the device plugin stops serving"
-        await app.device_plugin.unserve(name)
+        await self._device_plugin.unserve(name)
 
     async def _node_clear(self, name: str) -> None:
-        watch = self.app.dra.node_watch
+        from host.dra.startup import advertised
+
+        watch = self._dra.node_watch
         if watch is None:
             return
         await watch.wait_for_node(lambda node: not advertised(node, name))
 
     async def _leave_dra(self, name: str, move: Move) -> None:
-        app = self.app
-        dra = app.dra.frontend
+        dra = self._dra.frontend
         if dra is None:
             return
         pool = dra.pools.get(name)
@@ -248,11 +253,11 @@ class Migrations:
     async def _slices_gone(self, driver: str, pool: str) -> None:
         from host.dra.kube import KubeError
 
-        app = self.app
         delay = 0.01
-        while app.dra.kube is not None:
+        while self._dra.kube is not None:
             try:
-                slices = await app.dra.kube.list_resource_slices(driver, app.config.host.node_name)
+                slices = await self._dra.kube.list_resource_slices(
+                    driver, self._config().host.node_name)
             except KubeError as error:
                 log.debug("listing ResourceSlices of pool %s failed (%s); again", pool, error)
             else:
@@ -268,7 +273,7 @@ class Migrations:
         """Device ids pods hold through the device plugin (the kubelet's PodResources API),
         read until it answers (a kubelet restarting); empty, with a warning, where there is
         no PodResources socket at all (not configured, not mounted)."""
-        socket = self.app.config.host.pod_resources_socket
+        socket = self._config().host.pod_resources_socket
         if not socket or not os.path.lexists(socket):
             log.warning("resource %s: no PodResources socket (%s): devices pods still hold "
                         "through the device plugin cannot be seen and are published too", name,
@@ -276,7 +281,7 @@ class Migrations:
             return set()
         said = False
         while True:
-            held = await self.app.held_devices()
+            held = await self._held_devices()
             if held is not None:
                 return {base_id(device) for resource, device in held if resource == name}
             if not said:
@@ -287,17 +292,17 @@ class Migrations:
             await asyncio.sleep(HOLD_POLL_S)
 
     def _claim_holds(self, name: str) -> Set[str]:
-        dra = self.app.dra.frontend
+        dra = self._dra.frontend
         if dra is None:
             return set()
         return {device.device_id for claim in dra.prepared_claims()
                 for device in claim.devices if device.resource == name}
 
     def _arm_poll(self) -> None:
-        dra = self.app.dra.frontend
+        dra = self._dra.frontend
         if self._poll is None and (any(self.held.values())
                                    or (dra is not None and dra.draining())):
-            self._poll = self.app.background.spawn(self._poll_holds(), "move holds",
+            self._poll = self._background.spawn(self._poll_holds(), "move holds",
                                                    on_error=_move_failed)
 
     async def _poll_holds(self) -> None:
@@ -307,16 +312,16 @@ class Migrations:
                 for name, held in list(self.held.items()):
                     if not held or name in self.moves:
                         continue
-                    resource = self.app.inventory.resources.get(name)
+                    resource = self._resource(name)
                     if resource is None:
                         self.held.pop(name, None)
                         continue
                     if resource.api == DRA:
-                        socket = self.app.config.host.pod_resources_socket
+                        socket = self._config().host.pod_resources_socket
                         if not socket or not os.path.lexists(socket):
                             now: Set[str] = set()
                         else:
-                            got = await self.app.held_devices()
+                            got = await self._held_devices()
                             if got is None:
                                 continue
                             now = {base_id(d) for r, d in got if r == name}
@@ -327,9 +332,9 @@ class Migrations:
                         log.info("resource %s: %d device(s) released by the other API (%s)",
                                  name, len(held - now), ", ".join(sorted(held - now)))
                         self.held[name] = now
-                        self.app.sync(resource)
+                        self._sync(resource)
                         self.write_state()
-                dra = self.app.dra.frontend
+                dra = self._dra.frontend
                 if dra is not None:
                     await dra.close_drained()
                 if not any(self.held.values()) and (dra is None or not dra.draining()):

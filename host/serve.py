@@ -21,8 +21,8 @@ from host.exit import EXIT_CONFIG
 from host.inotify import DirectoryWatch
 from host.isolation import DriverCalls
 from host.lock import HostLock, LockHeld, state_dir_of
+from host.memory import collect_again, return_freed_heap
 from host.plugins import DriverRegistry
-from host.process import collect_again, return_freed_heap
 from host.reload import ConfigReloader
 from host.socket_names import KUBELET_SOCKET, instance_id
 from host.systemd import Notifier
@@ -64,7 +64,7 @@ def _load_rest(registry: DriverRegistry, app: HostApp) -> None:
 
 def _after_start(registry: DriverRegistry, app: HostApp) -> None:
     """Every resource registered: load other packages' drivers no resource uses, then give
-    back the heap the start-up burst freed (host/process.py)."""
+    back the heap the start-up burst freed (host/memory.py)."""
     _load_rest(registry, app)
     return_freed_heap()
 
@@ -194,7 +194,7 @@ def run(config: Config, registry: DriverRegistry, config_path: Optional[str]) ->
             # process entry, not in HostApp.start:
             # a test or benchmark process starts hosts by the hundred.
             gc.freeze()
-            collect_again()  # off since the process began (host/process.py)
+            collect_again()  # off since the process began (host/memory.py)
             reloader.on_outcome = lambda outcome: gc.freeze() if outcome == "applied" else None
             reloader.start()
             # Other packages' drivers no resource uses load once serving (a broken package is

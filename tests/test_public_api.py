@@ -174,7 +174,8 @@ def test_the_collector_is_off_only_while_the_program_starts():
         "import gc, json\n"
         "import host.process\n"
         "host.process.configure_process()\n"
-        "host.process.pause_collector()\n"
+        "import host.memory\n"
+        "host.memory.pause_collector()\n"
         "print(json.dumps(gc.isenabled()))")
     assert seen is False
 

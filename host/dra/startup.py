@@ -145,6 +145,19 @@ def held_by_stopped_plugin(node: Optional[Dict[str, Any]], config: Config) -> Li
     """Our DRA resources whose name the Node still lists with capacity from a device plugin
     that no longer serves it (allocatable 0): the kubelet keeps it for 5 minutes after the
     plugin's stream ended. Their pools wait until it is gone (host/migration.py)."""
-    from host.migration import advertised
 
     return [r.name for r in dra_resources(config) if advertised(node, r.name)]
+
+
+def _nonzero(quantity: Any) -> bool:
+    text = str(quantity if quantity is not None else "").strip()
+    return text not in ("", "0")
+
+
+def advertised(node: Optional[Dict[str, Any]], name: str) -> bool:
+    """Whether the Node's status lists ``name`` with a non-zero capacity or allocatable."""
+    if node is None:
+        return False
+    status = node.get("status") or {}
+    return (_nonzero((status.get("capacity") or {}).get(name))
+            or _nonzero((status.get("allocatable") or {}).get(name)))

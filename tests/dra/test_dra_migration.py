@@ -20,8 +20,7 @@ import pytest
 from host.app import HostApp
 from host.dra import naming, startup
 from host.dra.kube import KubeClient, KubeError
-from host.dra.startup import DraStartError
-from host.migration import advertised
+from host.dra.startup import DraStartError, advertised
 from host.model import ResourceConfig
 from host.protocol import HEALTHY
 from host.testing.apiserver import ApiServerStandIn, kube_api
