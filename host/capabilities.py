@@ -151,9 +151,9 @@ class Capabilities:
 
     @classmethod
     def of(cls, driver: object) -> Capabilities:
-        """The record of ``driver``: detected on first use and kept for the life of the
-        object. A driver's capabilities are what it defines when it is loaded; methods a
-        driver gains or loses afterwards are not seen."""
+        """The record of ``driver``: detected when the driver is loaded (host/plugins.py) or
+        first used, and kept for the life of the object; methods a driver gains or loses
+        afterwards are not seen."""
         key = id(driver)
         with _lock:
             found = _records.get(key)

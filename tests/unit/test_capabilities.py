@@ -285,3 +285,20 @@ def test_a_duck_typed_driver_served_to_the_kubelet(short_dir, run):
             assert duck.pre_starts == [list(result.device_ids)]
 
     run(scenario())
+
+
+def test_loading_a_driver_detects_its_capabilities():
+    from host.hookspecs import hookimpl
+    from host.plugins import DriverRegistry
+
+    duck = DuckWithGate()
+
+    class Plugin:
+        @hookimpl
+        def device_plugin_host_drivers(self):
+            return [duck]
+
+    registry = DriverRegistry()
+    registry.add_plugin(Plugin(), "duck")
+    assert registry.drivers == {"duck": duck}
+    assert caps._records[id(duck)] == Capabilities(pre_start=True, pre_start_gate=True)
