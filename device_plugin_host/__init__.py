@@ -15,14 +15,20 @@ from typing import Sequence
 
 from host import __version__
 from host.allocation import natural_key, replicate
-from host.chardev import CharDevice, CharIndex, dev_node_path, parent_device
-from host.driver import (
-    Driver,
-    SelectorError,
-    check_types,
-    implements,
-    selector_values,
+from host.capabilities import (
+    Allocator,
+    Capabilities,
+    ContainerPreStarter,
+    DefaultsProvider,
+    DeviceDriver,
+    PreferredAllocator,
+    PreferredGate,
+    PreStartGate,
+    SelectorChecker,
+    SettingsChecker,
 )
+from host.chardev import CharDevice, CharIndex, dev_node_path, parent_device
+from host.driver import Driver, SelectorError, check_types, selector_values
 from host.health import TransitionLog
 from host.hookspecs import ENTRY_POINT_GROUP, hookimpl
 from host.hostfs import HostFS, is_pci_address
@@ -70,11 +76,16 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "PCI_DEVICES",
     "PCI_SELECTOR_TYPES",
+    "Allocator",
     "AttributeTest",
+    "Capabilities",
     "CharDevice",
     "CharIndex",
     "ContainerAllocation",
+    "ContainerPreStarter",
+    "DefaultsProvider",
     "Device",
+    "DeviceDriver",
     "DeviceNode",
     "Driver",
     "Health",
@@ -82,11 +93,16 @@ __all__ = [
     "IndexRanges",
     "Mount",
     "PciFunction",
+    "PreStartGate",
+    "PreferredAllocator",
+    "PreferredGate",
     "PreferredRequest",
     "RdmaCharDevice",
     "RdmaCharIndex",
     "ResourceConfig",
+    "SelectorChecker",
     "SelectorError",
+    "SettingsChecker",
     "TransitionLog",
     "__version__",
     "attribute_test",
@@ -97,7 +113,6 @@ __all__ = [
     "class_patterns",
     "dev_node_path",
     "hookimpl",
-    "implements",
     "is_pci_address",
     "list_functions",
     "matches_pci",

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from host.capabilities import config_checks, default_resources
 from host.driver import Driver
 from host.model import ResourceConfig
 from host.resource_name import resource_name_error
@@ -30,7 +31,7 @@ def default_config(drivers: Mapping[str, Driver]) -> Config:
     for driver_name in sorted(drivers):
         driver = drivers[driver_name]
         try:
-            offered: Sequence[ResourceConfig] = tuple(driver.default_resources())
+            offered: Sequence[ResourceConfig] = default_resources(driver)
         except Exception:
             log.exception("driver %r: default_resources() failed; it serves nothing", driver_name)
             continue
@@ -58,9 +59,10 @@ def _default_resource_problem(
         return f"{resource.name!r} is not a valid resource name: {problem}"
     if resource.name in owner:
         return f"{resource.name!r} is already served by driver {owner[resource.name]!r}"
+    check_selectors, check_settings = config_checks(driver)
     try:
-        driver.check_selectors(resource.selectors)
-        driver.check_settings(resource.settings)
+        check_selectors(resource.selectors)
+        check_settings(resource.settings)
     except Exception as error:
         return f"{resource.name!r} fails the driver's own checks: {error}"
     return None

@@ -1,12 +1,14 @@
-"""The driver contract, and a base class that makes the common case short.
+"""The driver base class, which makes the common case short.
 
 The host calls ``discover`` off the event loop, under a timeout, once per rescan of the
 driver, with every resource configured for it. A driver returns *whole snapshots*; the host
-diffs them, so a driver never keeps state about what it reported before. Allocate is by
-default a merge of what is carried on each Device (device nodes, mounts, env, annotations,
-CDI names); a driver overrides ``allocate`` only when a response depends on the *set* of
-devices, ``preferred`` when it has a better policy than NUMA-compact, and ``pre_start`` when
-a device must be prepared before each container start.
+diffs them, so a driver never keeps state about what it reported before. Allocate is a merge
+of what is carried on each Device (device nodes, mounts, env, annotations, CDI names).
+
+Everything beyond that is an optional capability, a small protocol of host/capabilities.py
+that a driver has by defining its method: ``allocate`` when a response depends on the *set*
+of devices, ``preferred`` when it has a better policy than NUMA-compact, ``pre_start`` when a
+device must be prepared before each container start. This class defines none of them.
 
 Selectors are configuration the host matches: the default ``select`` keeps the scanned
 devices whose ``attributes`` satisfy every selector (host/selectors.py has the rules), so a
@@ -20,7 +22,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from host.hostfs import HostFS
-from host.model import ContainerAllocation, Device, PreferredRequest, ResourceConfig
+from host.model import Device, ResourceConfig
 from host.selectors import AttributeTest, all_of, attribute_test
 
 
@@ -38,9 +40,11 @@ class Driver:
     ``scan`` (returning Devices; the host matches selectors against their attributes), or
     ``discover`` itself.
 
-    Methods marked optional are detected by the host: a driver that does not override
-    ``preferred`` gets the host's NUMA-compact policy; one that does not override
-    ``pre_start`` is advertised with ``pre_start_required = False``.
+    The optional capabilities (``allocate``, ``preferred`` and ``preferred_useful``,
+    ``pre_start`` and ``needs_pre_start``) are not defined here: a subclass has one by
+    defining its method (host/capabilities.py). Without ``preferred`` a resource gets the
+    host's NUMA-compact policy; without ``pre_start`` it advertises
+    ``pre_start_required = False``.
     """
 
     #: Unique driver name, used as ``driver = "..."`` in config.
@@ -108,38 +112,6 @@ class Driver:
         """Resources served when no config file exists. Each registers once it has a device."""
         return ()
 
-    # -- allocation (optional) ---------------------------------------------------------
-    def allocate(
-        self, resource: ResourceConfig, devices: Sequence[Device], merged: ContainerAllocation
-    ) -> ContainerAllocation:
-        """Adjust the host's merge of the devices' own data. Runs off the loop with a
-        timeout; must not block for long (the kubelet waits without a deadline)."""
-        return merged
-
-    def preferred(
-        self, resource: ResourceConfig, request: PreferredRequest
-    ) -> Optional[Sequence[str]]:
-        """Preferred ids, or None to use the host's NUMA-compact policy."""
-        return None
-
-    def preferred_useful(self, resource: ResourceConfig, devices: Sequence[Device]) -> bool:
-        """Whether ``preferred`` has anything to go by for these devices (link facts,
-        partitions of one card). The host advertises GetPreferredAllocation only where some
-        policy can change the kubelet's pick, since the kubelet then calls it before every
-        Allocate. Default: whenever the driver has its own ``preferred``."""
-        return implements(self, "preferred")
-
-    def pre_start(self, resource: ResourceConfig, devices: Sequence[Device]) -> None:
-        """Prepare devices before a container starts; raise to fail the start (with reason).
-        The kubelet gives PreStartContainer 30 s; the host bounds it by its own timeout."""
-        raise NotImplementedError
-
-    def needs_pre_start(self, resource: ResourceConfig) -> bool:
-        """Whether this resource advertises ``pre_start_required``. Every container start then
-        waits for ``pre_start``, so a driver whose step is configured per resource answers
-        per resource; the default is "whenever pre_start is implemented"."""
-        return implements(self, "pre_start")
-
 
 class UnavailableDriver(Driver):
     """Stands in for a configured driver that failed to load: its resources still serve (with
@@ -159,19 +131,6 @@ class UnavailableDriver(Driver):
 
     def check_settings(self, settings: Mapping[str, object]) -> None:
         """Unknown: the driver that would judge them did not load."""
-
-    def needs_pre_start(self, resource: ResourceConfig) -> bool:
-        return False
-
-
-def implements(driver: object, method: str) -> bool:
-    """True when a driver overrides an optional method of the base class (or, for duck-typed
-    third-party drivers, simply has it)."""
-    own = getattr(type(driver), method, None)
-    if own is None:
-        return False
-    base = getattr(Driver, method, None)
-    return own is not base
 
 
 def selector_values(selectors: Mapping[str, object], key: str) -> Optional[list]:

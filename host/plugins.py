@@ -22,6 +22,7 @@ from typing import Any, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, T
 import pluggy
 
 from host import hookspecs
+from host.capabilities import Capabilities
 from host.driver import Driver, UnavailableDriver
 
 log = logging.getLogger(__name__)
@@ -297,6 +298,7 @@ class DriverRegistry:
             return
         self.drivers[name] = driver
         self.sources[name] = source
+        log.debug("driver %s from %s: %s", name, source, Capabilities.of(driver))
 
     def _fail(self, source: str, reason: str, driver: Optional[str] = None) -> None:
         self.failures.append(LoadFailure(source, reason, driver))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Collection, Dict, List, Mapping, Sequence, Tuple
 
+from host.capabilities import config_checks
 from host.cdi import kind_error
 from host.config_errors import ConfigError, hint, show, toml_key, typed, unknown_key
 from host.config_limits import MAX_REPLICAS
@@ -78,10 +79,8 @@ def parse_resource(
             raise ConfigError(file, f"{where}.{toml_key(key)}", _unknown_resource_key(key, driver))
 
     tables: Dict[str, Dict[str, object]] = {}
-    for part, check in (
-        ("selectors", driver.check_selectors),
-        ("settings", driver.check_settings),
-    ):
+    check_selectors, check_settings = config_checks(driver)
+    for part, check in (("selectors", check_selectors), ("settings", check_settings)):
         table = entry.get(part, {})
         if not isinstance(table, dict):
             raise ConfigError(

@@ -19,7 +19,8 @@ from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Set
 import grpc
 
 from host import allocation
-from host.driver import Driver, implements
+from host.capabilities import Capabilities, needs_pre_start
+from host.driver import Driver
 from host.isolation import DriverCallError, DriverCalls, driver_allocate, driver_pre_start
 from host.model import ContainerAllocation, Device, Health, PreferredRequest, ResourceConfig
 from host.protocol import api
@@ -78,6 +79,8 @@ class DevicePluginService:
     ) -> None:
         self.resource = resource
         self.driver = driver
+        #: What the driver can do beyond discovery, detected once per driver object.
+        self.capabilities = Capabilities.of(driver)
         self.snapshot = snapshot
         self.calls = calls
         self.allocate_timeout_s = allocate_timeout_s
@@ -94,8 +97,6 @@ class DevicePluginService:
         self._options_bytes = self.options.SerializeToString()
         # The options the kubelet last read (GetDevicePluginOptions, inside each Register).
         self.served_options: Optional[bytes] = None
-        self._has_allocate = implements(driver, "allocate")
-        self._has_preferred = implements(driver, "preferred")
         # What ListAndWatch last told each server's clients: tag -> (the payload before,
         # the latest payload, when the latest was sent). Read only when Allocate asks for a
         # device that is Unhealthy now (_told_healthy).
@@ -106,7 +107,7 @@ class DevicePluginService:
         """Would this resource config advertise different options? Options are read by the
         kubelet only at registration, so a change means registering again."""
         try:
-            wanted = bool(driver.needs_pre_start(resource))
+            wanted = needs_pre_start(driver, resource)
         except Exception:
             wanted = False
         return wanted != self.options.pre_start_required
@@ -141,7 +142,7 @@ class DevicePluginService:
 
     def _needs_pre_start(self) -> bool:
         try:
-            return bool(self.driver.needs_pre_start(self.resource))
+            return needs_pre_start(self.driver, self.resource)
         except Exception as error:  # a broken driver must not stop the resource from serving
             log.error("resource %s: driver %s needs_pre_start failed: %s", self.resource.name,
                       self.driver.name, error)
@@ -264,7 +265,7 @@ class DevicePluginService:
                 devices = self._resolve(container.devices_ids, f"container_requests[{index}]",
                                         require_healthy=True, tag=tag)
                 merged = allocation.merge(devices)
-                if self._has_allocate:
+                if self.capabilities.allocate:
                     merged = await self._driver_allocate(devices, merged)
                 if self.resource.cdi:
                     merged = with_cdi(self.resource, devices, merged, self.cdi_resolvable)
@@ -420,7 +421,7 @@ class DevicePluginService:
         must_devices = self._resolve(must, f"{where}.must_include_deviceIDs",
                                      require_healthy=False, allow_empty=True)
         request = PreferredRequest(available=available, must_include=must_devices, size=size)
-        if self._has_preferred:
+        if self.capabilities.preferred:
             picked = await self._driver_preferred(request, set(available_ids), must)
             if picked is not None:
                 return picked
@@ -439,7 +440,7 @@ class DevicePluginService:
         try:
             picked = await self.calls.call(
                 self.driver.name, "preferred", self.allocate_timeout_s,
-                self.driver.preferred, self.resource, request,
+                self.driver.preferred, self.resource, request,  # type: ignore[attr-defined]
             )
         except DriverCallError as error:
             log.error("resource %s: %s; using NUMA-compact", self.resource.name, error)

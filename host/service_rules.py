@@ -13,8 +13,8 @@ from typing import Callable, NoReturn, Optional, Sequence
 
 import grpc
 
+from host.capabilities import preferred_useful
 from host.cdi import qualified_names
-from host.driver import Driver, implements
 from host.isolation import DriverCallError
 from host.model import ContainerAllocation, Device, ResourceConfig
 
@@ -46,23 +46,21 @@ def with_cdi(
 
 
 def preferred_allocation_useful(
-    resource: ResourceConfig, driver: Driver, devices: Sequence[Device]
+    resource: ResourceConfig, driver: object, devices: Sequence[Device]
 ) -> bool:
     """Whether GetPreferredAllocation can change what the kubelet would pick on its own.
 
     The kubelet calls it before every Allocate when it is advertised (one more round trip in
     each pod's admission), so it is advertised only where our answer can differ in a way that
     matters: replicas (pack/spread over the shared devices), a driver's own policy where it has
-    something to go by (``Driver.preferred_useful``: link information such as NVLink, XGMI or
+    something to go by (its ``preferred_useful``: link information such as NVLink, XGMI or
     a Neuron ring, partitions of one card), or devices on more than one NUMA node
     (NUMA-compact). Devices on one node or none are interchangeable to the host.
     """
     if resource.replicas > 1:
         return True
-    if implements(driver, "preferred"):
-        useful = getattr(driver, "preferred_useful", None)
-        if not callable(useful) or useful(resource, devices):
-            return True
+    if preferred_useful(driver, resource, devices):
+        return True
     first: Optional[int] = None
     for device in devices:
         for node in device.numa_nodes:

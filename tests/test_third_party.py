@@ -29,7 +29,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import pytest
 
-from host import model
+from host import capabilities, model
 from host.driver import Driver
 from host.testing.kubelet import KubeletSimulator
 from host.testing.tree import FakeTree
@@ -298,13 +298,16 @@ def _annotation(value: object) -> str:
 
 
 def _driver_signatures() -> Dict[str, str]:
-    """Each public attribute and method of host.driver.Driver, as its signature line."""
+    """Each public attribute and method of host.driver.Driver, and each method of the optional
+    capabilities (host/capabilities.py) the class leaves out, as its signature line."""
     out = {}
     for name, annotation in Driver.__annotations__.items():
         if not name.startswith("_"):
             out[name] = f"{name}: {_annotation(annotation)}"
-    for name, member in vars(Driver).items():
-        if name.startswith("_") or not inspect.isfunction(member):
+    members = [(name, member) for owner in (Driver, *capabilities.OPTIONAL_CAPABILITIES)
+               for name, member in vars(owner).items()]
+    for name, member in members:
+        if name.startswith("_") or not inspect.isfunction(member) or name in out:
             continue
         params = []
         for param in inspect.signature(member).parameters.values():

@@ -54,6 +54,7 @@ from typing import (
 import grpc
 
 from host import allocation
+from host.capabilities import Capabilities, needs_pre_start
 from host.dra import claim_cdi, containers, hardware, metadata, sharing, taints
 from host.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from host.dra.protocol import (
@@ -65,7 +66,7 @@ from host.dra.protocol import (
     dra_v1,
     dra_v1beta1,
 )
-from host.driver import Driver, implements
+from host.driver import Driver
 from host.fileio import remove_file
 from host.isolation import DriverCallError, DriverCalls, driver_allocate, driver_pre_start
 from host.model import ContainerAllocation, Device, ResourceConfig
@@ -705,7 +706,7 @@ class DraService:
         """The driver's merge (its allocate hook, if any) of ``devices``."""
         merged = allocation.merge(devices)
         driver, resource = pool.driver, pool.resource
-        if implements(driver, "allocate"):
+        if Capabilities.of(driver).allocate:
             try:
                 merged = await driver_allocate(self.calls, driver, resource, devices, merged,
                                                self.allocate_timeout_s)
@@ -717,7 +718,7 @@ class DraService:
         merged = await self._merge(pool, devices)
         driver, resource = pool.driver, pool.resource
         try:
-            needs = bool(driver.needs_pre_start(resource))
+            needs = needs_pre_start(driver, resource)
         except Exception:
             needs = False
         if needs:

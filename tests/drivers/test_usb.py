@@ -12,6 +12,7 @@ import pytest
 from drivers.usb import plugin
 from drivers.usb.driver import MAX_SHARED, UsbDriver
 from drivers.usb.sysfs import port_sort_key
+from host.capabilities import needs_pre_start
 from host.capture import capture_tree
 from host.config import load_config
 from host.driver import SelectorError
@@ -592,7 +593,7 @@ def test_plugin_hook_and_defaults():
     assert driver.name == "usb"
     assert set(driver.subsystems) == {"usb", "tty", "hidraw", "video4linux"}
     assert driver.default_resources() == ()
-    assert not driver.needs_pre_start(ALL)
+    assert not needs_pre_start(driver, ALL)
 
 
 def test_port_sort_key_is_natural():
