@@ -1,9 +1,10 @@
 """Third-party drivers as pip packages, and the page that tells their authors how to write one.
 
 The example package (examples/widget-driver) is installed with pip into a fresh virtual
-environment next to the host and its test kit (testkit/), the way an operator would install a vendor's driver, and then
-used through the host's own command line and against the kubelet simulator. Nothing about the
-host changes: if this passes, a driver needs nothing but its entry point.
+environment next to the host and its test kit (testkit/), the way an operator would install a
+vendor's driver, and then used through the host's own command line and against the kubelet
+simulator. Nothing about the host changes: if this passes, a driver needs nothing but its
+entry point.
 
 The project, the kit and the example are built as wheels from copies of their sources: pip builds a
 local directory in place, and setuptools would otherwise write build/ and *.egg-info into the

@@ -1,7 +1,8 @@
 """The test kit as a pytest plugin, for our suite and third-party driver packages alike.
 
-Installing device-plugin-host registers this module with pytest (the ``pytest11`` entry point
-in pyproject.toml), so a driver package's tests get these fixtures with no ``conftest.py``:
+Installing the kit (device-plugin-host-testing, or device-plugin-host[testing]) registers this
+module with pytest (the ``pytest11`` entry point in testkit/pyproject.toml), so a driver
+package's tests get these fixtures with no ``conftest.py``:
 
 * ``short_dir``: a short /tmp directory for unix sockets (paths stop at 107 bytes, which
   pytest's ``tmp_path`` can exceed), removed afterwards;
@@ -81,7 +82,8 @@ def aio() -> Iterator[Aio]:
 @pytest.fixture
 def fake_tree(tmp_path: Any) -> FakeTree:
     """An empty fake host root (``/sys``, ``/dev``) for a driver's ``discover``: build the
-    layout with the tree's methods or the ``device_plugin_host_testing.fake_*`` builders."""
+    layout with the tree's methods or the ``host.sim.fake_*`` and
+    ``device_plugin_host_testing.fake_*`` builders."""
     return FakeTree(tmp_path / "root")
 
 
