@@ -26,13 +26,14 @@ import tempfile
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks.core import Context, Figure, median, memory_tmp, now
+from device_plugin_host_testing import fake_qat
 from drivers.gpu.driver import GpuDriver
 from drivers.sriov.driver import SriovDriver
 from host.driver import Driver
 from host.hostfs import HostFS
 from host.model import ResourceConfig
-from host.testing import fake_gpu, fake_net, fake_qat
-from host.testing.tree import FakeTree
+from host.sim import fake_gpu, fake_net
+from host.sim.tree import FakeTree
 
 KEYS = ("discovery_ms_2048", "discovery_ms_sriov_1024", "discovery_ms_qat_256",
         "discovery_ms_cpx_64")

@@ -21,13 +21,13 @@ from typing import List
 
 from benchmarks.core import Context, Figure, memory_tmp
 from benchmarks.discovery import _measure_driver
+from device_plugin_host_testing import fake_accel, fake_neuron, fake_pci
+from device_plugin_host_testing.fake_chardev import add_class_chardev
 from drivers.accel.driver import AccelDriver
 from drivers.neuron.driver import NeuronDriver
 from drivers.pci.driver import PciDriver
 from host.model import ResourceConfig
-from host.testing import fake_accel, fake_neuron, fake_pci
-from host.testing.fake_chardev import add_class_chardev
-from host.testing.tree import FakeTree
+from host.sim.tree import FakeTree
 
 KEYS = ("discovery_ms_accel_512", "discovery_ms_neuron_64", "discovery_ms_pci_256")
 

@@ -36,8 +36,8 @@ from host.dra import naming
 from host.dra.kube import KubeClient
 from host.dra.protocol import dra_v1
 from host.fileio import write_atomic
-from host.testing.apiserver import ApiServerStandIn
-from host.testing.kubelet_dra import DraKubeletSimulator
+from host.sim.apiserver import ApiServerStandIn
+from host.sim.kubelet_dra import DraKubeletSimulator
 
 KEYS = ("dra_prepare_median_ms", "dra_prepare_p99_ms", "dra_prepare_again_median_us",
         "dra_unprepare_median_ms", "dra_prepare_shared_median_ms")

@@ -1,6 +1,6 @@
 """DRA: a device event until the API server holds the new ResourceSlices, and requests a change.
 
-Setup: the API-server stand-in (``host.testing.apiserver``, real HTTP on 127.0.0.1, its own
+Setup: the API-server stand-in (``host.sim.apiserver``, real HTTP on 127.0.0.1, its own
 thread and loop, upstream validation on every write) and the host's real ``SlicePublisher``
 with ``KubeClient`` in this process, one pool of 8 devices (one slice) or of 300 (three). An
 event flips one device's health, as a health check or hot-unplug does, so the pool changes and
@@ -42,7 +42,7 @@ from host.dra.naming import driver_name, pool_name
 from host.dra.publisher import SlicePublisher
 from host.dra.slices import build_slices
 from host.model import Device, Health
-from host.testing.apiserver import ApiServerStandIn
+from host.sim.apiserver import ApiServerStandIn
 
 KEYS = ("dra_slice_p99_ms_8", "dra_slice_p99_ms_300",
         "dra_requests_per_change_8", "dra_requests_per_change_300",

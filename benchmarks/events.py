@@ -26,12 +26,12 @@ from benchmarks.core import TINY_IDLE_S, Context, Figure, median, now, percentil
 from benchmarks.floors import PushFloor
 from benchmarks.hostproc import DRIVER, bench_config, resource_name
 from benchmarks.resources import idle_side_by_side
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import running_host
 from host.model import Health, ResourceConfig
 from host.protocol.convert import framed_device, snapshot_payload
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import running_host
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import FakeTree
+from host.sim.kubelet import KubeletSimulator
+from host.sim.tree import FakeTree
 from host.watch import InjectedSource
 
 COUNTS = (1, 16, 64)

@@ -12,8 +12,8 @@ serves until SIGTERM/SIGINT, then removes its sockets and exits 0.
 
 Of the test kit this process loads only the MemoryDriver: the host root is built by the
 caller (``numa_root``, passed as ``--host-root``; built here only when none is given) and the
-host is started as ``host.testing.harness.running_host`` does, whose module loads the kubelet
-simulator only for ``kubelet_and_host``. No host process loads those, so its memory figures
+host is started as ``device_plugin_host_testing.harness.running_host`` does, whose module loads the
+kubelet simulator only for ``kubelet_and_host``. No host process loads those, so its memory figures
 do not count them.
 """
 
@@ -29,11 +29,11 @@ import sys
 import tempfile
 from typing import Dict, List, Optional
 
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import make_config, running_host
 from host.config import Config
 from host.memory import return_freed_heap
 from host.model import Device, ResourceConfig
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import make_config, running_host
 from host.triggers.events import EVENTS_AFTER_READY_S
 
 DRIVER = "memory"
@@ -60,7 +60,7 @@ def build_devices(resources: int, devices: int, numa_nodes: int) -> Dict[str, Li
 
 def numa_root(path: str, numa_nodes: int) -> str:
     """A host root with ``numa_nodes`` NUMA nodes and nothing else, for ``--host-root``."""
-    from host.testing.tree import FakeTree
+    from host.sim.tree import FakeTree
 
     FakeTree(path).numa_nodes(max(1, numa_nodes))
     return path

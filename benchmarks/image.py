@@ -25,7 +25,7 @@ from typing import List, Sequence
 
 from benchmarks.core import REPO, Context, Figure, Skipped, child_env, median, now, short_dir
 from benchmarks.startup import build_gpu_tree
-from host.testing.kubelet import KubeletSimulator
+from host.sim.kubelet import KubeletSimulator
 
 KEYS = ("image_startup_ratio",)
 IMAGE = os.environ.get("DPH_IMAGE", "localhost/device-plugin-host:0.1.0-amd64")

@@ -22,13 +22,13 @@ from typing import Dict, List
 from benchmarks.core import Context, Figure, median, now, percentile, short_dir
 from benchmarks.floors import PushFloor
 from benchmarks.hostproc import DRIVER, bench_config
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import running_host
 from host.model import Device, Health, ResourceConfig
 from host.protocol import HEALTHY
 from host.protocol.convert import framed_device, snapshot_payload
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import running_host
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import FakeTree
+from host.sim.kubelet import KubeletSimulator
+from host.sim.tree import FakeTree
 
 SIZES = (10, 1000, 10_000)
 KEYS = tuple(f"listwatch_p99_ms_{n}" for n in SIZES)

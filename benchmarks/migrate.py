@@ -2,7 +2,7 @@
 
 Setup: the real HostApp in this process with one resource of 8 MemoryDriver devices, the
 kubelet stand-in with its PodResources socket, the API-server stand-in (real HTTP), and the
-kubelet's node status sync (``host.testing.kubelet.node_status``) writing the Node every
+kubelet's node status sync (``device_plugin_host_testing.node_status``) writing the Node every
 ``STATUS_S``: the real kubelet's period is 10 s, which would only measure that period. The
 resource is moved back and forth with ``start_dra_live`` + ``reload`` (what a reloaded file
 does).
@@ -30,6 +30,9 @@ from typing import Dict, List
 
 from benchmarks.core import Context, Figure, median, now, percentile, short_dir
 from benchmarks.floors import MinimalPlugin, kubelet_channel
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import make_config
+from device_plugin_host_testing.node_status import NodeStatusSync
 from host.app import HostApp
 from host.dra.kube import KubeClient
 from host.dra.naming import driver_name, pool_name
@@ -37,12 +40,9 @@ from host.dra.node import NodeWatch
 from host.dra.slices import build_slices
 from host.model import ResourceConfig
 from host.protocol.convert import framed_device, snapshot_payload
-from host.testing.apiserver import ApiServerStandIn
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import make_config
-from host.testing.kubelet import KubeletSimulator
-from host.testing.kubelet.node_status import NodeStatusSync
-from host.testing.kubelet_dra import DraKubeletSimulator
+from host.sim.apiserver import ApiServerStandIn
+from host.sim.kubelet import KubeletSimulator
+from host.sim.kubelet_dra import DraKubeletSimulator
 
 KEYS = ("migrate_ms_to_dra", "migrate_ms_to_device_plugin")
 NODE = "bench-node"

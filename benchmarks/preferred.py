@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Dict, List, Tuple
 
 from benchmarks.core import Context, Figure, median, now
+from device_plugin_host_testing.drivers import make_devices
 from host.allocation import natural_key, numa_compact
-from host.testing.drivers import make_devices
 
 KEYS = ("preferred_ms_1024_8numa",)
 DEVICES = 1024

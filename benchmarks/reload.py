@@ -68,8 +68,8 @@ async def _measure(count: int, rounds: int) -> Tuple[List[float], List[float], L
     from host.config import load_config
     from host.plugins import load_drivers
     from host.reload import ConfigReloader
-    from host.testing.kubelet import KubeletSimulator
-    from host.testing.tree import FakeTree
+    from host.sim.kubelet import KubeletSimulator
+    from host.sim.tree import FakeTree
 
     stalls: List[float] = []
     floors: List[float] = []

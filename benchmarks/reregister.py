@@ -33,12 +33,12 @@ from typing import Callable, Dict, List, Sequence, Tuple
 from benchmarks.core import Context, Figure, median, now, percentile, short_dir
 from benchmarks.floors import MinimalPlugin, kubelet_channel
 from benchmarks.hostproc import DRIVER, bench_config, build_devices
+from device_plugin_host_testing.drivers import MemoryDriver
+from device_plugin_host_testing.harness import running_host
 from host.model import ResourceConfig
 from host.protocol.convert import framed_device, snapshot_payload
-from host.testing.drivers import MemoryDriver
-from host.testing.harness import running_host
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import FakeTree
+from host.sim.kubelet import KubeletSimulator
+from host.sim.tree import FakeTree
 
 SIZES = (16, 64)
 OUTAGES = (0.5, 2, 10)

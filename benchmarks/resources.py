@@ -50,7 +50,7 @@ from benchmarks.core import (
 )
 from benchmarks.hostproc import numa_root, resource_name
 from benchmarks.startup import build_gpu_tree, write_config
-from host.testing.kubelet import KubeletSimulator
+from host.sim.kubelet import KubeletSimulator
 
 KEYS = ("rss_mb_1r", "rss_mb_16r", "rss_mb_64r_10k", "idle_cpu_pct_64r")
 SMALL = (1, 16)

@@ -26,8 +26,8 @@ from benchmarks.core import Context, Figure, child_process, median, now, percent
 from benchmarks.floors import CLIENT_OPTIONS, ECHO_METHOD, REPLY_METHOD, SET_REPLY_METHOD
 from benchmarks.hostproc import device_prefix, resource_name
 from host.protocol import api
-from host.testing.kubelet import KubeletSimulator
-from host.testing.kubelet.allocation import preferred_request
+from host.sim.kubelet import KubeletSimulator
+from host.sim.kubelet.allocation import preferred_request
 
 KEYS = ("allocate_median_us", "allocate_p99_us", "preferred_median_us")
 DEVICES = 8

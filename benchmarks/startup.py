@@ -32,9 +32,9 @@ from benchmarks.core import (
     now,
     short_dir,
 )
-from host.testing import fake_gpu
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import FakeTree
+from host.sim import fake_gpu
+from host.sim.kubelet import KubeletSimulator
+from host.sim.tree import FakeTree
 
 SIZES = (1, 16, 64)
 KEYS = tuple(f"startup_ms_{n}" for n in SIZES)

@@ -58,8 +58,8 @@ class Outcome:
 
 def make_node(root: str, short: str, kubeconfig: str) -> str:
     """The fake machine and the config file both hosts run with; returns the config path."""
-    from host.testing import fake_gpu
-    from host.testing.tree import FakeTree
+    from host.sim import fake_gpu
+    from host.sim.tree import FakeTree
 
     tree = FakeTree(os.path.join(root, "host"))
     tree.numa_nodes(1)
@@ -112,8 +112,8 @@ async def scenario(root: str, short: str, api: Any, *, mode: str,
     from host.dra import claim_cdi, naming
     from host.dra.kube import KubeClient
     from host.lock import running_host
-    from host.testing.kubelet import KubeletSimulator
-    from host.testing.kubelet_dra import DraKubeletSimulator
+    from host.sim.kubelet import KubeletSimulator
+    from host.sim.kubelet_dra import DraKubeletSimulator
 
     api.add_node(NODE)
     config = make_config_once(root, short, api)
@@ -271,7 +271,7 @@ def make_config_once(root: str, short: str, api: Any) -> str:
 
 
 async def _one(mode: str, version: Tuple[int, int]) -> Outcome:
-    from host.testing.apiserver import ApiServerStandIn
+    from host.sim.apiserver import ApiServerStandIn
 
     root = tempfile.mkdtemp(prefix="dph-upgrade-")
     short = tempfile.mkdtemp(prefix="dpu", dir="/tmp")

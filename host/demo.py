@@ -18,10 +18,10 @@ import time
 
 from host.config import default_config
 from host.plugins import load_drivers
+from host.sim.kubelet import KubeletSimulator
+from host.sim.running import running_host
+from host.sim.samples import build_demo_tree, demo_resources
 from host.socket_names import GRPC_MAX_SOCKET_PATH, longest_socket_path
-from host.testing.harness import running_host
-from host.testing.kubelet import KubeletSimulator
-from host.testing.samples import build_demo_tree, demo_resources
 
 
 def _work_parent() -> str:
@@ -55,7 +55,7 @@ async def _demo(workdir: str) -> int:
     wanted = [dataclasses.replace(r, api="dra") if r.name == DRA_RESOURCE else r
               for r in demo_resources() if r.driver in registry.drivers]
     config = dataclasses.replace(config, resources=tuple(wanted), is_default=False)
-    from host.testing.apiserver import ApiServerStandIn
+    from host.sim.apiserver import ApiServerStandIn
 
     api = ApiServerStandIn()
     api.start()
@@ -148,7 +148,7 @@ async def _dra_demo(app, api, config) -> None:
 
     from host.dra import naming
     from host.dra.kube import KubeClient
-    from host.testing.kubelet_dra import DraKubeletSimulator
+    from host.sim.kubelet_dra import DraKubeletSimulator
 
     driver = naming.driver_name(DRA_RESOURCE, None)
     client = KubeClient.from_settings(config.host.kubeconfig)

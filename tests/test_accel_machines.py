@@ -1,6 +1,6 @@
-"""The accelerator machines (host/testing/machines: gaudi-node, gaudi3-node, npu-laptop,
-trainium-node, edge-npu-box, vgpu-node): each tree is what its fixture builders make, and ``discover
---json`` on it with its example config prints exactly the golden stored beside it
+"""The accelerator machines (testkit/device_plugin_host_testing/machines: gaudi-node, gaudi3-node,
+npu-laptop, trainium-node, edge-npu-box, vgpu-node): each tree is what its fixture builders make,
+and ``discover --json`` on it with its example config prints exactly the golden stored beside it
 (<name>.discover.json, checked by tests/test_machine_goldens.py with every other machine)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from host.testing.tree import load_machine
+from device_plugin_host_testing.machines import load_machine
 
 REPO = Path(__file__).resolve().parents[1]
-MACHINES = REPO / "host" / "testing" / "machines"
+MACHINES = REPO / "testkit" / "device_plugin_host_testing" / "machines"
 _spec = importlib.util.spec_from_file_location(
     "gen_accel_machines", REPO / "tests" / "resources" / "gen_accel_machines.py")
 assert _spec is not None and _spec.loader is not None
@@ -73,7 +73,7 @@ def test_each_machine_survives_a_capture(name, tmp_path):
     (the accel and neuron_device classes, /sys/dev/char, their attributes and /dev nodes):
     discover on the recaptured tree gives the golden devices back."""
     from host.capture import capture_tree
-    from host.testing.tree import FakeTree
+    from host.sim.tree import FakeTree
 
     _, example = gen.BUILDERS[name]
     original = load_machine(name, tmp_path / "original")

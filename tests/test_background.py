@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import make_config, running_host
 from host.app import HostApp
 from host.config import load_config
 from host.hostfs import HostFS
@@ -21,8 +23,6 @@ from host.model import Device, ResourceConfig
 from host.plugins import DriverRegistry
 from host.reload import ConfigReloader
 from host.tasks import Background
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import make_config, running_host
 
 RESOURCE = "example.com/gpu"
 

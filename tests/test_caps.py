@@ -7,14 +7,14 @@ import logging
 
 import pytest
 
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from host.config import MAX_RESOURCES, ConfigError, parse_config
 from host.hostfs import HostFS
 from host.inventory import MAX_DEVICES, Inventory
 from host.isolation import DriverCalls
 from host.model import ResourceConfig
 from host.plugins import load_drivers
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.tree import FakeTree
+from host.sim.tree import FakeTree
 
 
 def _resources(count: int) -> str:

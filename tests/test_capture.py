@@ -4,17 +4,18 @@ owns (``Driver.device_globs``), a third-party driver's included."""
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
-import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Iterator, Tuple
 
 from host.capture import capture_tree, driver_dev_globs
 from host.plugins import load_drivers
-from host.testing.tree import FakeTree
+from host.sim.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,16 +28,35 @@ OLD_CLI_GLOBS = (
 )
 
 
-def test_only_demo_and_the_kit_itself_import_the_test_kit_in_host():
-    """What ``grep -r "host.testing" host/ --include=*.py`` shows, done in Python."""
+def _imported_modules(path: Path) -> Iterator[Tuple[int, str]]:
+    """Every module ``path`` imports (``import a.b``, ``from a.b import c`` as ``a.b.c``), with
+    its line, relative imports resolved against the file's package."""
+    package = path.relative_to(REPO).with_suffix("").parts[:-1]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package[:len(package) - node.level + 1], base]).rstrip(".")
+            for alias in node.names:
+                yield node.lineno, f"{base}.{alias.name}"
+
+
+def test_the_program_never_imports_the_test_kit_and_only_demo_the_simulated_node():
+    """No module of the program (host/, drivers/, device_plugin_host/) imports the test kit
+    (device_plugin_host_testing, a distribution the daemon does not install), and only
+    ``demo`` and the simulated node itself import the simulated node (host.sim)."""
     offenders = []
-    for path in sorted((REPO / "host").rglob("*.py")):
-        relative = path.relative_to(REPO).as_posix()
-        if relative.startswith("host/testing/") or relative == "host/demo.py":
-            continue
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if re.search(r"host.testing", line):
-                offenders.append(f"{relative}:{number}: {line.strip()}")
+    for top in ("host", "drivers", "device_plugin_host"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            relative = path.relative_to(REPO).as_posix()
+            sim_allowed = relative.startswith("host/sim/") or relative == "host/demo.py"
+            for number, module in _imported_modules(path):
+                if (module.split(".")[0] == "device_plugin_host_testing"
+                        or (module.startswith("host.sim") and not sim_allowed)):
+                    offenders.append(f"{relative}:{number}: imports {module}")
     assert not offenders, "the program stands on its test kit:\n" + "\n".join(offenders)
 
 

@@ -12,12 +12,12 @@ from typing import List
 
 import pytest
 
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import kubelet_and_host, make_config, running_host
 from host.cdi import CdiWriter, build_spec, device_name, kind_error
 from host.inotify import DirectoryWatch
 from host.model import Device, DeviceNode, Health, Mount, ResourceConfig
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import kubelet_and_host, make_config, running_host
-from host.testing.kubelet import KubeletSimulator
+from host.sim.kubelet import KubeletSimulator
 
 _VENDOR = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*[A-Za-z0-9]\Z")
 _NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?\Z")

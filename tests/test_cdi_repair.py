@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import kubelet_and_host, make_config
 from host.cdi import CdiWriter
 from host.drain import update_drains
 from host.inotify import DirectoryWatch
 from host.model import ResourceConfig
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import kubelet_and_host, make_config
 
 GPU = "example.com/gpu"
 SPEC = "device-plugin-host_example.com-gpu.json"

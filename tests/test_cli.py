@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from host.testing import fake_gpu
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import FakeTree, load_machine
+from device_plugin_host_testing.machines import MACHINES, load_machine
+from host.sim import fake_gpu
+from host.sim.kubelet import KubeletSimulator
+from host.sim.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -238,10 +239,11 @@ def test_sigint_also_exits_cleanly(tmp_path, short_dir, signum):
     ("vgpu-node", "vgpu-node", {"nvidia.com/NVIDIA_L40S-24Q": 4}),
 ])
 def test_discover_each_captured_machine_with_its_example_config(machine, example, expected):
-    """What each machine serves, counted from its golden (host/testing/machines/
-    <m>.discover.json): tests/test_machine_goldens.py runs discover (table and --json) on every
-    tree and requires exactly the golden, so these counts hold for the live output too."""
-    golden = json.loads((REPO / "host" / "testing" / "machines" / f"{machine}.discover.json")
+    """What each machine serves, counted from its golden
+    (testkit/device_plugin_host_testing/machines/ <m>.discover.json): tests/test_machine_goldens.py
+    runs discover (table and --json) on every tree and requires exactly the golden, so these counts
+    hold for the live output too."""
+    golden = json.loads((MACHINES / f"{machine}.discover.json")
                         .read_text(encoding="utf-8"))
     assert golden["config"] == f"config/examples/{example}.toml"
     counts = {}

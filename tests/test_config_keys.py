@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from device_plugin_host_testing.drivers import MemoryDriver
 from host.config import CONFIG_VERSION, ConfigError, parse_config
-from host.testing.drivers import MemoryDriver
 
 DRIVERS = {"m": MemoryDriver("m"), "other": MemoryDriver("other")}
 RESOURCE = '[[resource]]\nname = "example.com/a"\ndriver = "m"\n'

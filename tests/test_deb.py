@@ -17,14 +17,15 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
 import pytest
 
+from device_plugin_host_testing.machines import load_machine
 from host.cli import EXIT_CONFIG
-from host.testing.tree import load_machine
 
 REPO = Path(__file__).resolve().parents[1]
 BUILDER = REPO / "deploy" / "debian" / "build_deb.py"
@@ -211,6 +212,13 @@ def test_package_contents(debs: Debs, tmp_path: Path):
     subprocess.run(["dpkg-deb", "--extract", str(debs.v2), str(tree)], check=True)
     assert (tree / str(CONFIG).lstrip("/")).read_bytes() == debs.v2_config
     assert (tree / str(UNIT).lstrip("/")).read_bytes() == UNIT_SOURCE.read_bytes()
+    # the test kit is a distribution of its own: neither bundled nor inside our wheel
+    assert not any(w.startswith("device_plugin_host_testing-") for w in wheels)
+    ours = (tree / str(PREFIX).lstrip("/") / "wheels"
+            / f"device_plugin_host-{version}-py3-none-any.whl")
+    with zipfile.ZipFile(ours) as wheel:
+        assert not [n for n in wheel.namelist()
+                    if n.startswith("device_plugin_host_testing/") or n.endswith(".tree")]
 
 
 # -- the unit ------------------------------------------------------------------------------

@@ -502,8 +502,9 @@ def _nfd_pci_labels(root: Path, resource: ResourceConfig) -> set:
 def test_the_gpu_overlay_s_affinity_matches_the_classes_the_cards_report(tmp_path):
     """Each GPU's own PCI class, read by the gpu driver from captured and fake trees, is what
     the overlay's affinity and its note for AMD are built on."""
-    from host.testing.fake_gpu import add_amd_gpu
-    from host.testing.tree import FakeTree, load_machine
+    from device_plugin_host_testing.machines import load_machine
+    from host.sim.fake_gpu import add_amd_gpu
+    from host.sim.tree import FakeTree
 
     load_machine("gpu-server-8x", tmp_path / "hgx")  # 8 x H100 SXM: 3D controllers
     nvidia = _nfd_pci_labels(tmp_path / "hgx", ResourceConfig("nvidia.com/gpu", "gpu",

@@ -174,7 +174,7 @@ def test_one_driver_name_per_vendor_and_classes_select_by_type_and_profile():
 
 def test_the_device_classes_are_accepted_by_the_real_api_server():
     """CEL is compiled by the API server on create: a typo or a type error is a 422."""
-    from host.testing.apiserver import RealApiServer, kubebuilder_assets
+    from host.sim.apiserver import RealApiServer, kubebuilder_assets
 
     assets = kubebuilder_assets()
     if not assets:

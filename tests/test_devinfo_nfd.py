@@ -8,15 +8,15 @@ import json
 import os
 from pathlib import Path
 
+from device_plugin_host_testing.fake_qat import heartbeat_status, qat_pf
+from device_plugin_host_testing.harness import make_config
 from drivers.sriov.driver import SriovDriver
 from host import devinfo
 from host.app import HostApp
 from host.model import Device, ResourceConfig
 from host.outputs import nfd
-from host.testing.fake_qat import heartbeat_status, qat_pf
-from host.testing.harness import make_config
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import FakeTree
+from host.sim.kubelet import KubeletSimulator
+from host.sim.tree import FakeTree
 
 CY = "qat.intel.com/cy"
 

@@ -132,9 +132,9 @@ def test_a_drain_racing_admission_fails_no_pod_and_applies_from_the_next_snapsho
 
     import grpc
 
+    from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+    from device_plugin_host_testing.harness import kubelet_and_host, make_config
     from host.model import DeviceNode, ResourceConfig
-    from host.testing.drivers import MemoryDriver, make_devices
-    from host.testing.harness import kubelet_and_host, make_config
 
     name = "example.com/gpu"
     nodes = tmp_path / "dev"

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from device_plugin_host_testing.harness import running_host
+from device_plugin_host_testing.machines import load_machine
 from host.config import default_config
 from host.plugins import load_drivers
-from host.testing.harness import running_host
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import load_machine
+from host.sim.kubelet import KubeletSimulator
 
 
 def test_pod_asking_for_4_gpus_on_the_8_gpu_server_gets_one_numa_node(tmp_path, short_dir, run):

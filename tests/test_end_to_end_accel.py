@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from device_plugin_host_testing.harness import running_host
+from device_plugin_host_testing.machines import load_machine
 from host.config import default_config, load_config
 from host.plugins import load_drivers
-from host.testing.harness import running_host
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import load_machine
+from host.sim.kubelet import KubeletSimulator
 from host.watch import InjectedSource
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,7 +27,7 @@ def test_a_gaudi3_pod_gets_each_cards_scale_out_verbs_node_from_its_example_conf
     import dataclasses
     import json
 
-    from host.testing.harness import make_config
+    from device_plugin_host_testing.harness import make_config
 
     load_machine("gaudi3-node", tmp_path / "root")
     registry = load_drivers()
@@ -177,8 +177,8 @@ def test_loading_the_boards_kernel_driver_later_brings_its_node_to_the_kubelet(
     """hailo_pci loaded after the host started: the PCI bind uevent rescans the pci driver and
     the board appears with the node its driver made (parentless, named by board_location,
     as drivers up to v4.22.0 make it)."""
-    from host.testing import fake_pci
-    from host.testing.tree import FakeTree
+    from device_plugin_host_testing import fake_pci
+    from host.sim.tree import FakeTree
 
     tree = FakeTree(tmp_path / "root")
     tree.numa_nodes(1)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from device_plugin_host_testing.harness import running_host
+from device_plugin_host_testing.machines import load_machine
 from host.config import load_config
 from host.plugins import load_drivers
-from host.testing.harness import running_host
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import load_machine
+from host.sim.kubelet import KubeletSimulator
 
 REPO = Path(__file__).resolve().parents[1]
 VGPU = "nvidia.com/NVIDIA_L40S-24Q"

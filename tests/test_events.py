@@ -9,13 +9,13 @@ import uuid
 
 import pytest
 
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import kubelet_and_host, make_config, running_host
 from host.model import ResourceConfig
 from host.plugins import load_drivers
-from host.testing import fake_gpu
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import kubelet_and_host, make_config, running_host
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import FakeTree
+from host.sim import fake_gpu
+from host.sim.kubelet import KubeletSimulator
+from host.sim.tree import FakeTree
 from host.watch import InjectedSource
 
 

@@ -21,7 +21,7 @@ from typing import Tuple
 
 import pytest
 
-from host.testing.kubelet import KubeletSimulator
+from host.sim.kubelet import KubeletSimulator
 
 REPO = Path(__file__).resolve().parents[1]
 COUNT = 32

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from device_plugin_host_testing.drivers import make_devices
 from host import devinfo, fileio
 from host.cdi import CdiWriter
 from host.drain import DrainError, read_drains, update_drains
 from host.outputs import nfd
-from host.testing.drivers import make_devices
 
 REPO = Path(__file__).resolve().parents[1]
 

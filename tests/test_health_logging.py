@@ -8,8 +8,8 @@ import logging
 from drivers.sriov.driver import SriovDriver
 from host.hostfs import HostFS
 from host.model import ResourceConfig
-from host.testing.fake_net import sriov_pf
-from host.testing.tree import FakeTree
+from host.sim.fake_net import sriov_pf
+from host.sim.tree import FakeTree
 
 
 def _pf(tree: FakeTree, operstate: str):
@@ -69,8 +69,8 @@ def test_one_health_timer_per_driver_not_per_resource(short_dir, run):
     0.1 s, not four (each rescan covers every resource of the driver anyway)."""
     import asyncio
 
-    from host.testing.drivers import MemoryDriver, make_devices
-    from host.testing.harness import kubelet_and_host, make_config
+    from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+    from device_plugin_host_testing.harness import kubelet_and_host, make_config
 
     names = [f"example.com/h{i}" for i in range(4)]
     driver = MemoryDriver("m", {n: make_devices(f"h{i}-", 1) for i, n in enumerate(names)})

@@ -14,18 +14,18 @@ import grpc
 import psutil
 import pytest
 
-from host.model import Device, Health, ResourceConfig
-from host.protocol import api
-from host.testing.drivers import (
+from device_plugin_host_testing.drivers import (
     MemoryDriver,
     ReversePreferenceDriver,
     SlowAllocateDriver,
     make_devices,
 )
-from host.testing.harness import kubelet_and_host, running_host
-from host.testing.harness import make_config as _make_config
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import FakeTree
+from device_plugin_host_testing.harness import kubelet_and_host, running_host
+from device_plugin_host_testing.harness import make_config as _make_config
+from host.model import Device, Health, ResourceConfig
+from host.protocol import api
+from host.sim.kubelet import KubeletSimulator
+from host.sim.tree import FakeTree
 
 _ROOT = []  # the fake machine, built once per process
 

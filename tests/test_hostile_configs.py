@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from host.cli import main
-from host.testing import fake_gpu
-from host.testing.tree import FakeTree
+from host.sim import fake_gpu
+from host.sim.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "resources"))

@@ -24,9 +24,9 @@ from typing import Any, Dict, Iterator
 
 import pytest
 
-from host.testing import fake_gpu
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import FakeTree
+from host.sim import fake_gpu
+from host.sim.kubelet import KubeletSimulator
+from host.sim.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location(

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.core import short_dir as short_dir_for_floor
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import kubelet_and_host, make_config
 from host.model import ResourceConfig
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import kubelet_and_host, make_config
-from host.testing.kubelet import KubeletSimulator
+from host.sim.kubelet import KubeletSimulator
 
 REPO = Path(__file__).resolve().parents[1]
 NAMES = [f"example.com/r{i:02d}" for i in range(24)]

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from host.protocol import api, api_grpc
-from host.testing.kubelet import (
+from host.sim.kubelet import (
     AllocationError,
     KubeletSimulator,
     NotRegisteredError,

@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 NOT_ON_THE_DAEMON_PATH = (
     "prometheus_client", "http.server", "wsgiref", "email", "importlib.metadata",
     "host.podresources", "host.protocol.podresources_v1_pb2", "psutil", "pyudev",
-    "host.testing", "hypothesis", "pytest", "httpx", "host.dra", "difflib", "tempfile",
+    "host.sim", "device_plugin_host_testing", "hypothesis", "pytest", "httpx", "host.dra",
+    "difflib", "tempfile",
 )
 
 

@@ -19,8 +19,8 @@ from host.lock import (
     running_host,
     started_by,
 )
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import FakeTree
+from host.sim.kubelet import KubeletSimulator
+from host.sim.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[1]
 USB = '[[resource]]\nname = "example.com/a"\ndriver = "usb"\n'

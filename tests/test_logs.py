@@ -55,7 +55,7 @@ def test_plain_format_is_one_readable_line():
 def test_api_requests_are_logged_only_at_debug(level, run):
     """httpx logs each request at INFO; the host shows them only with log_level = "debug"."""
     from host.dra.kube import KubeClient
-    from host.testing.apiserver import ApiServerStandIn
+    from host.sim.apiserver import ApiServerStandIn
 
     stream = io.StringIO()
     setup_logging(level, "plain", stream)

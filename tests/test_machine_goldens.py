@@ -1,5 +1,5 @@
-"""Every machine tree in host/testing/machines has a golden ``discover`` beside it, and still
-discovers exactly that.
+"""Every machine tree in testkit/device_plugin_host_testing/machines has a golden ``discover``
+beside it, and still discovers exactly that.
 
 One convention (tests/resources/regen_goldens.py, which also regenerates them): ``<m>.tree``
 has ``<m>.discover.json`` beside it, ``{"config": ..., "devices": [...]}``. A change in what a

@@ -22,17 +22,17 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import make_config
 from host import __version__
 from host.app import HostApp
 from host.liveness import RegistrationLiveness
 from host.metrics import LATENCY_BUCKETS, HostMetrics, parse_address
 from host.model import Device, Health, ResourceConfig
 from host.protocol import api
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import make_config
-from host.testing.kubelet import KubeletSimulator
-from host.testing.kubelet.podresources import TokenBucket
-from host.testing.tree import FakeTree
+from host.sim.kubelet import KubeletSimulator
+from host.sim.kubelet.podresources import TokenBucket
+from host.sim.tree import FakeTree
 
 P = "device_plugin_host_"
 GPU = "example.com/gpu"

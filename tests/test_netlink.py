@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from host.testing.fake_net import sriov_pf
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import FakeTree
+from host.sim.fake_net import sriov_pf
+from host.sim.kubelet import KubeletSimulator
+from host.sim.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[1]
 RESOURCE = "example.com/vf"

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import kubelet_and_host, make_config, running_host
 from host.config import ConfigError, parse_config
 from host.model import Device, ResourceConfig
 from host.plugins import load_drivers
-from host.testing import fake_gpu
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import kubelet_and_host, make_config, running_host
-from host.testing.tree import FakeTree
+from host.sim import fake_gpu
+from host.sim.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[1]
 

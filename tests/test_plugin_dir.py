@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from host.testing.kubelet import KubeletSimulator
+from host.sim.kubelet import KubeletSimulator
 
 REPO = Path(__file__).resolve().parents[1]
 RESOURCES = ("example.com/a", "example.com/b")

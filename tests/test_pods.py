@@ -15,6 +15,8 @@ from typing import List, Tuple
 import grpc
 import pytest
 
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import make_config, running_host
 from host.model import Device, DeviceNode, Health, ResourceConfig
 from host.podresources import (
     Assignment,
@@ -26,11 +28,9 @@ from host.podresources import (
     running_in_container,
 )
 from host.protocol import api, podresources
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import make_config, running_host
-from host.testing.kubelet import AllocationResult, KubeletSimulator
-from host.testing.kubelet.podresources import RATE_LIMITED, TokenBucket
-from host.testing.tree import FakeTree
+from host.sim.kubelet import AllocationResult, KubeletSimulator
+from host.sim.kubelet.podresources import RATE_LIMITED, TokenBucket
+from host.sim.tree import FakeTree
 
 GPU = "example.com/gpu"
 NIC = "example.com/nic"

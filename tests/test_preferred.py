@@ -8,11 +8,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import kubelet_and_host
+from device_plugin_host_testing.harness import make_config as _make_config
 from host.model import ResourceConfig
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import kubelet_and_host
-from host.testing.harness import make_config as _make_config
-from host.testing.tree import FakeTree
+from host.sim.tree import FakeTree
 
 GPU = "example.com/gpu"
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import device_plugin_host
-import device_plugin_host.testing
+import device_plugin_host_testing
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "drivers.md"
@@ -100,7 +100,7 @@ def test_every_public_name_is_exported_and_is_what_the_host_uses():
     assert device_plugin_host.Driver is Driver
     assert device_plugin_host.Device is Device
     assert device_plugin_host.HostFS is HostFS
-    for module in (device_plugin_host, device_plugin_host.testing):
+    for module in (device_plugin_host, device_plugin_host_testing):
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name} is listed but missing"
 
@@ -122,7 +122,7 @@ def _documented_names(text: str) -> set:
 def test_every_public_name_has_its_entry_in_docs_drivers_md():
     documented = _documented_names(DOC.read_text(encoding="utf-8"))
     missing = [f"{module.__name__}.{name}"
-               for module in (device_plugin_host, device_plugin_host.testing)
+               for module in (device_plugin_host, device_plugin_host_testing)
                for name in module.__all__ if name != "__version__" and name not in documented]
     assert not missing, "docs/drivers.md has no entry for: " + ", ".join(missing)
 

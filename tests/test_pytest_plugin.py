@@ -1,5 +1,6 @@
-"""The test kit's pytest plugin (host/testing/pytest_plugin.py) as a driver package meets it:
-registered by the installed entry point, its fixtures usable with no conftest import."""
+"""The test kit's pytest plugin (testkit/device_plugin_host_testing/pytest_plugin.py) as a driver
+package meets it: registered by the installed entry point, its fixtures usable with no conftest
+import."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ from importlib.metadata import entry_points
 
 import pytest
 
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import make_config, running_host
 from host.model import ResourceConfig
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import make_config, running_host
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import FakeTree
+from host.sim.kubelet import KubeletSimulator
+from host.sim.tree import FakeTree
 
 
 def test_the_plugin_is_registered_by_the_pytest11_entry_point(pytestconfig):
@@ -21,7 +22,7 @@ def test_the_plugin_is_registered_by_the_pytest11_entry_point(pytestconfig):
     group = found.select(group="pytest11") if hasattr(found, "select") else found["pytest11"]
     # An editable install lists its distribution twice there (egg-info and dist-info).
     (point,) = {(e.name, e.value): e for e in group if e.name == "device_plugin_host"}.values()
-    assert point.value == "host.testing.pytest_plugin"
+    assert point.value == "device_plugin_host_testing.pytest_plugin"
     assert pytestconfig.pluginmanager.has_plugin("device_plugin_host")
 
 

@@ -21,16 +21,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import kubelet_and_host, make_config, running_host
 from host.config import ConfigError, parse_config
 from host.hostfs import HostFS
 from host.model import Device, ResourceConfig
 from host.pci import list_functions
 from host.protocol import api
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import kubelet_and_host, make_config, running_host
-from host.testing.kubelet import KubeletSimulator
-from host.testing.kubelet.state import AllocationError
-from host.testing.tree import FakeTree
+from host.sim.kubelet import KubeletSimulator
+from host.sim.kubelet.state import AllocationError
+from host.sim.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[1]
 RESOURCE = "example.com/x"

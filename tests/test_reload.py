@@ -16,8 +16,8 @@ from host.app import HostApp
 from host.config import load_config
 from host.plugins import load_drivers
 from host.reload import ConfigReloader, is_empty
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import FakeTree
+from host.sim.kubelet import KubeletSimulator
+from host.sim.tree import FakeTree
 
 A = '[[resource]]\nname = "example.com/a"\ndriver = "usb"\n'
 B = '[[resource]]\nname = "example.com/b"\ndriver = "usb"\n'
@@ -207,7 +207,7 @@ def test_is_empty():
 
 def test_a_reload_that_makes_two_resources_claim_one_gpu_is_rejected(
         tmp_path, short_dir, run, caplog):
-    from host.testing import fake_gpu
+    from host.sim import fake_gpu
 
     root = tmp_path / "root"
     tree = FakeTree(root)
@@ -238,7 +238,7 @@ def test_a_reload_naming_a_driver_not_loaded_at_start_loads_and_serves_it(
         tmp_path, short_dir, run):
     """`run` imports only the drivers its file names, and the host's own others only when a
     reload needs them."""
-    from host.testing import fake_gpu
+    from host.sim import fake_gpu
 
     root = tmp_path / "root"
     tree = FakeTree(root)

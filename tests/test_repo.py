@@ -43,7 +43,7 @@ def test_code_states_contracts_not_the_tracker_or_an_outside_sheet():
     for it: no "issue N" and no section of a facts sheet the repository does not carry."""
     cited = re.compile(r"\bissue #?[0-9]|§[0-9]|facts\.md", re.I)
     found = []
-    for top in ("host", "drivers", "device_plugin_host", "tests", "benchmarks"):
+    for top in ("host", "drivers", "device_plugin_host", "testkit", "tests", "benchmarks"):
         for path in sorted((REPO / top).rglob("*.py")):
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 if cited.search(line) and path.name != "test_repo.py":

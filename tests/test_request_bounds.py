@@ -14,12 +14,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import kubelet_and_host, make_config
 from host.model import Device, ResourceConfig
 from host.protocol import api
 from host.protocol import deviceplugin_v1beta1_pb2_grpc as rpc
 from host.service import MAX_REQUEST_BYTES
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import kubelet_and_host, make_config
 
 GPU = "example.com/gpu"
 REPO = Path(__file__).resolve().parents[1]

@@ -13,14 +13,14 @@ import sys
 import uuid
 from pathlib import Path
 
+from device_plugin_host_testing.drivers import make_devices
+from device_plugin_host_testing.harness import make_config
 from host import devinfo
 from host.cdi import CdiWriter
 from host.model import ResourceConfig
+from host.sim.tree import FakeTree
 from host.socket_names import SOCKET_NAME, socket_file_name
 from host.stale import DEVICE_INFO_RECORD, remove_stale, remove_stale_device_info
-from host.testing.drivers import make_devices
-from host.testing.harness import make_config
-from host.testing.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[1]
 SRIOV = {"device_info": True}

@@ -9,10 +9,10 @@ import socket
 import sys
 from pathlib import Path
 
+from host.sim import fake_gpu
+from host.sim.kubelet import KubeletSimulator
+from host.sim.tree import FakeTree
 from host.systemd import Notifier
-from host.testing import fake_gpu
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[1]
 

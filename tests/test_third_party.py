@@ -1,11 +1,12 @@
 """Third-party drivers as pip packages, and the page that tells their authors how to write one.
 
 The example package (examples/widget-driver) is installed with pip into a fresh virtual
-environment next to the host, the way an operator would install a vendor's driver, and then
-used through the host's own command line and against the kubelet simulator. Nothing about the
-host changes: if this passes, a driver needs nothing but its entry point.
+environment next to the host and its test kit (testkit/), the way an operator would install a
+vendor's driver, and then used through the host's own command line and against the kubelet
+simulator. Nothing about the host changes: if this passes, a driver needs nothing but its
+entry point.
 
-The project and the example are built as wheels from copies of their sources: pip builds a
+The project, the kit and the example are built as wheels from copies of their sources: pip builds a
 local directory in place, and setuptools would otherwise write build/ and *.egg-info into the
 checkout other people (and parallel test runs) are using. Dependencies come from the package
 index through pip's cache; set PIP_NO_INDEX=1 and PIP_FIND_LINKS=<wheel dir> to run offline.
@@ -31,8 +32,8 @@ import pytest
 
 from host import capabilities, model
 from host.driver import Driver
-from host.testing.kubelet import KubeletSimulator
-from host.testing.tree import FakeTree
+from host.sim.kubelet import KubeletSimulator
+from host.sim.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "widget-driver"
@@ -90,18 +91,22 @@ def _source_copy(source: Path, target: Path, names: Sequence[str]) -> Path:
 
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh venv holding the host and the widget driver, each installed from its wheel."""
+    """A fresh venv holding the host, its test kit and the widget driver, each installed from
+    its wheel."""
     work = tmp_path_factory.mktemp("third-party")
     main = _source_copy(REPO, work / "src" / "device-plugin-host",
                         ("host", "drivers", "device_plugin_host"))
+    kit = _source_copy(REPO / "testkit", work / "src" / "testkit",
+                       ("device_plugin_host_testing",))
     widget = _source_copy(EXAMPLE, work / "src" / "widget-driver", ("src",))
     wheels = work / "wheels"
     # Without isolation the build reuses this interpreter's setuptools: no download.
     isolation = ["--no-build-isolation"] if _version("setuptools") >= (77,) else []
-    _pip(["wheel", "--no-deps", *isolation, "-q", "-w", str(wheels), str(main), str(widget)],
+    _pip(["wheel", "--no-deps", *isolation, "-q", "-w", str(wheels), str(main), str(kit),
+          str(widget)],
          "building the wheels", work)
     built = sorted(str(p) for p in wheels.glob("*.whl"))
-    assert len(built) == 2, built
+    assert len(built) == 3, built
     path = work / "venv"
     # pip --python (pip 22.3+) installs into the new venv without bootstrapping a pip in it,
     # which saves most of the venv's creation time; an older pip gets a venv with its own.

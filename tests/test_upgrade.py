@@ -18,8 +18,8 @@ from host.dra import naming
 from host.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from host.dra.registrar import remove_dead_instances
 from host.lock import HostLock, LockHeld, running_host
+from host.sim.apiserver import kube_api
 from host.socket_names import instance_id
-from host.testing.apiserver import kube_api
 
 __all__ = ["kube_api"]
 
@@ -59,7 +59,7 @@ def test_a_hand_over_keeps_claims_preparable_and_devices_allocatable(tmp_path, s
 def test_a_hand_over_on_a_1_36_kubelet_costs_one_re_registration(tmp_path, short_tmp):
     """1.36 closes the new host's stream when the old host's ends (it looks the client up by
     name); the new host registers again at once. DRA has no gap."""
-    from host.testing.apiserver import ApiServerStandIn
+    from host.sim.apiserver import ApiServerStandIn
 
     with ApiServerStandIn() as api:
         outcome = _run(upgrade.scenario(str(tmp_path), short_tmp, api, mode="handover",
@@ -77,7 +77,7 @@ def test_a_hand_over_on_a_1_36_kubelet_costs_one_re_registration(tmp_path, short
 def test_daemonset_pods_hand_over_and_the_old_one_waits_for_its_deletion(tmp_path, short_tmp):
     """As DaemonSet pods (sockets named after POD_UID): the old pod, handed over, must not
     exit (its container would be restarted and take the node back); it goes at SIGTERM."""
-    from host.testing.apiserver import ApiServerStandIn
+    from host.sim.apiserver import ApiServerStandIn
 
     with ApiServerStandIn() as api:
         outcome = _run(upgrade.scenario(str(tmp_path), short_tmp, api, mode="handover",
@@ -89,7 +89,7 @@ def test_daemonset_pods_hand_over_and_the_old_one_waits_for_its_deletion(tmp_pat
 
 def test_stop_then_start_is_the_gap_the_hand_over_removes(tmp_path, short_tmp):
     """The floor, measured the same way: the scenario does see a gap when there is one."""
-    from host.testing.apiserver import ApiServerStandIn
+    from host.sim.apiserver import ApiServerStandIn
 
     with ApiServerStandIn() as api:
         outcome = _run(upgrade.scenario(str(tmp_path), short_tmp, api, mode="restart",
@@ -211,10 +211,10 @@ def test_two_hosts_share_the_checkpoint_one_call_at_a_time(tmp_path):
 def test_a_handed_over_host_leaves_the_successors_files(short_tmp, tmp_path):
     """hand_over=True removes only the host's own sockets; the node labels (and device-info
     files, CDI specs) are the successor's now. A plain stop removes the labels."""
+    from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+    from device_plugin_host_testing.harness import make_config
     from host.app import HostApp
     from host.model import ResourceConfig
-    from host.testing.drivers import MemoryDriver, make_devices
-    from host.testing.harness import make_config
 
     labels = tmp_path / "features.d" / "device-plugin-host"
     labels.parent.mkdir()

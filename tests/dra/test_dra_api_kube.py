@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from host.dra.kube import KubeClient, KubeConfigError, KubeError, in_cluster_access
-from host.testing.apiserver import SHARED_HELPERS, ApiServerStandIn, RealApiServer, kube_api
+from host.sim.apiserver import SHARED_HELPERS, ApiServerStandIn, RealApiServer, kube_api
 
 __all__ = ["kube_api"]
 
@@ -158,7 +158,7 @@ def test_a_deleted_claim_is_gone_and_deleting_it_again_is_no_error(kube_api, run
 def test_each_test_gets_an_empty_api_server(run):
     """The real server is shared by the tests of a process: what one test left (a Node, a
     slice, claims in two namespaces) is gone for the next."""
-    from host.testing.apiserver import api_server_under_test
+    from host.sim.apiserver import api_server_under_test
 
     first = api_server_under_test()
     api = next(first)
@@ -477,7 +477,7 @@ def test_kubeconfig_with_a_certificate_authority_file(run):
 
 
 def test_kubebuilder_assets_must_hold_both_binaries(tmp_path, monkeypatch):
-    from host.testing.apiserver import kubebuilder_assets
+    from host.sim.apiserver import kubebuilder_assets
 
     monkeypatch.setenv("KUBEBUILDER_ASSETS", str(tmp_path))
     assert kubebuilder_assets() is None

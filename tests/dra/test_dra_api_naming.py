@@ -13,7 +13,7 @@ from host.dra.naming import (
     is_dns_label,
     pool_name,
 )
-from host.testing.resource_validation import (
+from host.sim.resource_validation import (
     dns_label_errors,
     driver_name_errors,
     pool_name_errors,

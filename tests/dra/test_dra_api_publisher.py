@@ -18,7 +18,7 @@ from host.dra.publisher import SlicePublisher
 from host.dra.slices import build_slices, same_content
 from host.metrics import HostMetrics
 from host.model import Device, Health
-from host.testing.apiserver import ApiServerStandIn, kube_api
+from host.sim.apiserver import ApiServerStandIn, kube_api
 
 __all__ = ["kube_api"]
 
@@ -640,7 +640,7 @@ def test_server_set_taint_times_do_not_rewrite_an_unchanged_pool(run):
 
 
 def test_server_set_taint_times_against_the_api_server_under_test(run):
-    from host.testing.apiserver import api_server_under_test
+    from host.sim.apiserver import api_server_under_test
 
     servers = api_server_under_test(device_taints=True)
     api = next(servers)

@@ -17,7 +17,7 @@ from host.dra.slices import (
 )
 from host.model import Device, Health
 from host.pci import pcie_root
-from host.testing.resource_validation import resource_slice_errors
+from host.sim.resource_validation import resource_slice_errors
 
 DRIVER = "gpu.example.com.device-plugin-host.io"
 

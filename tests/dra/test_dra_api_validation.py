@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from host.testing.apiserver import ApiServerStandIn, parse_field_selector
-from host.testing.resource_validation import (
+from host.sim.apiserver import ApiServerStandIn, parse_field_selector
+from host.sim.resource_validation import (
     DecodeError,
     qualified_name_errors,
     resource_slice_errors,

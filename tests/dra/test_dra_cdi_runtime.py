@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from host.testing.cdi_runtime import CdiCache, CdiError
+from device_plugin_host_testing.cdi_runtime import CdiCache, CdiError
 
 
 def _write(directory, name, spec):

@@ -3,7 +3,8 @@ JSON file of its devices' attributes, bind-mounted by CDI where upstream's kubel
 helper mounts it; off by default; removed on unprepare.
 
 The API server is the stand-in or the real one (``kube_api``); the kubelet is the DRA
-simulator over real sockets; containers are what host/testing/cdi_runtime injects.
+simulator over real sockets; containers are what testkit/device_plugin_host_testing/cdi_runtime
+injects.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
+from device_plugin_host_testing.cdi_runtime import CdiCache, container_cdi_ids
+from device_plugin_host_testing.drivers import MemoryDriver
 from host.config import parse_config
 from host.config_errors import ConfigError
 from host.dra import metadata, naming
@@ -26,10 +29,8 @@ from host.dra.kube import KubeClient
 from host.hostfs import HostFS
 from host.isolation import DriverCalls
 from host.model import Device, DeviceNode, ResourceConfig
-from host.testing.apiserver import kube_api
-from host.testing.cdi_runtime import CdiCache, container_cdi_ids
-from host.testing.drivers import MemoryDriver
-from host.testing.kubelet_dra import DraKubeletSimulator
+from host.sim.apiserver import kube_api
+from host.sim.kubelet_dra import DraKubeletSimulator
 
 __all__ = ["kube_api"]
 

@@ -17,18 +17,18 @@ from typing import Any, Dict, List, Optional, Set
 
 import pytest
 
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import make_config
+from device_plugin_host_testing.node_status import NodeStatusSync
 from host.app import HostApp
 from host.dra import naming, startup
 from host.dra.kube import KubeClient, KubeError
 from host.dra.startup import DraStartError, advertised
 from host.model import ResourceConfig
 from host.protocol import HEALTHY
-from host.testing.apiserver import ApiServerStandIn, kube_api
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import make_config
-from host.testing.kubelet import KubeletSimulator
-from host.testing.kubelet.node_status import NodeStatusSync
-from host.testing.kubelet_dra import DraKubeletSimulator
+from host.sim.apiserver import ApiServerStandIn, kube_api
+from host.sim.kubelet import KubeletSimulator
+from host.sim.kubelet_dra import DraKubeletSimulator
 
 __all__ = ["kube_api"]
 

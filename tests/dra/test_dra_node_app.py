@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import make_config
 from host.app import HostApp
 from host.dra import naming
 from host.dra.kube import KubeClient
 from host.dra.startup import DraStartError
 from host.model import Health, ResourceConfig
-from host.testing.apiserver import ApiServerStandIn, kube_api
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import make_config
-from host.testing.kubelet import KubeletSimulator
-from host.testing.kubelet_dra import DraKubeletSimulator, PrepareError
+from host.sim.apiserver import ApiServerStandIn, kube_api
+from host.sim.kubelet import KubeletSimulator
+from host.sim.kubelet_dra import DraKubeletSimulator, PrepareError
 
 __all__ = ["kube_api"]
 

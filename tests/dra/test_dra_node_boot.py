@@ -21,17 +21,17 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
+from device_plugin_host_testing.harness import make_config
 from host.app import HostApp
 from host.dra import naming
 from host.dra.kube import KubeClient
 from host.model import ResourceConfig
-from host.testing import fake_gpu
-from host.testing.apiserver import ApiServerStandIn, RealApiServer, kubebuilder_assets
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.harness import make_config
-from host.testing.kubelet import KubeletSimulator
-from host.testing.kubelet_dra import DraKubeletSimulator
-from host.testing.tree import FakeTree
+from host.sim import fake_gpu
+from host.sim.apiserver import ApiServerStandIn, RealApiServer, kubebuilder_assets
+from host.sim.kubelet import KubeletSimulator
+from host.sim.kubelet_dra import DraKubeletSimulator
+from host.sim.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = "boot-node"

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from host.dra import naming
-from host.testing import fake_gpu
-from host.testing.tree import FakeTree
+from host.sim import fake_gpu
+from host.sim.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[2]
 

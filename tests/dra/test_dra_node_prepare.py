@@ -12,6 +12,8 @@ import uuid
 
 import pytest
 
+from device_plugin_host_testing.cdi_runtime import CdiCache, container_cdi_ids
+from device_plugin_host_testing.drivers import MemoryDriver, SlowAllocateDriver, make_devices
 from host.dra import naming
 from host.dra.checkpoint import FILE_NAME
 from host.dra.frontend import DraFrontEnd
@@ -20,10 +22,8 @@ from host.dra.taints import TAINT_KEY
 from host.hostfs import HostFS
 from host.isolation import DriverCalls
 from host.model import Device, DeviceNode, Health, ResourceConfig
-from host.testing.apiserver import kube_api
-from host.testing.cdi_runtime import CdiCache, container_cdi_ids
-from host.testing.drivers import MemoryDriver, SlowAllocateDriver, make_devices
-from host.testing.kubelet_dra import DraKubeletSimulator, PrepareError
+from host.sim.apiserver import kube_api
+from host.sim.kubelet_dra import DraKubeletSimulator, PrepareError
 
 __all__ = ["kube_api"]  # the API server fixture: real with KUBEBUILDER_ASSETS
 

@@ -11,6 +11,7 @@ import os
 
 import grpc
 
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from host.dra.protocol import registration as reg_api
 from host.dra.registrar import (
     PluginWatcherEndpoint,
@@ -22,10 +23,9 @@ from host.isolation import DriverCalls
 from host.model import ResourceConfig
 from host.protocol import VERSION
 from host.service import DevicePluginService
+from host.sim.kubelet_dra import DraKubeletSimulator
+from host.sim.kubelet_dra.watcher import PluginWatcher
 from host.snapshot import Snapshot
-from host.testing.drivers import MemoryDriver, make_devices
-from host.testing.kubelet_dra import DraKubeletSimulator
-from host.testing.kubelet_dra.watcher import PluginWatcher
 
 DRIVER = "gpu.device-plugin-host.io"
 SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")

@@ -12,6 +12,7 @@ from typing import Any, Dict, List
 
 import pytest
 
+from device_plugin_host_testing.machines import load_machine
 from drivers.gpu.driver import GpuDriver
 from drivers.gpu.nvml import NvmlMig, NvmlView
 from host.dra.kube import KubeClient
@@ -26,15 +27,15 @@ from host.dra.slices import (
 )
 from host.hostfs import HostFS
 from host.model import Device, Health, ResourceConfig
-from host.testing.apiserver import ApiServerStandIn, RealApiServer, kube_api, kubebuilder_assets
-from host.testing.fake_gpu import (
+from host.sim.apiserver import ApiServerStandIn, RealApiServer, kube_api, kubebuilder_assets
+from host.sim.fake_gpu import (
     add_mig_config_caps,
     add_mig_device,
     add_mig_minors_table,
     add_nvidia_control_nodes,
     add_nvidia_gpu,
 )
-from host.testing.tree import FakeTree, load_machine
+from host.sim.tree import FakeTree
 
 __all__ = ["kube_api"]
 

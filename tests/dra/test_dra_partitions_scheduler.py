@@ -2,7 +2,7 @@
 allocated whole keeps its MIG devices from being allocated after it went into MIG mode, a GPU
 in MIG mode is never allocated whole, and a MIG device of a GPU nobody holds is allocated.
 
-The control plane is etcd + kube-apiserver (host.testing.apiserver.RealApiServer) and
+The control plane is etcd + kube-apiserver (host.sim.apiserver.RealApiServer) and
 kube-scheduler, with a Node made by hand (no kubelet): the scheduler allocates claims and
 binds pods, which is all this checks. Skipped without the binaries."""
 
@@ -22,7 +22,7 @@ from host.dra.kube import KubeClient
 from host.dra.naming import dra_device_name, driver_name, pool_name
 from host.dra.publisher import SlicePublisher
 from host.model import Device
-from host.testing.apiserver import RealApiServer, kubebuilder_assets
+from host.sim.apiserver import RealApiServer, kubebuilder_assets
 
 NODE = "gpu-node-1"
 DRIVER = driver_name("nvidia.com/gpu", None, "gpu")

@@ -7,7 +7,7 @@ newer, as ../shared/k8s/README.md describes): a Node made here (Ready, without t
 taint, no kubelet), the DeviceClasses of the shipped ``dra`` overlay, and
 ``device-plugin-host run`` as a child process with the overlay's resources on a captured
 8-GPU machine (4 GPUs on each NUMA node). The kubelet's DRA side is the simulator
-(host/testing/kubelet_dra): its plugin watcher registers our driver, and it calls
+(host/sim/kubelet_dra): its plugin watcher registers our driver, and it calls
 NodePrepareResources over the real gRPC socket for the claims the scheduler allocated.
 
 A scenario is a test that takes ``cluster`` (a fresh namespace each; its pods and claims are
@@ -40,11 +40,11 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import pytest
 import yaml
 
+from device_plugin_host_testing.machines import load_machine
 from host.dra import naming
 from host.dra.kube import KubeClient
-from host.testing.apiserver import RealApiServer, kubebuilder_assets
-from host.testing.kubelet_dra import ClaimInfo, DraKubeletSimulator
-from host.testing.tree import load_machine
+from host.sim.apiserver import RealApiServer, kubebuilder_assets
+from host.sim.kubelet_dra import ClaimInfo, DraKubeletSimulator
 
 REPO = Path(__file__).resolve().parents[2]
 OVERLAY = REPO / "deploy" / "kubernetes" / "overlays" / "dra"
@@ -668,7 +668,7 @@ def test_a_container_with_two_claims_is_told_both_gpus_after_cdi_injection(clust
     statuses name the claims) and the other claim, so each claim's request entry lists both
     GPUs; after the runtime's injection every list variable the GPUs' own entries set names
     exactly the two GPUs."""
-    from host.testing.cdi_runtime import CdiCache, container_cdi_ids
+    from device_plugin_host_testing.cdi_runtime import CdiCache, container_cdi_ids
 
     cluster.template("one-gpu", [cluster.gpus(1)])
     cluster.pod("pair", {"first": "one-gpu", "second": "one-gpu"})

@@ -3,8 +3,9 @@ in the slices, its fallback where the server drops it, and NodePrepareResources 
 claim its own share (share_id, a CDI entry of its own) and refusing what does not fit.
 
 The API server is the stand-in, or the real one with KUBEBUILDER_ASSETS (``kube_api``); the
-kubelet is the DRA simulator over real sockets; containers are what host/testing/cdi_runtime
-injects. The real scheduler allocating shares is in test_dra_real_scheduler.py.
+kubelet is the DRA simulator over real sockets; containers are what
+testkit/device_plugin_host_testing/cdi_runtime injects. The real scheduler allocating shares is in
+test_dra_real_scheduler.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
+from device_plugin_host_testing.cdi_runtime import CdiCache, container_cdi_ids
+from device_plugin_host_testing.drivers import MemoryDriver
 from host.config_errors import ConfigError
 from host.dra import hardware, naming, sharing
 from host.dra.frontend import DraFrontEnd
@@ -28,16 +31,14 @@ from host.host_view import host_view
 from host.hostfs import HostFS
 from host.isolation import DriverCalls
 from host.model import Device, DeviceNode, Health, ResourceConfig
-from host.testing.apiserver import (
+from host.sim.apiserver import (
     ApiServerStandIn,
     RealApiServer,
     kube_api,
     kubebuilder_assets,
 )
-from host.testing.cdi_runtime import CdiCache, container_cdi_ids
-from host.testing.drivers import MemoryDriver
-from host.testing.kubelet_dra import DraKubeletSimulator, PrepareError
-from host.testing.resource_validation import resource_slice_errors
+from host.sim.kubelet_dra import DraKubeletSimulator, PrepareError
+from host.sim.resource_validation import resource_slice_errors
 
 __all__ = ["kube_api"]
 
@@ -129,8 +130,8 @@ def test_a_share_overlaps_the_whole_device_and_its_partitions_not_other_shares()
 
 
 def test_replicas_with_api_dra_are_accepted_and_replica_policy_is_not():
+    from device_plugin_host_testing.drivers import MemoryDriver as Memory
     from host.config import parse_config
-    from host.testing.drivers import MemoryDriver as Memory
 
     drivers = {"memory": Memory()}
     text = '[[resource]]\nname = "example.com/gpu"\ndriver = "memory"\napi = "dra"\n' \

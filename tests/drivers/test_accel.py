@@ -1,4 +1,5 @@
-"""The accel driver on fake trees in the accel drivers' own shapes (host/testing/fake_accel)."""
+"""The accel driver on fake trees in the accel drivers' own shapes
+(testkit/device_plugin_host_testing/fake_accel)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ from typing import Dict, List
 
 import pytest
 
+from device_plugin_host_testing import fake_accel as fa
+from device_plugin_host_testing.fake_chardev import add_class_chardev
 from drivers.accel.driver import AccelDriver
 from host.driver import SelectorError
 from host.hostfs import HostFS
 from host.model import Device, Health, ResourceConfig
-from host.testing import fake_accel as fa
-from host.testing.fake_chardev import add_class_chardev
-from host.testing.tree import FakeTree
+from host.sim.tree import FakeTree
 
 GAUDI = ResourceConfig("habana.ai/gaudi", "accel", {"kernel_driver": "habanalabs"})
 NPU = ResourceConfig("npu.intel.com/accel", "accel", {"kernel_driver": "intel_vpu"})

@@ -11,6 +11,8 @@ from typing import Dict, List
 
 import pytest
 
+from device_plugin_host_testing import fake_fpga as ff
+from device_plugin_host_testing.machines import load_machine
 from drivers.fpga import plugin
 from drivers.fpga.dfl import normalise_uuid
 from drivers.fpga.driver import (
@@ -26,8 +28,7 @@ from host.config import load_config
 from host.driver import SelectorError
 from host.hostfs import HostFS
 from host.model import Device, DeviceNode, Health, ResourceConfig
-from host.testing import fake_fpga as ff
-from host.testing.tree import FakeTree, load_machine
+from host.sim.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[2]
 DFL = ResourceConfig("fpga.intel.com/dfl-port", "fpga", {"kind": "dfl"})

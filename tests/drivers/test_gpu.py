@@ -8,13 +8,14 @@ from typing import Dict, List, Sequence
 
 import pytest
 
+from device_plugin_host_testing.machines import load_machine
 from drivers.gpu import plugin
 from drivers.gpu.driver import GpuDriver, kubevirt_env_name
 from drivers.gpu.nvidia import parse_information, read_information
 from host.driver import SelectorError
 from host.hostfs import HostFS
 from host.model import ContainerAllocation, Device, DeviceNode, Health, Mount, ResourceConfig
-from host.testing.fake_gpu import (
+from host.sim.fake_gpu import (
     add_amd_gpu,
     add_drm,
     add_intel_gpu,
@@ -23,7 +24,7 @@ from host.testing.fake_gpu import (
     gpu_uuid,
     nvidia_information,
 )
-from host.testing.tree import FakeTree, load_machine
+from host.sim.tree import FakeTree
 
 NVIDIA_GPU = ResourceConfig("nvidia.com/gpu", "gpu", {"vendor": "0x10de"})
 AMD_GPU = ResourceConfig("amd.com/gpu", "gpu", {"vendor": "0x1002"})
@@ -666,7 +667,7 @@ def test_hgx_tree_has_the_pieces_other_drivers_read(hgx):
 
 def test_without_procfs_minors_follow_pci_order_only_when_unambiguous(tmp_path):
     """A server captured (or mounted) without /proc/driver/nvidia: 8 GPUs, /dev/nvidia0..7."""
-    from host.testing.tree import load_machine
+    from device_plugin_host_testing.machines import load_machine
 
     tree = load_machine("gpu-server-8x", tmp_path / "root")
     tree.remove("/proc/driver/nvidia")

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Dict, List
 
+from device_plugin_host_testing.harness import kubelet_and_host, make_config
 from drivers.gpu.driver import GpuDriver
 from drivers.gpu.links import link_preferred
 from host.allocation import numa_compact
 from host.hostfs import HostFS
 from host.model import Device, PreferredRequest, ResourceConfig
 from host.plugins import load_drivers
-from host.testing.fake_gpu import AmdMachine
-from host.testing.harness import kubelet_and_host, make_config
-from host.testing.tree import FakeTree
+from host.sim.fake_gpu import AmdMachine
+from host.sim.tree import FakeTree
 
 AMD_GPU = ResourceConfig("amd.com/gpu", "gpu", {"vendor": "0x1002"})
 HIVE_A, HIVE_B = 0xA1, 0xB2

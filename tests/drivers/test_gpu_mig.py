@@ -1,4 +1,4 @@
-"""NVIDIA MIG: procfs capabilities in nv-caps.c's shapes (host/testing/fake_gpu.py), the three
+"""NVIDIA MIG: procfs capabilities in nv-caps.c's shapes (host/sim/fake_gpu.py), the three
 strategies, the optional NVML view (a stand-in source here: no NVIDIA GPU on this machine),
 and a MIG allocation end to end through the kubelet simulator."""
 
@@ -8,6 +8,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
+from device_plugin_host_testing.harness import kubelet_and_host, make_config
 from drivers.gpu.driver import GpuDriver
 from drivers.gpu.mig import parse_mig_minors, read_mig_devices
 from drivers.gpu.nvml import (
@@ -21,7 +22,7 @@ from drivers.gpu.nvml import (
 from host.driver import SelectorError
 from host.hostfs import HostFS
 from host.model import Device, ResourceConfig
-from host.testing.fake_gpu import (
+from host.sim.fake_gpu import (
     add_mig_config_caps,
     add_mig_device,
     add_mig_minors_table,
@@ -30,8 +31,7 @@ from host.testing.fake_gpu import (
     gpu_uuid,
     mig_minor,
 )
-from host.testing.harness import kubelet_and_host, make_config
-from host.testing.tree import FakeTree
+from host.sim.tree import FakeTree
 
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
 WHOLE = ResourceConfig("nvidia.com/gpu", "gpu", {"vendor": "0x10de"})

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import pytest
 
+from device_plugin_host_testing.machines import load_machine
 from drivers.gpu.driver import GpuDriver
 from host.allocation import merge
 from host.config import ConfigError, parse_config
 from host.driver import SelectorError
 from host.hostfs import HostFS
 from host.model import ResourceConfig
-from host.testing.fake_gpu import add_nvidia_control_nodes, add_nvidia_gpu
-from host.testing.tree import FakeTree, load_machine
+from host.sim.fake_gpu import add_nvidia_control_nodes, add_nvidia_gpu
+from host.sim.tree import FakeTree
 
 COMPUTE = ResourceConfig("nvidia.com/gpu", "gpu", {"vendor": "0x10de"})
 DISPLAY = ResourceConfig("nvidia.com/display-gpu", "gpu", {"vendor": "0x10de"},

@@ -1,5 +1,5 @@
 """AMD compute partitions (MI300X SPX/CPX, NPS1/NPS4) on fake trees in amdgpu's and KFD's
-shapes (host/testing/fake_gpu.py AmdMachine), and served end to end through the simulator."""
+shapes (host/sim/fake_gpu.py AmdMachine), and served end to end through the simulator."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from typing import Dict, List
 
 import pytest
 
+from device_plugin_host_testing.harness import kubelet_and_host, make_config
 from drivers.gpu.driver import GpuDriver
 from drivers.gpu.kfd import pci_address, read_topology
 from host.driver import SelectorError
 from host.hostfs import HostFS
 from host.model import Device, ResourceConfig
 from host.plugins import load_drivers
-from host.testing.fake_gpu import AmdMachine
-from host.testing.harness import kubelet_and_host, make_config
-from host.testing.tree import FakeTree
+from host.sim.fake_gpu import AmdMachine
+from host.sim.tree import FakeTree
 from host.watch import InjectedSource
 
 AMD_GPU = ResourceConfig("amd.com/gpu", "gpu", {"vendor": "0x1002"})

@@ -1,4 +1,5 @@
-"""The neuron driver on fake trees in the aws-neuron-driver's shape (host/testing/fake_neuron)."""
+"""The neuron driver on fake trees in the aws-neuron-driver's shape
+(testkit/device_plugin_host_testing/fake_neuron)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ from typing import Dict
 
 import pytest
 
+from device_plugin_host_testing import fake_neuron as fn
 from drivers.neuron.driver import NeuronDriver
 from host.driver import SelectorError
 from host.hostfs import HostFS
 from host.model import Device, Health, ResourceConfig
-from host.testing import fake_neuron as fn
-from host.testing.tree import FakeTree
+from host.sim.tree import FakeTree
 
 NEURON = ResourceConfig("aws.amazon.com/neuron", "neuron", {})
 CORES = ResourceConfig("aws.amazon.com/neuroncore", "neuron", {}, settings={"unit": "core"})

@@ -1,5 +1,5 @@
 """The generic pci driver on fake trees: boards whose kernel drivers make char devices under
-their PCI function (host/testing/fake_pci, fake_chardev)."""
+their PCI function (testkit/device_plugin_host_testing/fake_pci, fake_chardev)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from typing import Dict, List
 
 import pytest
 
+from device_plugin_host_testing import fake_pci as fp
+from device_plugin_host_testing.fake_chardev import add_class_chardev
 from drivers.pci.driver import PciDriver
 from host.driver import SelectorError
 from host.hostfs import HostFS
 from host.model import Device, Health, ResourceConfig
-from host.testing import fake_pci as fp
-from host.testing.fake_chardev import add_class_chardev
-from host.testing.tree import FakeTree
+from host.sim.tree import FakeTree
 
 HAILO = ResourceConfig("hailo.ai/npu", "pci", {"vendor": "0x1e60", "device": "0x2864"})
 

@@ -7,14 +7,15 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import pytest
 
+from device_plugin_host_testing.machines import load_machine, machine_names
 from drivers.rdma import plugin
 from drivers.rdma.driver import MAX_SHARED_COUNT, RdmaDriver
 from host.allocation import merge
 from host.driver import SelectorError
 from host.hostfs import HostFS
 from host.model import Device, Health, ResourceConfig
-from host.testing.fake_net import mellanox_hca, rdma_cm, rdma_device
-from host.testing.tree import FakeTree, load_machine, machine_names
+from host.sim.fake_net import mellanox_hca, rdma_cm, rdma_device
+from host.sim.tree import FakeTree
 
 EXCLUSIVE = "rdma/hca"
 SHARED = "rdma/hca_shared_devices_a"

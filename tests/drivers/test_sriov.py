@@ -7,6 +7,7 @@ from typing import Dict, List, Mapping, Sequence
 
 import pytest
 
+from device_plugin_host_testing.machines import load_machine
 from drivers.sriov import plugin
 from drivers.sriov.driver import SriovDriver, env_name
 from drivers.sriov.selectors import parse_pf, parse_ranges
@@ -14,7 +15,7 @@ from host.allocation import merge
 from host.driver import SelectorError
 from host.hostfs import HostFS
 from host.model import Device, DeviceNode, Health, ResourceConfig
-from host.testing.fake_net import (
+from host.sim.fake_net import (
     ARPHRD_INFINIBAND,
     net_interface,
     rdma_cm,
@@ -23,7 +24,7 @@ from host.testing.fake_net import (
     vf_address,
     vfio_nodes,
 )
-from host.testing.tree import FakeTree, load_machine
+from host.sim.tree import FakeTree
 
 RESOURCE = "intel.com/sriov_netdevice"
 ENV = "PCIDEVICE_INTEL_COM_SRIOV_NETDEVICE"

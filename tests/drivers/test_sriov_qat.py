@@ -12,15 +12,16 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import pytest
 
+from device_plugin_host_testing.fake_qat import heartbeat_status, qat_pf, remove_debugfs
+from device_plugin_host_testing.machines import MACHINES, load_machine
 from drivers.sriov.driver import SriovDriver
 from drivers.sriov.qat import parse_services
 from host.allocation import merge
 from host.driver import SelectorError
 from host.hostfs import HostFS
 from host.model import Device, DeviceNode, Health, ResourceConfig
-from host.testing.fake_net import sriov_pf, vfio_cdev
-from host.testing.fake_qat import heartbeat_status, qat_pf, remove_debugfs
-from host.testing.tree import FakeTree, load_machine
+from host.sim.fake_net import sriov_pf, vfio_cdev
+from host.sim.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[2]
 CY = "qat.intel.com/cy"
@@ -279,11 +280,12 @@ def test_unwritable_device_info_dir_fails_the_allocation(tree: FakeTree, tmp_pat
 
 # -- the captured QAT node -------------------------------------------------------------------------
 def test_qat_node_golden_serves_64_of_each_qat_resource() -> None:
-    """The golden is ``discover --json`` of host/testing/machines/qat-node.tree (built by
-    tests/resources/gen_qat_node.py) with config/examples/qat-node.toml, kept beside the tree
-    as qat-node.discover.json; tests/test_machine_goldens.py requires discover to print exactly
-    it (regenerate with tests/resources/regen_goldens.py qat-node, and review the diff)."""
-    document = json.loads((REPO / "host" / "testing" / "machines" / "qat-node.discover.json")
+    """The golden is ``discover --json`` of
+    testkit/device_plugin_host_testing/machines/qat-node.tree (built by
+    tests/resources/gen_qat_node.py) with config/examples/qat-node.toml, kept beside the tree as
+    qat-node.discover.json; tests/test_machine_goldens.py requires discover to print exactly it
+    (regenerate with tests/resources/regen_goldens.py qat-node, and review the diff)."""
+    document = json.loads((MACHINES / "qat-node.discover.json")
                           .read_text())
     assert document["config"] == "config/examples/qat-node.toml"
     golden = document["devices"]
@@ -296,7 +298,7 @@ def test_qat_node_golden_serves_64_of_each_qat_resource() -> None:
 
 
 def test_uio_and_rdma_vfs_info_like_the_sriov_device_plugin(tree: FakeTree) -> None:
-    from host.testing.fake_net import rdma_cm, rdma_device
+    from host.sim.fake_net import rdma_cm, rdma_device
 
     pf = sriov_pf(tree, "0000:98:00.0", vendor=0x15B3, device=0x101D, vf_device=0x101E,
                   driver="mlx5_core", vf_driver="mlx5_core", numvfs=2, ifname="ens2f0np0",

@@ -1,5 +1,6 @@
 """NVIDIA SR-IOV vGPU VFs (vendor-specific VFIO, vGPU 17+) served by the sriov driver to VMs:
-the VFs stay on ``nvidia`` and are selected by their vGPU type (host/testing/fake_vgpu.py)."""
+the VFs stay on ``nvidia`` and are selected by their vGPU type
+(testkit/device_plugin_host_testing/fake_vgpu.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ from typing import Dict, List, Mapping, Optional
 
 import pytest
 
+from device_plugin_host_testing import fake_vgpu as fv
 from drivers.sriov.driver import SriovDriver, extra_info, kubevirt_env_name
 from host.driver import SelectorError
 from host.hostfs import HostFS
 from host.model import Device, Health, ResourceConfig
-from host.testing import fake_vgpu as fv
-from host.testing.tree import FakeTree
+from host.sim.tree import FakeTree
 
 RESOURCE = "nvidia.com/NVIDIA_L40S-24Q"
 KUBEVIRT_ENV = "PCI_RESOURCE_NVIDIA_COM_NVIDIA_L40S-24Q"
@@ -114,7 +115,7 @@ def test_card_local_ids_are_never_resolved_from_a_card_that_disagrees(tree):
 
 
 def test_a_vfio_pci_gpu_vf_and_a_nic_vf_are_not_vgpus(tree):
-    from host.testing.fake_net import sriov_pf
+    from host.sim.fake_net import sriov_pf
 
     sriov_pf(tree, "0000:3b:00.0", numvfs=2, vf_iommu_group=30)
     fv.l40s_vgpu(tree, vf_types=("1151",))

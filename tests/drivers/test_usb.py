@@ -9,6 +9,7 @@ from typing import Dict, List
 
 import pytest
 
+from device_plugin_host_testing.machines import load_machine
 from drivers.usb import plugin
 from drivers.usb.driver import MAX_SHARED, UsbDriver
 from drivers.usb.sysfs import port_sort_key
@@ -18,8 +19,8 @@ from host.config import load_config
 from host.driver import SelectorError
 from host.hostfs import HostFS
 from host.model import Device, Health, ResourceConfig
-from host.testing import fake_usb as fu
-from host.testing.tree import FakeTree, load_machine
+from host.sim import fake_usb as fu
+from host.sim.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[2]
 ALL = ResourceConfig("example.com/usb", "usb", {})

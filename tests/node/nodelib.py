@@ -351,7 +351,7 @@ class Node:
 
     def _devices(self) -> None:
         """The GPU machine's tree, and its /dev/nvidia* paths made real (harmless c 1 3)."""
-        from host.testing.tree import load_machine
+        from device_plugin_host_testing.machines import load_machine
 
         shutil.rmtree(self.tree, ignore_errors=True)
         load_machine(MACHINE, self.tree)
@@ -418,7 +418,7 @@ class Node:
                               capture_output=True, text=True, check=check, timeout=60)
 
     def _start_control_plane(self) -> None:
-        from host.testing.apiserver import RealApiServer
+        from host.sim.apiserver import RealApiServer
 
         self.server = RealApiServer(self.assets, device_taints=True)
         self.server.start()
@@ -589,10 +589,9 @@ def _is_ours(pid: int, name: str) -> bool:
 
 
 def machine_lines() -> List[str]:
-    import host.testing.tree as tree_module
-    from host.testing.tree import load_machine  # noqa: F401  (the machines' directory)
+    from device_plugin_host_testing.machines import MACHINES
 
-    path = Path(tree_module.__file__).with_name("machines") / f"{MACHINE}.tree"
+    path = MACHINES / f"{MACHINE}.tree"
     return path.read_text().splitlines()
 
 

@@ -239,7 +239,7 @@ def test_dp_hot_plugged_device_reaches_allocatable_and_a_pod(node: nodelib.Node,
                                                              pods: Pods) -> None:
     late = GPU_ADDRESSES[7]
     lines = [line for line in nodelib.machine_lines() if late in line or "/dev/nvidia7 " in line]
-    from host.testing.tree import FakeTree
+    from host.sim.tree import FakeTree
 
     tree = FakeTree(node.tree)
     for path in ("/dev/nvidia7", f"/sys/bus/pci/devices/{late}",

@@ -1,14 +1,15 @@
-"""Regenerate the accelerator machines in host/testing/machines (then their goldens).
+"""Regenerate the accelerator machines in testkit/device_plugin_host_testing/machines (then their
+goldens).
 
     python tests/resources/gen_accel_machines.py && python tests/resources/regen_goldens.py
 
-Each machine is built with the fixture helpers (host/testing/fake_accel.py, fake_neuron.py,
-fake_pci.py, fake_gpu.py), whose docstrings say which kernel or driver source each detail
-comes from, then written out in the ``.tree`` format; ``<machine>.discover.json`` beside it
-(tests/resources/regen_goldens.py) is what ``device-plugin-host discover --json`` prints for it
-with its example config (config/examples/<example>.toml). tests/test_accel_machines.py checks
-that the trees are what these builders make, tests/test_machine_goldens.py that the goldens
-are what discover prints.
+Each machine is built with the fixture helpers (testkit/device_plugin_host_testing/fake_accel.py,
+fake_neuron.py, fake_pci.py, fake_gpu.py), whose docstrings say which kernel or driver source each
+detail comes from, then written out in the ``.tree`` format; ``<machine>.discover.json`` beside it
+(tests/resources/regen_goldens.py) is what ``device-plugin-host discover --json`` prints for it with
+its example config (config/examples/<example>.toml). tests/test_accel_machines.py checks that the
+trees are what these builders make, tests/test_machine_goldens.py that the goldens are what discover
+prints.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from typing import Callable, Dict, Iterator, List, Tuple
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from host.testing import fake_accel as fa  # noqa: E402
-from host.testing import fake_gpu as fg  # noqa: E402
-from host.testing import fake_neuron as fn  # noqa: E402
-from host.testing import fake_pci as fp  # noqa: E402
-from host.testing import fake_vgpu as fv  # noqa: E402
-from host.testing.tree import FakeTree  # noqa: E402
+from device_plugin_host_testing import fake_accel as fa  # noqa: E402
+from device_plugin_host_testing import fake_neuron as fn  # noqa: E402
+from device_plugin_host_testing import fake_pci as fp  # noqa: E402
+from device_plugin_host_testing import fake_vgpu as fv  # noqa: E402
+from host.sim import fake_gpu as fg  # noqa: E402
+from host.sim.tree import FakeTree  # noqa: E402
 
-MACHINES = REPO / "host" / "testing" / "machines"
+MACHINES = REPO / "testkit" / "device_plugin_host_testing" / "machines"
 
 
 def gaudi_node(tree: FakeTree) -> None:

@@ -1,4 +1,5 @@
-"""Regenerate the partitioned-GPU machines in host/testing/machines and their goldens.
+"""Regenerate the partitioned-GPU machines in testkit/device_plugin_host_testing/machines and their
+goldens.
 
 * mi300x-cpx-nps4: an 8x MI300X OAM platform (2x EPYC 9004, Supermicro AS-8125GS class), every
   GPU in CPX compute / NPS4 memory mode: 64 partitions. GPUs at 05, 26, 46, 65 (NUMA 0) and
@@ -10,7 +11,7 @@
   1g.10gb, GPU 1: 4g.40gb + 3g.40gb, as procfs shows them: GI/CI ids and cap minors), GPUs
   2-7 whole; served without NVML, so the resource names are the operator's.
 
-The builders are host/testing/fake_gpu.py's (each layout detail is sourced there). Each tree
+The builders are host/sim/fake_gpu.py's (each layout detail is sourced there). Each tree
 gets a config beside it and the golden ``discover --json`` output of that config.
 
 Run: python tests/resources/gen_gpu_partition_machines.py
@@ -28,10 +29,10 @@ from typing import Callable, Iterator, List
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from host.testing import fake_gpu  # noqa: E402
-from host.testing.tree import FakeTree  # noqa: E402
+from host.sim import fake_gpu  # noqa: E402
+from host.sim.tree import FakeTree  # noqa: E402
 
-MACHINES = ROOT / "host" / "testing" / "machines"
+MACHINES = ROOT / "testkit" / "device_plugin_host_testing" / "machines"
 MI300X_BUSES = [0x05, 0x26, 0x46, 0x65, 0x85, 0xA6, 0xC6, 0xE5]
 
 

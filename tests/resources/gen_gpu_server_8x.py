@@ -1,4 +1,5 @@
-"""Generate host/testing/machines/gpu-server-8x.tree: an HGX H100 8-GPU server.
+"""Generate testkit/device_plugin_host_testing/machines/gpu-server-8x.tree: an HGX H100 8-GPU
+server.
 
 Modelled on a 2-socket Sapphire Rapids HGX H100 SXM5 system (Supermicro SYS-821GE class):
 
@@ -17,7 +18,10 @@ Modelled on a 2-socket Sapphire Rapids HGX H100 SXM5 system (Supermicro SYS-821G
   infiniband_mad/umadN + issmN under each NIC function, /sys/class links to them, rdma_cm as a
   misc device, /dev/infiniband nodes, and the IPoIB netdev ibp<bus>s0.
 
-Run: python tests/resources/gen_gpu_server_8x.py > host/testing/machines/gpu-server-8x.tree
+Run (from the repository root)::
+
+    python tests/resources/gen_gpu_server_8x.py \
+        > testkit/device_plugin_host_testing/machines/gpu-server-8x.tree
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Writes host/testing/machines/qat-node.tree: a two-socket Sapphire Rapids QAT node.
+"""Writes testkit/device_plugin_host_testing/machines/qat-node.tree: a two-socket Sapphire Rapids
+QAT node.
 
 The machine: four QAT Gen4 endpoints (8086:4940, driver 4xxx) as the CPUs integrate them,
 each on its own root bus behind a root port (SPR lists them at 6b/70 on socket 0 and e8/ed on
@@ -7,7 +8,7 @@ Each has 64 VFs (a scale shape: Gen4 silicon stops at 16 per endpoint, which cha
 in the layout): VFs 0-31 on vfio-pci for DPDK/qatlib, with their vfio device cdevs (a 6.8
 kernel with CONFIG_VFIO_DEVICE_CDEV, /dev/iommu present), VFs 32-63 on the out-of-tree
 ``4xxxvf`` driver for kernel-mode users. debugfs is mounted and every heartbeat reads "0".
-Layout details and their kernel sources: host/testing/fake_qat.py.
+Layout details and their kernel sources: testkit/device_plugin_host_testing/fake_qat.py.
 
 Run: python tests/resources/gen_qat_node.py
 """
@@ -23,8 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from host.testing.fake_qat import qat_pf  # noqa: E402
-from host.testing.tree import FakeTree  # noqa: E402
+from device_plugin_host_testing.fake_qat import qat_pf  # noqa: E402
+from host.sim.tree import FakeTree  # noqa: E402
 
 CPUS = {0: "0-55,112-167", 1: "56-111,168-223"}
 #: (PF bus, NUMA node, cfg_services)
@@ -86,7 +87,7 @@ def main() -> None:
         tree = FakeTree(tmp)
         build(tree)
         lines = dump(tree.root)
-    out = ROOT / "host" / "testing" / "machines" / "qat-node.tree"
+    out = ROOT / "testkit" / "device_plugin_host_testing" / "machines" / "qat-node.tree"
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"wrote {out} ({len(lines)} lines)")
 

@@ -1,4 +1,4 @@
-"""Writes host/testing/machines/sriov-network-node.tree.
+"""Writes testkit/device_plugin_host_testing/machines/sriov-network-node.tree.
 
 The machine: a two-socket Ice Lake-SP network node (a Dell R750 class box). Socket 0 carries an
 Intel E810-C 2x100G (0x8086:0x1592, ice; VFs 0x1889 on iavf) with irdma (iWARP) on both ports;
@@ -20,14 +20,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from host.testing.fake_net import (  # noqa: E402
+from host.sim.fake_net import (  # noqa: E402
     net_interface,
     rdma_cm,
     rdma_device,
     sriov_pf,
     vfio_nodes,
 )
-from host.testing.tree import FakeTree  # noqa: E402
+from host.sim.tree import FakeTree  # noqa: E402
 
 NODE0_CPUS = "0-31,64-95"
 NODE1_CPUS = "32-63,96-127"
@@ -257,7 +257,7 @@ def main() -> None:
         tree = FakeTree(tmp)
         build(tree)
         lines = dump(tree.root)
-    out = ROOT / "host" / "testing" / "machines" / "sriov-network-node.tree"
+    out = ROOT / "testkit" / "device_plugin_host_testing" / "machines" / "sriov-network-node.tree"
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"wrote {out} ({len(lines)} lines)")
 

@@ -1,8 +1,8 @@
-"""Regenerate host/testing/machines/edge-box.tree and fpga-node.tree.
+"""Regenerate testkit/device_plugin_host_testing/machines/edge-box.tree and fpga-node.tree.
 
     python tests/resources/gen_usb_fpga_trees.py
 
-Both machines are built with the fixture helpers (host/testing/fake_usb.py, fake_fpga.py),
+Both machines are built with the fixture helpers (host/sim/fake_usb.py, fake_fpga.py),
 whose shapes follow the kernel's (see their docstrings), then written out in the ``.tree``
 format. Only the .tree files are used by tests; this script documents where they came from.
 """
@@ -18,11 +18,12 @@ from typing import Iterator, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from host.testing import fake_fpga as ff
-from host.testing import fake_usb as fu
-from host.testing.tree import FakeTree
+from device_plugin_host_testing import fake_fpga as ff
+from host.sim import fake_usb as fu
+from host.sim.tree import FakeTree
 
-MACHINES = Path(__file__).resolve().parents[2] / "host" / "testing" / "machines"
+MACHINES = Path(__file__).resolve().parents[2] / "testkit" / "device_plugin_host_testing" \
+    / "machines"
 
 
 def dump(root: str, header: List[str]) -> Iterator[str]:

@@ -1,12 +1,13 @@
 """Write (or check) the golden ``discover --json`` beside every machine tree.
 
-One convention for every tree in host/testing/machines: ``<machine>.tree`` (written by its
-generator in tests/resources/gen_*.py) has ``<machine>.discover.json`` beside it, a document
+One convention for every tree in testkit/device_plugin_host_testing/machines: ``<machine>.tree``
+(written by its generator in tests/resources/gen_*.py) has ``<machine>.discover.json`` beside it, a
+document
 
     {"config": "<repo-relative config file>", "devices": [<discover --json rows>]}
 
 holding the config discover ran with and what it printed (NVML's reason for being unavailable
-normalised, see ``host.testing.fake_gpu.golden_rows``). tests/test_machine_goldens.py globs
+normalised, see ``host.sim.fake_gpu.golden_rows``). tests/test_machine_goldens.py globs
 every tree and requires its golden. After an intended change of what discover prints:
 
     .venv/bin/python tests/resources/regen_goldens.py            # every machine
@@ -29,11 +30,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[2]
-MACHINES = REPO / "host" / "testing" / "machines"
+MACHINES = REPO / "testkit" / "device_plugin_host_testing" / "machines"
 sys.path.insert(0, str(REPO))
 
-from host.testing.fake_gpu import golden_rows  # noqa: E402
-from host.testing.tree import load_machine  # noqa: E402
+from device_plugin_host_testing.machines import load_machine  # noqa: E402
+from host.sim.fake_gpu import golden_rows  # noqa: E402
 
 
 def trees() -> List[str]:

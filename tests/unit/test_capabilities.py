@@ -11,6 +11,7 @@ from typing import List, Mapping, Optional, Sequence
 import pytest
 
 import device_plugin_host
+from device_plugin_host_testing.drivers import ReversePreferenceDriver, make_devices
 from drivers.fpga.driver import FpgaDriver
 from drivers.gpu.driver import GpuDriver
 from drivers.neuron.driver import NeuronDriver
@@ -37,7 +38,6 @@ from host.model import ContainerAllocation, Device, PreferredRequest, ResourceCo
 from host.resource_config import parse_resource
 from host.service import DevicePluginService, preferred_allocation_useful
 from host.snapshot import Snapshot
-from host.testing.drivers import ReversePreferenceDriver, make_devices
 
 RESOURCE = ResourceConfig("example.com/thing", "duck")
 WITH_STEP = ResourceConfig("example.com/thing", "duck", settings={"step": True})
@@ -269,7 +269,7 @@ def test_the_protocols_are_public():
 def test_a_duck_typed_driver_served_to_the_kubelet(short_dir, run):
     """Loaded as a third party's driver would be: its pre_start runs before the container
     starts, and it has no allocate hook and no preferred policy of its own."""
-    from host.testing.harness import kubelet_and_host, make_config
+    from device_plugin_host_testing.harness import kubelet_and_host, make_config
 
     duck = DuckWithPreStart()
 

@@ -13,11 +13,11 @@ from typing import Iterator, List
 
 import pytest
 
+from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from host.hostfs import HostFS
 from host.inventory import Inventory
 from host.isolation import DriverCalls
 from host.model import Device, Health, ResourceConfig
-from host.testing.drivers import MemoryDriver, make_devices
 
 NAME = "example.com/x"
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 from device_plugin_host import Health, HostFS, ResourceConfig, SelectorError
-from device_plugin_host.testing import default_config, load_drivers
+from device_plugin_host_testing import default_config, load_drivers
 
 from dph_widget.driver import SUGGESTED, WidgetDriver
 from dph_widget.testing import add_accel, add_gaudi, add_intel_npu, gaudi_server

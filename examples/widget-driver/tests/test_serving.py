@@ -4,7 +4,7 @@ drivers from the installed entry points, the resources a config file names, real
 from __future__ import annotations
 
 import pytest
-from device_plugin_host.testing import InjectedSource, load_drivers, make_config, running_host
+from device_plugin_host_testing import InjectedSource, load_drivers, make_config, running_host
 
 from dph_widget.driver import SUGGESTED
 from dph_widget.testing import gaudi_server

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from device_plugin_host.testing import FakeTree
+from device_plugin_host_testing import FakeTree
 
 from dph_widget.accel import ACCEL_CLASS, ACCEL_MAJOR
 
