@@ -29,9 +29,9 @@ from benchmarks.core import Context, Figure, median, memory_tmp, now
 from device_plugin_host_testing import fake_qat
 from drivers.gpu.driver import GpuDriver
 from drivers.sriov.driver import SriovDriver
-from host.driver import Driver
-from host.hostfs import HostFS
-from host.model import ResourceConfig
+from host.core.driver import Driver
+from host.core.hostfs import HostFS
+from host.core.model import ResourceConfig
 from host.sim import fake_gpu, fake_net
 from host.sim.tree import FakeTree
 

@@ -26,7 +26,7 @@ from device_plugin_host_testing.fake_chardev import add_class_chardev
 from drivers.accel.driver import AccelDriver
 from drivers.neuron.driver import NeuronDriver
 from drivers.pci.driver import PciDriver
-from host.model import ResourceConfig
+from host.core.model import ResourceConfig
 from host.sim.tree import FakeTree
 
 KEYS = ("discovery_ms_accel_512", "discovery_ms_neuron_64", "discovery_ms_pci_256")

@@ -32,10 +32,10 @@ import grpc
 from benchmarks import draproc
 from benchmarks.core import Context, Figure, child_process, median, now, percentile, short_dir
 from benchmarks.floors import CLIENT_OPTIONS, ECHO_METHOD
+from host.core.fileio import write_atomic
 from host.dra import naming
 from host.dra.kube import KubeClient
 from host.dra.protocol import dra_v1
-from host.fileio import write_atomic
 from host.sim.apiserver import ApiServerStandIn
 from host.sim.kubelet_dra import DraKubeletSimulator
 

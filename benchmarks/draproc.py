@@ -21,7 +21,7 @@ from typing import List, Optional
 
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import make_config, running_host
-from host.model import ResourceConfig
+from host.core.model import ResourceConfig
 
 RESOURCE = "example.com/dra-0"
 SHARED = "example.com/dra-shared"

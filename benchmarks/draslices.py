@@ -37,11 +37,11 @@ import copy
 from typing import Any, Dict, List, Sequence
 
 from benchmarks.core import Context, Figure, median, now, percentile
+from host.core.model import Device, Health
 from host.dra.kube import KubeClient
 from host.dra.naming import driver_name, pool_name
 from host.dra.publisher import SlicePublisher
 from host.dra.slices import build_slices
-from host.model import Device, Health
 from host.sim.apiserver import ApiServerStandIn
 
 KEYS = ("dra_slice_p99_ms_8", "dra_slice_p99_ms_300",

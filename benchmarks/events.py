@@ -28,11 +28,11 @@ from benchmarks.hostproc import DRIVER, bench_config, resource_name
 from benchmarks.resources import idle_side_by_side
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import running_host
-from host.model import Health, ResourceConfig
-from host.protocol.convert import framed_device, snapshot_payload
+from host.core.model import Health, ResourceConfig
+from host.kubelet.protocol.convert import framed_device, snapshot_payload
 from host.sim.kubelet import KubeletSimulator
 from host.sim.tree import FakeTree
-from host.watch import InjectedSource
+from host.triggers.uevents import InjectedSource
 
 COUNTS = (1, 16, 64)
 KEYS = (*(f"event_to_kubelet_p99_ms_{n}" for n in COUNTS), "idle_cpu_pct_watching")

@@ -23,7 +23,7 @@ from typing import AsyncIterator, List, Optional
 
 import grpc
 
-from host.protocol import KUBELET_SOCKET, VERSION, api, api_grpc
+from host.kubelet.protocol import KUBELET_SOCKET, VERSION, api, api_grpc
 
 ECHO_METHOD = "/bench.Echo/Echo"
 # Answers every call with the bytes last given to SET_REPLY_METHOD: a bare handler returning a

@@ -32,8 +32,8 @@ from typing import Dict, List, Optional
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import make_config, running_host
 from host.config import Config
+from host.core.model import Device, ResourceConfig
 from host.memory import return_freed_heap
-from host.model import Device, ResourceConfig
 from host.triggers.events import EVENTS_AFTER_READY_S
 
 DRIVER = "memory"
@@ -99,7 +99,7 @@ async def serve(resources: int, devices: int, plugin_dir: str, host_root: str,
             print("ready", flush=True)
 
         def ready() -> None:
-            # As `cli run` does half a second after all are registered (host/serve.py; there
+            # As `cli run` does half a second after all are registered (host/cli/serve.py; there
             # are no other drivers to load here): the freed heap of that burst goes back.
             loop.call_later(0.5, return_freed_heap)
             # The kernel's event monitor is armed a moment after every resource registered

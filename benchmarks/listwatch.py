@@ -24,9 +24,9 @@ from benchmarks.floors import PushFloor
 from benchmarks.hostproc import DRIVER, bench_config
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import running_host
-from host.model import Device, Health, ResourceConfig
-from host.protocol import HEALTHY
-from host.protocol.convert import framed_device, snapshot_payload
+from host.core.model import Device, Health, ResourceConfig
+from host.kubelet.protocol import HEALTHY
+from host.kubelet.protocol.convert import framed_device, snapshot_payload
 from host.sim.kubelet import KubeletSimulator
 from host.sim.tree import FakeTree
 

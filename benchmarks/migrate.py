@@ -34,12 +34,12 @@ from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import make_config
 from device_plugin_host_testing.node_status import NodeStatusSync
 from host.app import HostApp
+from host.core.model import ResourceConfig
 from host.dra.kube import KubeClient
 from host.dra.naming import driver_name, pool_name
 from host.dra.node import NodeWatch
 from host.dra.slices import build_slices
-from host.model import ResourceConfig
-from host.protocol.convert import framed_device, snapshot_payload
+from host.kubelet.protocol.convert import framed_device, snapshot_payload
 from host.sim.apiserver import ApiServerStandIn
 from host.sim.kubelet import KubeletSimulator
 from host.sim.kubelet_dra import DraKubeletSimulator

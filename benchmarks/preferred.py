@@ -1,4 +1,4 @@
-"""The NUMA-compact policy alone: ``host.allocation.numa_compact`` over 1024 devices on 8 NUMA
+"""The NUMA-compact policy alone: ``host.core.allocation.numa_compact`` over 1024 devices on 8 NUMA
 nodes (128 a node), for request sizes 8, 64 and 200, each without and with must-include ids
 (two ids on different nodes, which forces a wider node set).
 
@@ -14,7 +14,7 @@ from typing import Dict, List, Tuple
 
 from benchmarks.core import Context, Figure, median, now
 from device_plugin_host_testing.drivers import make_devices
-from host.allocation import natural_key, numa_compact
+from host.core.allocation import natural_key, numa_compact
 
 KEYS = ("preferred_ms_1024_8numa",)
 DEVICES = 1024

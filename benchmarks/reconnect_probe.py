@@ -1,6 +1,6 @@
 """Which client-channel setup re-reaches a restarted kubelet fastest?
 
-Not a suite family: a one-off probe whose numbers are quoted in host/registration.py.
+Not a suite family: a one-off probe whose numbers are quoted in host/kubelet/registration.py.
 Each trial: a kubelet-like Registration server on ``kubelet.sock``; a Register goes through;
 a second Register is in flight (the handler is slow) when the server stops and its socket is
 unlinked; the socket stays away for the outage; then a new server listens and the client,
@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 import grpc
 
-from host.protocol import VERSION, api, api_grpc
+from host.kubelet.protocol import VERSION, api, api_grpc
 
 Options = List[Tuple[str, object]]
 

@@ -65,9 +65,9 @@ def _serving(count: int) -> Callable[[Any], bool]:
 
 async def _measure(count: int, rounds: int) -> Tuple[List[float], List[float], List[float]]:
     from host.app import HostApp
+    from host.cli.reload import ConfigReloader
     from host.config import load_config
-    from host.plugins import load_drivers
-    from host.reload import ConfigReloader
+    from host.config.plugins import load_drivers
     from host.sim.kubelet import KubeletSimulator
     from host.sim.tree import FakeTree
 

@@ -35,8 +35,8 @@ from benchmarks.floors import MinimalPlugin, kubelet_channel
 from benchmarks.hostproc import DRIVER, bench_config, build_devices
 from device_plugin_host_testing.drivers import MemoryDriver
 from device_plugin_host_testing.harness import running_host
-from host.model import ResourceConfig
-from host.protocol.convert import framed_device, snapshot_payload
+from host.core.model import ResourceConfig
+from host.kubelet.protocol.convert import framed_device, snapshot_payload
 from host.sim.kubelet import KubeletSimulator
 from host.sim.tree import FakeTree
 

@@ -25,7 +25,7 @@ import grpc
 from benchmarks.core import Context, Figure, child_process, median, now, percentile, short_dir
 from benchmarks.floors import CLIENT_OPTIONS, ECHO_METHOD, REPLY_METHOD, SET_REPLY_METHOD
 from benchmarks.hostproc import device_prefix, resource_name
-from host.protocol import api
+from host.kubelet.protocol import api
 from host.sim.kubelet import KubeletSimulator
 from host.sim.kubelet.allocation import preferred_request
 

@@ -61,7 +61,7 @@ def write_config(path: str, count: int, drain_dir: str) -> List[str]:
         out.write(f'[host]\nmetrics_address = "127.0.0.1:0"\n'
                   f'drain_file = "{os.path.join(drain_dir, "drained")}"\n')
         for index, name in enumerate(names):
-            # Every resource serves the same GPUs, which must be said (host/overlap.py): each
+            # Every resource serves the same GPUs, which must be said (host/core/overlap.py): each
             # names the ones before it.
             shared = ", ".join(f'"{other}"' for other in names[:index])
             out.write(f'\n[[resource]]\nname = "{name}"\ndriver = "gpu"\n'

@@ -8,7 +8,7 @@ stand-in, the DRA kubelet stand-in and the API server stand-in in this process.
 
 * ``handover``: the new host starts while the old one runs (a DaemonSet with ``maxSurge: 1``,
   or the package's upgrade); it serves and registers beside the old one, which drains and
-  exits (host/lock.py).
+  exits (host/cli/lock.py).
 * ``restart`` (the floor of today's upgrades): the old host stops, then the new one starts.
 
 Keys: ``upgrade_gap_ms_device_plugin`` (time the kubelet's allocatable for the resource was
@@ -109,9 +109,9 @@ async def scenario(root: str, short: str, api: Any, *, mode: str,
     ``pods``: the hosts run as DaemonSet pods: the old one, handed over, waits for its
     SIGTERM (the rollout deleting it) instead of exiting; ``old_exit`` is then its status
     after that SIGTERM, and ``old_waited`` whether it was still there."""
+    from host.cli.lock import running_host
     from host.dra import claim_cdi, naming
     from host.dra.kube import KubeClient
-    from host.lock import running_host
     from host.sim.kubelet import KubeletSimulator
     from host.sim.kubelet_dra import DraKubeletSimulator
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from host import __version__
-from host.allocation import natural_key, replicate
-from host.capabilities import (
+from host.core.allocation import natural_key, replicate
+from host.core.capabilities import (
     Allocator,
     Capabilities,
     ContainerPreStarter,
@@ -27,12 +27,11 @@ from host.capabilities import (
     SelectorChecker,
     SettingsChecker,
 )
-from host.chardev import CharDevice, CharIndex, dev_node_path, parent_device
-from host.driver import Driver, SelectorError, check_types, selector_values
-from host.health import TransitionLog
-from host.hookspecs import ENTRY_POINT_GROUP, hookimpl
-from host.hostfs import HostFS, is_pci_address
-from host.model import (
+from host.core.driver import Driver, SelectorError, check_types, selector_values
+from host.core.health import TransitionLog
+from host.core.hookspecs import ENTRY_POINT_GROUP, hookimpl
+from host.core.hostfs import HostFS, is_pci_address
+from host.core.model import (
     ContainerAllocation,
     Device,
     DeviceNode,
@@ -41,7 +40,16 @@ from host.model import (
     PreferredRequest,
     ResourceConfig,
 )
-from host.pci import (
+from host.core.selectors import (
+    AttributeTest,
+    IndexRanges,
+    attribute_test,
+    class_matches,
+    normalise_hex_ids,
+    parse_ranges,
+)
+from host.sysfs.chardev import CharDevice, CharIndex, dev_node_path, parent_device
+from host.sysfs.pci import (
     PCI_DEVICES,
     PCI_SELECTOR_TYPES,
     PciFunction,
@@ -51,23 +59,15 @@ from host.pci import (
     pci_matcher,
     read_function,
 )
-from host.pci_class import check_class_selector, class_patterns
-from host.rdma_chardev import RdmaCharDevice, RdmaCharIndex, parent_of, scan_char_devices
-from host.selectors import (
-    AttributeTest,
-    IndexRanges,
-    attribute_test,
-    class_matches,
-    normalise_hex_ids,
-    parse_ranges,
-)
+from host.sysfs.pci_class import check_class_selector, class_patterns
+from host.sysfs.rdma_chardev import RdmaCharDevice, RdmaCharIndex, parent_of, scan_char_devices
 
 
 def write_device_info(resource: ResourceConfig, devices: Sequence[Device]) -> None:
     """With the resource's ``device_info = true``, write the NPWG device-info file of each
-    device (host/devinfo.py, which also removes them); raises RuntimeError naming the device
+    device (host/outputs/devinfo.py, which also removes them); raises RuntimeError naming the device
     and directory of a file that cannot be written. Loads its module on first use."""
-    from host.devinfo import write_all
+    from host.outputs.devinfo import write_all
 
     write_all(resource, devices)
 

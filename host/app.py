@@ -6,7 +6,7 @@ off the loop and keeps each resource's trusted device list; a resource whose dev
 changed goes through the CDI stage (its spec on disk before anything is advertised) to its
 API output (device plugin or DRA), and, once that serves it, to every other output
 (metrics, node labels, device-info files). A reloaded config is compared with the running
-one (host/reconfigure.py ``plan``) and applied as forget/changed/sync calls.
+one (host/config/change.py ``plan``) and applied as forget/changed/sync calls.
 
 Start-up order is the one the kubelet needs: scan every driver (concurrently, off the loop),
 write the CDI specs, then for each resource create its snapshot and service, serve its
@@ -22,32 +22,32 @@ import time
 from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Mapping, Optional, Set, Union
 
 from host.config import Config, overlap_error
-from host.devinfo import DeviceInfoReconciler, Held
-from host.driver import Driver
-from host.hostfs import HostFS
+from host.config.change import plan
+from host.core.driver import Driver
+from host.core.hostfs import HostFS
+from host.core.isolation import DriverCalls
+from host.core.model import ResourceConfig
+from host.core.overlap import Overlap
+from host.core.tasks import Background
 from host.inventory import Inventory
-from host.isolation import DriverCalls
-from host.liveness import RegistrationLiveness
+from host.kubelet.liveness import RegistrationLiveness
+from host.kubelet.registration import Endpoint
 from host.metrics import HostMetrics
 from host.migration import Migrations
-from host.model import ResourceConfig
 from host.outputs import Output
 from host.outputs.cdi import CdiStage
 from host.outputs.device_plugin import DevicePluginOutput
+from host.outputs.devinfo import DeviceInfoReconciler, Held
 from host.outputs.dra import DraOutput
 from host.outputs.metrics import MetricsOutput
 from host.outputs.nfd import FeatureFile
-from host.overlap import Overlap
-from host.reconfigure import plan
-from host.registration import Endpoint
-from host.tasks import Background
 from host.triggers.drains import DrainWatch
 from host.triggers.events import DeviceEvents
 from host.triggers.timers import Expiry, HealthChecks, SafetyRescan
-from host.watch import EventSource
+from host.triggers.uevents import EventSource
 
 if TYPE_CHECKING:  # the PodResources client loads on first use
-    from host.podresources import PodResourcesClient
+    from host.kubelet.podresources import PodResourcesClient
 
 log = logging.getLogger(__name__)
 #: On a hand-over, how long a DRA call in flight may still finish once deregistered.
@@ -80,11 +80,11 @@ class HostApp:
         self.started_at = time.monotonic()
         self.on_ready: List[Callable[[], None]] = []
         # Every task and timer of the host and its pieces: stop() cancels and awaits them
-        # all before it removes any file (host/tasks.py).
+        # all before it removes any file (host/core/tasks.py).
         self.background = Background("host")
         self._stopped = False
         # Names this process's plugin-watcher sockets, so that an old and a new host overlap
-        # during an upgrade (host/socket_names.py instance_id; set by `run`, "" keeps the
+        # during an upgrade (host/kubelet/socket_names.py instance_id; set by `run`, "" keeps the
         # fixed names of a single instance).
         self.instance = ""
         self.metrics = metrics or HostMetrics(
@@ -184,7 +184,7 @@ class HostApp:
         ended before the first file is removed: nothing started by the host writes a CDI
         spec (or anything else) after stop() returns.
 
-        ``hand_over``: another host serves the same node now (host/lock.py): only our own
+        ``hand_over``: another host serves the same node now (host/cli/lock.py): only our own
         sockets go; the node labels and device-info files stay (they are that host's now),
         and the DRA drivers drain (deregistered first, calls in flight may finish)."""
         self._stopped = True
@@ -247,7 +247,7 @@ class HostApp:
         PodResources API does not answer."""
         if not self.config.host.pod_resources_socket:
             return None
-        from host.podresources import PodResourcesClient, PodResourcesError, assignments
+        from host.kubelet.podresources import PodResourcesClient, PodResourcesError, assignments
 
         if self._pod_client is None:
             self._pod_client = PodResourcesClient(self.config.host.pod_resources_socket)
@@ -299,8 +299,8 @@ class HostApp:
         return trial.overlaps
 
     def adopt_drivers(self, drivers: Mapping[str, Driver]) -> None:
-        """Drivers loaded after start (host/serve.py, host/reload.py): known from now on, for
-        a reload to name; the ones already here stay."""
+        """Drivers loaded after start (host/cli/serve.py, host/cli/reload.py): known from now on,
+        for a reload to name; the ones already here stay."""
         for name, driver in drivers.items():
             self.drivers.setdefault(name, driver)
             self.inventory.drivers.setdefault(name, driver)

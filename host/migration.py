@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Dict, List, Optional, Sequence, Set
 
 from host.config import Config
-from host.devinfo import Held
-from host.model import Device, ResourceConfig
-from host.tasks import Background
+from host.core.model import Device, ResourceConfig
+from host.core.tasks import Background
+from host.outputs.devinfo import Held
 
 if TYPE_CHECKING:
     from host.outputs.device_plugin import DevicePluginOutput
@@ -133,7 +133,7 @@ class Migrations:
     def write_state(self) -> None:
         """Write what serves each resource to ``<dra_state_dir>/apis.json`` (0600, atomic),
         where the host has a DRA side; ``pods`` shows it."""
-        from host import fileio
+        from host.core import fileio
 
         if not self._dra.started and not self.finished:
             return

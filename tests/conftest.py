@@ -140,7 +140,7 @@ def _alone_when_timed(request: pytest.FixtureRequest) -> Iterator[None]:
         # The process has run hundreds of tests by now: a full collection of everything they
         # left in its heap, landing inside the measured window, took longer than the bound
         # itself. Collected now and set aside for the test (as `run` freezes what its start
-        # built, host/serve.py), so only the test's own objects are ever traversed.
+        # built, host/cli/serve.py), so only the test's own objects are ever traversed.
         gc.collect()
         gc.freeze()
         try:

@@ -72,7 +72,7 @@ def test_each_machine_survives_a_capture(name, tmp_path):
     """``device-plugin-host capture`` keeps what the accel, neuron and pci drivers read
     (the accel and neuron_device classes, /sys/dev/char, their attributes and /dev nodes):
     discover on the recaptured tree gives the golden devices back."""
-    from host.capture import capture_tree
+    from host.cli.capture import capture_tree
     from host.sim.tree import FakeTree
 
     _, example = gen.BUILDERS[name]

@@ -17,12 +17,12 @@ from typing import Dict, List, Mapping, Optional, Sequence
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import make_config, running_host
 from host.app import HostApp
+from host.cli.reload import ConfigReloader
 from host.config import load_config
-from host.hostfs import HostFS
-from host.model import Device, ResourceConfig
-from host.plugins import DriverRegistry
-from host.reload import ConfigReloader
-from host.tasks import Background
+from host.config.plugins import DriverRegistry
+from host.core.hostfs import HostFS
+from host.core.model import Device, ResourceConfig
+from host.core.tasks import Background
 
 RESOURCE = "example.com/gpu"
 

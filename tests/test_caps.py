@@ -9,11 +9,11 @@ import pytest
 
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from host.config import MAX_RESOURCES, ConfigError, parse_config
-from host.hostfs import HostFS
+from host.config.plugins import load_drivers
+from host.core.hostfs import HostFS
+from host.core.isolation import DriverCalls
+from host.core.model import ResourceConfig
 from host.inventory import MAX_DEVICES, Inventory
-from host.isolation import DriverCalls
-from host.model import ResourceConfig
-from host.plugins import load_drivers
 from host.sim.tree import FakeTree
 
 

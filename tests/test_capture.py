@@ -13,8 +13,8 @@ import textwrap
 from pathlib import Path
 from typing import Iterator, Tuple
 
-from host.capture import capture_tree, driver_dev_globs
-from host.plugins import load_drivers
+from host.cli.capture import capture_tree, driver_dev_globs
+from host.config.plugins import load_drivers
 from host.sim.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def test_the_program_never_imports_the_test_kit_and_only_demo_the_simulated_node
     for top in ("host", "drivers", "device_plugin_host"):
         for path in sorted((REPO / top).rglob("*.py")):
             relative = path.relative_to(REPO).as_posix()
-            sim_allowed = relative.startswith("host/sim/") or relative == "host/demo.py"
+            sim_allowed = relative.startswith("host/sim/") or relative == "host/cli/demo.py"
             for number, module in _imported_modules(path):
                 if (module.split(".")[0] == "device_plugin_host_testing"
                         or (module.startswith("host.sim") and not sim_allowed)):
@@ -76,7 +76,7 @@ def test_a_glob_outside_dev_is_skipped_with_a_warning(caplog):
         name = "greedy"
         device_globs = ("/etc/*", "/dev/../etc/shadow", "dev/relative*", 7, "/dev/greedy*")
 
-    with caplog.at_level(logging.WARNING, logger="host.capture"):
+    with caplog.at_level(logging.WARNING, logger="host.cli.capture"):
         assert driver_dev_globs([Greedy()]) == ["/dev/greedy*"]
     assert len([r for r in caplog.records if "greedy" in r.getMessage()]) == 4
     assert driver_dev_globs([object()]) == []  # a duck-typed driver without the attribute

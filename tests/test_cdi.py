@@ -14,9 +14,9 @@ import pytest
 
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import kubelet_and_host, make_config, running_host
-from host.cdi import CdiWriter, build_spec, device_name, kind_error
-from host.inotify import DirectoryWatch
-from host.model import Device, DeviceNode, Health, Mount, ResourceConfig
+from host.core.cdi import CdiWriter, build_spec, device_name, kind_error
+from host.core.inotify import DirectoryWatch
+from host.core.model import Device, DeviceNode, Health, Mount, ResourceConfig
 from host.sim.kubelet import KubeletSimulator
 
 _VENDOR = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*[A-Za-z0-9]\Z")

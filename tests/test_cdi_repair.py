@@ -17,10 +17,10 @@ import pytest
 
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import kubelet_and_host, make_config
-from host.cdi import CdiWriter
-from host.drain import update_drains
-from host.inotify import DirectoryWatch
-from host.model import ResourceConfig
+from host.core.cdi import CdiWriter
+from host.core.drains import update_drains
+from host.core.inotify import DirectoryWatch
+from host.core.model import ResourceConfig
 
 GPU = "example.com/gpu"
 SPEC = "device-plugin-host_example.com-gpu.json"

@@ -136,9 +136,9 @@ def test_broken_third_party_package_is_logged_and_the_rest_load(tmp_path):
     (good / "METADATA").write_text("Metadata-Version: 2.1\nName: gooddrv\nVersion: 0.4\n")
     (good / "entry_points.txt").write_text("[device_plugin_host.drivers]\nwidget = gooddrv_mod\n")
     (site / "gooddrv_mod.py").write_text(textwrap.dedent("""
-        from host.driver import Driver
-        from host.hookspecs import hookimpl
-        from host.model import Device, ResourceConfig
+        from host.core.driver import Driver
+        from host.core.hookspecs import hookimpl
+        from host.core.model import Device, ResourceConfig
 
         class Widget(Driver):
             name = "widget"

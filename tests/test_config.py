@@ -32,10 +32,10 @@ from host.config import (
     load_config,
     parse_config,
 )
-from host.driver import Driver, SelectorError
-from host.model import ResourceConfig
-from host.pci import PCI_SELECTOR_TYPES, check_pci_selectors
-from host.resource_name import resource_name_error
+from host.core.driver import Driver, SelectorError
+from host.core.model import ResourceConfig
+from host.core.resource_name import resource_name_error
+from host.sysfs.pci import PCI_SELECTOR_TYPES, check_pci_selectors
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "config" / "config.toml"
@@ -816,8 +816,8 @@ def test_the_documented_keys_are_each_built_in_driver_s_keys_and_in_the_docs() -
     """The examples are checked against DOCUMENTED; this keeps DOCUMENTED equal to what each
     built-in driver accepts, and every such key named in docs/drivers.md, so a new selector or
     setting cannot land undocumented (each setting is in docs/drivers.md)."""
-    from host.hookspecs import ENTRY_POINT_GROUP
-    from host.plugins import DriverRegistry
+    from host.config.plugins import DriverRegistry
+    from host.core.hookspecs import ENTRY_POINT_GROUP
 
     registry = DriverRegistry()
     registry.load_entry_points(ENTRY_POINT_GROUP)

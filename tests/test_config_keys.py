@@ -55,7 +55,7 @@ def test_a_resource_of_a_disabled_driver_is_a_config_error():
 def test_disabled_drivers_serve_no_built_in_defaults():
     class WithDefaults(MemoryDriver):
         def default_resources(self):
-            from host.model import ResourceConfig
+            from host.core.model import ResourceConfig
 
             return [ResourceConfig(f"example.com/{self.name}", self.name)]
 

@@ -273,7 +273,7 @@ def test_unit_can_write_the_nfd_feature_file_and_the_device_info_files():
     import posixpath
 
     from host.config import HostSettings
-    from host.devinfo import DEFAULT_DIR
+    from host.outputs.devinfo import DEFAULT_DIR
 
     service = _unit(UNIT_SOURCE)["Service"]
     writable = [p.lstrip("-") for p in service["ReadWritePaths"]]

@@ -32,9 +32,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from host.config import parse_config
+from host.config.plugins import load_drivers
+from host.core.model import ResourceConfig
 from host.metrics import parse_address
-from host.model import ResourceConfig
-from host.plugins import load_drivers
 
 try:
     import tomllib
@@ -395,7 +395,7 @@ def test_the_pod_can_write_the_nfd_feature_file_and_the_device_info_files(name):
     import posixpath
 
     from host.config import HostSettings
-    from host.devinfo import DEFAULT_DIR
+    from host.outputs.devinfo import DEFAULT_DIR
 
     found = mounts(render(name))
     for directory in (posixpath.dirname(HostSettings().nfd_features_file), DEFAULT_DIR):
@@ -407,7 +407,7 @@ def test_the_pod_can_write_the_nfd_feature_file_and_the_device_info_files(name):
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_udevd_is_invisible_to_a_pod_outside_the_host_network(name):
-    """host/watch.py listens to udevd's events when /run/udev/control exists, and to the
+    """host/triggers/uevents.py listens to udevd's events when /run/udev/control exists, and to the
     kernel's otherwise. udevd's events never reach a pod's own network namespace, the kernel's
     do: mounting /run/udev without hostNetwork would silently lose every hot-plug event."""
     objects = render(name)
@@ -491,7 +491,7 @@ def _nfd_pci_labels(root: Path, resource: ResourceConfig) -> set:
     """The feature.node.kubernetes.io/pci-<class>_<vendor>.present labels Node Feature
     Discovery puts on a node with these GPUs (class: base class and subclass, 4 hex digits)."""
     from drivers.gpu.driver import GpuDriver
-    from host.hostfs import HostFS
+    from host.core.hostfs import HostFS
 
     found = GpuDriver().discover(HostFS(str(root)), [resource])[resource.name]
     assert found

@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from host.config import parse_config
+from host.config.plugins import load_drivers
 from host.dra.kube import API_ACCESS
 from host.dra.naming import driver_name
-from host.plugins import load_drivers
 
 try:
     import tomllib

@@ -11,10 +11,9 @@ from pathlib import Path
 from device_plugin_host_testing.fake_qat import heartbeat_status, qat_pf
 from device_plugin_host_testing.harness import make_config
 from drivers.sriov.driver import SriovDriver
-from host import devinfo
 from host.app import HostApp
-from host.model import Device, ResourceConfig
-from host.outputs import nfd
+from host.core.model import Device, ResourceConfig
+from host.outputs import devinfo, nfd
 from host.sim.kubelet import KubeletSimulator
 from host.sim.tree import FakeTree
 

@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from host.plugins import DISABLED_REASON, disabled_in_config, load_drivers
+from host.config.plugins import DISABLED_REASON, disabled_in_config, load_drivers
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ def _probe_package(site: Path, *, broken: bool = False) -> None:
 def test_a_disabled_built_in_driver_is_not_imported():
     done = _python(
         "import json, sys\n"
-        "from host.plugins import load_drivers\n"
+        "from host.config.plugins import load_drivers\n"
         "registry = load_drivers(disabled=['gpu'])\n"
         "print(json.dumps([sorted(registry.drivers), sorted(registry.with_unavailable()),\n"
         "                  'drivers.gpu' in sys.modules, 'drivers.usb' in sys.modules,\n"
@@ -64,14 +64,14 @@ def test_a_disabled_built_in_driver_is_not_imported():
 def test_a_package_is_disabled_before_its_import_can_fail(tmp_path):
     _probe_package(tmp_path)
     env = "import os\nos.environ['PROBE_BREAKS'] = '1'\n"
-    done = _python(env + "from host.plugins import load_drivers\n"
+    done = _python(env + "from host.config.plugins import load_drivers\n"
                    "registry = load_drivers(disabled=['probe'])\n"
                    "assert 'probe' not in registry.drivers and not registry.failures\n"
                    "print(registry.disabled_lines())", tmp_path)
     assert done.returncode == 0, done.stderr
     assert "entry point probe (dph-probe 0.1)" in done.stdout
     # Not disabled, the same package is imported (and here stops the host on import).
-    done = _python(env + "from host.plugins import load_drivers\nload_drivers()", tmp_path)
+    done = _python(env + "from host.config.plugins import load_drivers\nload_drivers()", tmp_path)
     assert "importing the probe package stops the host" in done.stderr
 
 
@@ -118,7 +118,7 @@ def test_a_disabled_driver_stays_out_of_the_drivers_loaded_after_serving_starts(
     disabled one is never among either, and is reported from the start."""
     done = _python(
         "import json, sys\n"
-        "from host.plugins import load_drivers\n"
+        "from host.config.plugins import load_drivers\n"
         "registry = load_drivers(first=['usb'], disabled=['gpu'])\n"
         "early = [sorted(registry.drivers), registry.disabled_lines()]\n"
         "registry.load_pending()\n"

@@ -11,8 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from host.drain import DrainError, NoSuchMark, clean_reason, key_error, read_drains, update_drains
-from host.resource_name import resource_name_error
+from host.core.drains import (
+    DrainError,
+    NoSuchMark,
+    clean_reason,
+    key_error,
+    read_drains,
+    update_drains,
+)
+from host.core.resource_name import resource_name_error
 
 _LOWER = "abcdefghijklmnopqrstuvwxyz0123456789"
 _ANY = _LOWER + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -134,7 +141,7 @@ def test_a_drain_racing_admission_fails_no_pod_and_applies_from_the_next_snapsho
 
     from device_plugin_host_testing.drivers import MemoryDriver, make_devices
     from device_plugin_host_testing.harness import kubelet_and_host, make_config
-    from host.model import DeviceNode, ResourceConfig
+    from host.core.model import DeviceNode, ResourceConfig
 
     name = "example.com/gpu"
     nodes = tmp_path / "dev"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from device_plugin_host_testing.harness import running_host
 from device_plugin_host_testing.machines import load_machine
 from host.config import default_config
-from host.plugins import load_drivers
+from host.config.plugins import load_drivers
 from host.sim.kubelet import KubeletSimulator
 
 

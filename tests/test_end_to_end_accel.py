@@ -9,9 +9,9 @@ from pathlib import Path
 from device_plugin_host_testing.harness import running_host
 from device_plugin_host_testing.machines import load_machine
 from host.config import default_config, load_config
-from host.plugins import load_drivers
+from host.config.plugins import load_drivers
 from host.sim.kubelet import KubeletSimulator
-from host.watch import InjectedSource
+from host.triggers.uevents import InjectedSource
 
 REPO = Path(__file__).resolve().parents[1]
 GAUDI = "habana.ai/gaudi"

@@ -11,12 +11,12 @@ import pytest
 
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import kubelet_and_host, make_config, running_host
-from host.model import ResourceConfig
-from host.plugins import load_drivers
+from host.config.plugins import load_drivers
+from host.core.model import ResourceConfig
 from host.sim import fake_gpu
 from host.sim.kubelet import KubeletSimulator
 from host.sim.tree import FakeTree
-from host.watch import InjectedSource
+from host.triggers.uevents import InjectedSource
 
 
 def _gpu_tree(root):

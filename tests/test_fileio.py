@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from device_plugin_host_testing.drivers import make_devices
-from host import devinfo, fileio
-from host.cdi import CdiWriter
-from host.drain import DrainError, read_drains, update_drains
-from host.outputs import nfd
+from host.core import fileio
+from host.core.cdi import CdiWriter
+from host.core.drains import DrainError, read_drains, update_drains
+from host.outputs import devinfo, nfd
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -180,7 +180,7 @@ def test_a_shared_output_directory_is_written_with_one_warning(tmp_path, caplog)
     directory.mkdir()
     os.chmod(directory, 0o1777)
     writer = CdiWriter(str(directory))
-    with caplog.at_level(logging.WARNING, logger="host.fileio"):
+    with caplog.at_level(logging.WARNING, logger="host.core.fileio"):
         writer.update("example.com/gpu", make_devices("g", 1))
         writer.update("example.com/gpu", make_devices("g", 2))
     warnings = [r for r in caplog.records if "writable by others" in r.getMessage()]

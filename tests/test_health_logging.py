@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 
 from drivers.sriov.driver import SriovDriver
-from host.hostfs import HostFS
-from host.model import ResourceConfig
+from host.core.hostfs import HostFS
+from host.core.model import ResourceConfig
 from host.sim.fake_net import sriov_pf
 from host.sim.tree import FakeTree
 

@@ -22,8 +22,8 @@ from device_plugin_host_testing.drivers import (
 )
 from device_plugin_host_testing.harness import kubelet_and_host, running_host
 from device_plugin_host_testing.harness import make_config as _make_config
-from host.model import Device, Health, ResourceConfig
-from host.protocol import api
+from host.core.model import Device, Health, ResourceConfig
+from host.kubelet.protocol import api
 from host.sim.kubelet import KubeletSimulator
 from host.sim.tree import FakeTree
 

@@ -15,7 +15,7 @@ import pytest
 from benchmarks.core import short_dir as short_dir_for_floor
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import kubelet_and_host, make_config
-from host.model import ResourceConfig
+from host.core.model import ResourceConfig
 from host.sim.kubelet import KubeletSimulator
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ async def _floor_ms() -> float:
     """The same restart for 24 minimal plugins (benchmarks.floors) told the kubelet is back:
     what a fresh server, a Register with dial-back and a first snapshot cost here, now."""
     from benchmarks.floors import MinimalPlugin, kubelet_channel
-    from host.protocol.convert import framed_device, snapshot_payload
+    from host.kubelet.protocol.convert import framed_device, snapshot_payload
 
     with short_dir_for_floor() as plugin_dir:
         sim = KubeletSimulator(plugin_dir)
@@ -109,7 +109,7 @@ def test_all_back_within_100ms_after_2s_outage_with_the_socket_gone(short_dir, r
 def test_a_plugin_dir_too_long_for_the_host_socket_names_is_refused_at_start(tmp_path):
     """A 58-byte plugin dir passed the old check (dir + "/kubelet.sock" <= 107) although the
     host's own socket paths then reached grpc's limit and never bound: exit 2 with the numbers."""
-    from host.socket_names import GRPC_MAX_SOCKET_PATH, MAX_SOCKET_NAME
+    from host.kubelet.socket_names import GRPC_MAX_SOCKET_PATH, MAX_SOCKET_NAME
 
     plugin_dir = "/" + "p" * 57
     config = tmp_path / "c.toml"
@@ -127,7 +127,7 @@ def test_a_plugin_dir_too_long_for_the_host_socket_names_is_refused_at_start(tmp
 
 
 def test_the_longest_socket_name_bounds_every_name_the_host_makes():
-    from host.socket_names import MAX_SOCKET_NAME, socket_file_name
+    from host.kubelet.socket_names import MAX_SOCKET_NAME, socket_file_name
 
     names = [socket_file_name("example.com/" + "x" * 200, "f" * 14, g)
              for g in (1, 999_999, 10**9 + 7)]
@@ -139,7 +139,7 @@ def test_the_longest_socket_name_bounds_every_name_the_host_makes():
 def test_another_client_closing_a_listandwatch_stream_never_reregisters(short_dir, run):
     import grpc
 
-    from host.protocol import api, api_grpc
+    from host.kubelet.protocol import api, api_grpc
 
     name = NAMES[0]
     driver = MemoryDriver("m", {name: make_devices("d", 2)})
@@ -182,7 +182,7 @@ def test_a_kubelet_outage_is_one_line_however_many_resources_and_each_outage_is_
 
     driver = MemoryDriver("m", {n: make_devices(f"d{i}-", 1) for i, n in enumerate(NAMES)})
     config = make_config(short_dir, [ResourceConfig(n, "m") for n in NAMES])
-    caplog.set_level(logging.DEBUG, logger="host.registration")
+    caplog.set_level(logging.DEBUG, logger="host.kubelet.registration")
 
     def down_lines():
         return [r for r in caplog.records if "does not accept connections" in r.getMessage()

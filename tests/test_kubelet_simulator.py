@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import grpc
 import pytest
 
-from host.protocol import api, api_grpc
+from host.kubelet.protocol import api, api_grpc
 from host.sim.kubelet import (
     AllocationError,
     KubeletSimulator,

@@ -14,13 +14,13 @@ from typing import List
 REPO = Path(__file__).resolve().parents[1]
 
 #: Never on the daemon's path: prometheus_client and the HTTP/email stack it pulls in (the
-#: metrics are host/prom.py's). Needed only by some commands or settings: the kubelet's
+#: metrics are host/metrics/prom.py's). Needed only by some commands or settings: the kubelet's
 #: PodResources API (``pods``, device-info cleanup), the benchmarks' psutil, the test kit,
 #: DRA and HTTP clients; importlib.metadata and email are what a distributions() walk for
 #: entry points costs.
 NOT_ON_THE_DAEMON_PATH = (
     "prometheus_client", "http.server", "wsgiref", "email", "importlib.metadata",
-    "host.podresources", "host.protocol.podresources_v1_pb2", "psutil", "pyudev",
+    "host.kubelet.podresources", "host.kubelet.protocol.podresources_v1_pb2", "psutil", "pyudev",
     "host.sim", "device_plugin_host_testing", "hypothesis", "pytest", "httpx", "host.dra",
     "difflib", "tempfile",
 )
@@ -43,11 +43,11 @@ def _loaded(modules: List[str], names=NOT_ON_THE_DAEMON_PATH) -> List[str]:
 def test_importing_the_daemon_and_loading_drivers_imports_nothing_optional():
     modules = _modules_after(
         "import host.cli, host.app\n"
-        "from host.plugins import load_drivers\n"
+        "from host.config.plugins import load_drivers\n"
         "registry = load_drivers()\n"
         "assert {'gpu', 'usb', 'sriov', 'fpga', 'rdma'} <= set(registry.drivers)\n")
     assert _loaded(modules) == []
-    assert "grpc" in modules and "host.service" in modules  # the check sees real imports
+    assert "grpc" in modules and "host.kubelet.service" in modules  # the check sees real imports
 
 
 def test_reading_a_config_with_a_metrics_address_does_not_load_prometheus(tmp_path):
@@ -55,7 +55,7 @@ def test_reading_a_config_with_a_metrics_address_does_not_load_prometheus(tmp_pa
     config.write_text('[host]\nmetrics_address = "127.0.0.1:9400"\n')
     modules = _modules_after(
         "from host.config import load_config\n"
-        "from host.plugins import load_drivers\n"
+        "from host.config.plugins import load_drivers\n"
         f"load_config({str(config)!r}, load_drivers().with_unavailable())\n")
     assert _loaded(modules) == []
 
@@ -64,18 +64,18 @@ def test_metrics_and_pod_resources_load_when_used():
     modules = _modules_after(
         "from host.metrics import HostMetrics\n"
         "HostMetrics(pod_resources_socket='/nonexistent/kubelet.sock')\n"
-        "from host.protocol import podresources\n"
+        "from host.kubelet.protocol import podresources\n"
         "assert podresources.ListPodResourcesRequest\n")
-    # The metrics are the host's own (host/prom.py): prometheus_client is never loaded.
-    assert _loaded(modules, ("prometheus_client", "host.protocol.podresources_v1_pb2")) == [
-        "host.protocol.podresources_v1_pb2"]
-    assert "host.prom" in modules
-    assert "host.podresources" not in modules  # its client is made at the first scrape
+    # The metrics are the host's own (host/metrics/prom.py): prometheus_client is never loaded.
+    assert _loaded(modules, ("prometheus_client", "host.kubelet.protocol.podresources_v1_pb2")) == [
+        "host.kubelet.protocol.podresources_v1_pb2"]
+    assert "host.metrics.prom" in modules
+    assert "host.kubelet.podresources" not in modules  # its client is made at the first scrape
 
 
 def test_run_loads_the_configured_drivers_first_and_the_others_later():
     modules = _modules_after(
-        "from host.plugins import load_drivers\n"
+        "from host.config.plugins import load_drivers\n"
         "registry = load_drivers(first=['gpu'])\n"
         "assert set(registry.drivers) == {'gpu'}, registry.drivers\n"
         "import sys\n"
@@ -88,13 +88,13 @@ def test_run_loads_the_configured_drivers_first_and_the_others_later():
     assert "drivers.usb" in modules
     # A name no entry point has: a package whose drivers are named otherwise, so all load.
     _modules_after(
-        "from host.plugins import load_drivers\n"
+        "from host.config.plugins import load_drivers\n"
         "registry = load_drivers(first=['widget'])\n"
         "assert {'gpu', 'usb', 'sriov'} <= set(registry.drivers)\n")
 
 
 def test_configured_drivers_reads_only_what_a_file_clearly_says(tmp_path):
-    from host.plugins import configured_drivers
+    from host.config.plugins import configured_drivers
 
     path = tmp_path / "host.toml"
     path.write_text('[[resource]]\nname = "example.com/a"\ndriver = "gpu"\n'

@@ -14,8 +14,8 @@ import pytest
 
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import kubelet_and_host, make_config, running_host
-from host.drain import read_drains, update_drains
-from host.model import Device, DeviceNode, ResourceConfig
+from host.core.drains import read_drains, update_drains
+from host.core.model import Device, DeviceNode, ResourceConfig
 from host.sim.kubelet import KubeletSimulator
 from host.sim.tree import FakeTree
 
@@ -230,9 +230,9 @@ def test_sighup_with_a_bad_file_keeps_serving_then_a_good_file_applies(tmp_path,
 def test_aer_counters_of_functions_gone_are_pruned(tmp_path, short_dir, run):
     """AerTracker kept the counters of every function ever seen (its ``forget`` was never
     called): a function gone from the resource, or a resource no longer checked, drops them."""
-    from host.hostfs import HostFS
+    from host.core.hostfs import HostFS
+    from host.core.isolation import DriverCalls
     from host.inventory import Inventory
-    from host.isolation import DriverCalls
 
     tree = FakeTree(tmp_path / "root")
     devices = _pci_devices(tree, 2)
@@ -269,7 +269,7 @@ def test_a_reload_applies_live_settings_and_names_each_restart_only_one(short_di
     import dataclasses
     import logging
 
-    from host.settings import RESTART, HostSettings
+    from host.config.settings import RESTART, HostSettings
 
     resource = ResourceConfig(name="example.com/x", driver="memory")
     config = make_config(short_dir, [resource])

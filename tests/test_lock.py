@@ -11,7 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from host.lock import (
+from host.cli.lock import (
     HostLock,
     LockHeld,
     legacy_lock_path,
@@ -119,7 +119,7 @@ def test_the_lock_is_never_opened_through_a_planted_symlink_and_loss_is_noticed(
 
 def test_an_older_host_holding_the_legacy_lock_is_refused(tmp_path):
     """Versions before the state-directory lock held <plugin_dir>/.device-plugin-host/
-    host.lock: a host of this version finds such a one and refuses to start beside it."""
+    host.cli.lock: a host of this version finds such a one and refuses to start beside it."""
     plugin_dir = tmp_path / "dp"
     legacy = Path(legacy_lock_path(str(plugin_dir)))
     legacy.parent.mkdir(parents=True)
@@ -168,7 +168,7 @@ def test_a_third_run_exits_2_naming_the_first_and_discover_says_so(tmp_path, sho
             await sim.start()
             await sim.wait_for(lambda s: "example.com/a" in s.resources
                                and s.resources["example.com/a"].connected, timeout=30)
-            # A newer host already waits to take over (the successor lock, host/lock.py):
+            # A newer host already waits to take over (the successor lock, host/cli/lock.py):
             # one more is refused, naming the holder.
             waiting = HostLock(short_dir, str(tmp_path / "state"))
             assert waiting.acquire_or_follow({}) is False and waiting.following

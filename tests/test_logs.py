@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from host.logs import setup_logging
+from host.cli.logs import setup_logging
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def _lines(stream):
 
 
 def test_json_lines_name_resource_driver_and_device(json_log):
-    log = logging.getLogger("host.service")
+    log = logging.getLogger("host.kubelet.service")
     log.warning("resource %s: Allocate refused: %s", "nvidia.com/gpu",
                 "container_requests[0]: unknown device id 'x'")
     logging.getLogger("host.inventory").error("driver %r discover: boom; its resources (%s)",
@@ -44,11 +44,11 @@ def test_plain_format_is_one_readable_line():
     stream = io.StringIO()
     setup_logging("info", "plain", stream)
     try:
-        logging.getLogger("host.registration").info("resource %s: registered", "a.b/c")
+        logging.getLogger("host.kubelet.registration").info("resource %s: registered", "a.b/c")
     finally:
         setup_logging("warning", "plain")
     line = stream.getvalue().strip()
-    assert line.endswith("host.registration: resource a.b/c: registered")
+    assert line.endswith("host.kubelet.registration: resource a.b/c: registered")
 
 
 @pytest.mark.parametrize("level", ["info", "debug"])

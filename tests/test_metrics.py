@@ -26,10 +26,10 @@ from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import make_config
 from host import __version__
 from host.app import HostApp
-from host.liveness import RegistrationLiveness
+from host.core.model import Device, Health, ResourceConfig
+from host.kubelet.liveness import RegistrationLiveness
+from host.kubelet.protocol import api
 from host.metrics import LATENCY_BUCKETS, HostMetrics, parse_address
-from host.model import Device, Health, ResourceConfig
-from host.protocol import api
 from host.sim.kubelet import KubeletSimulator
 from host.sim.kubelet.podresources import TokenBucket
 from host.sim.tree import FakeTree

@@ -17,8 +17,8 @@ import pytest
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import kubelet_and_host, make_config, running_host
 from host.config import ConfigError, parse_config
-from host.model import Device, ResourceConfig
-from host.plugins import load_drivers
+from host.config.plugins import load_drivers
+from host.core.model import Device, ResourceConfig
 from host.sim import fake_gpu
 from host.sim.tree import FakeTree
 

@@ -70,7 +70,7 @@ def test_the_daemon_wheel_carries_no_test_kit(daemon_wheel: Path):
            or n.endswith(".tree")]
     assert kit == []
     # what `demo` runs on is the program's own, so the image's `demo` works without the kit
-    assert "host/sim/kubelet/simulator.py" in names and "host/demo.py" in names
+    assert "host/sim/kubelet/simulator.py" in names and "host/cli/demo.py" in names
     assert "[pytest11]" not in _read(daemon_wheel, ".dist-info/entry_points.txt")
     metadata = _read(daemon_wheel, ".dist-info/METADATA")
     assert "Provides-Extra: testing" in metadata

@@ -17,8 +17,8 @@ import pytest
 
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import make_config, running_host
-from host.model import Device, DeviceNode, Health, ResourceConfig
-from host.podresources import (
+from host.core.model import Device, DeviceNode, Health, ResourceConfig
+from host.kubelet.podresources import (
     Assignment,
     PodResourcesClient,
     PodResourcesError,
@@ -27,7 +27,7 @@ from host.podresources import (
     pods_main,
     running_in_container,
 )
-from host.protocol import api, podresources
+from host.kubelet.protocol import api, podresources
 from host.sim.kubelet import AllocationResult, KubeletSimulator
 from host.sim.kubelet.podresources import RATE_LIMITED, TokenBucket
 from host.sim.tree import FakeTree

@@ -11,7 +11,7 @@ import pytest
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import kubelet_and_host
 from device_plugin_host_testing.harness import make_config as _make_config
-from host.model import ResourceConfig
+from host.core.model import ResourceConfig
 from host.sim.tree import FakeTree
 
 GPU = "example.com/gpu"

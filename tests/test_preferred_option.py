@@ -11,8 +11,8 @@ from dataclasses import replace
 from device_plugin_host_testing.drivers import MemoryDriver, ReversePreferenceDriver, make_devices
 from device_plugin_host_testing.harness import kubelet_and_host
 from device_plugin_host_testing.harness import make_config as _make_config
-from host.model import Device, ResourceConfig
-from host.service import preferred_allocation_useful
+from host.core.model import Device, ResourceConfig
+from host.kubelet.service import preferred_allocation_useful
 from host.sim.tree import FakeTree
 
 NAME = "example.com/gpu"

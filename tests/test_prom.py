@@ -1,4 +1,4 @@
-"""host/prom.py, the host's own Prometheus exposition, held to prometheus_client (a test
+"""host/metrics/prom.py, the host's own Prometheus exposition, held to prometheus_client (a test
 dependency only): for the same metrics and updates, both write the same families and samples
 (prometheus_client's optional ``_created`` series aside), and prometheus_client's strict
 OpenMetrics parser accepts what we write."""
@@ -20,7 +20,7 @@ from prometheus_client.openmetrics.parser import (
 )
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
-from host import prom
+from host.metrics import prom
 
 BUCKETS = (0.001, 0.01, 0.1, 1.0)
 ODD = 'quote " backslash \\ newline \n end'

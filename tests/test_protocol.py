@@ -8,8 +8,8 @@ import pytest
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import FieldDescriptor as F
 
-from host.protocol import api, podresources
-from host.protocol.generate import HERE, generate
+from host.kubelet.protocol import api, podresources
+from host.kubelet.protocol.generate import HERE, generate
 
 
 def test_committed_modules_match_a_fresh_generation():
@@ -17,7 +17,7 @@ def test_committed_modules_match_a_fresh_generation():
                         "test extra; the committed modules are checked where it installs")
     for name, text in generate().items():
         committed = (HERE / name).read_text(encoding="utf-8")
-        assert committed == text, f"{name} is stale: run python -m host.protocol.generate"
+        assert committed == text, f"{name} is stale: run python -m host.kubelet.protocol.generate"
 
 
 def test_device_plugin_wire_contract():
@@ -48,7 +48,7 @@ def test_device_plugin_wire_contract():
 
 
 def test_streaming_flag_is_on_the_wire():
-    from host.protocol import api_grpc
+    from host.kubelet.protocol import api_grpc
 
     source = Path(api_grpc.__file__).read_text()
     assert "unary_stream_rpc_method_handler(\n                    servicer.ListAndWatch" in source

@@ -93,9 +93,9 @@ def test_the_program_entry_points_still_apply_the_grpc_settings_before_grpc_load
 
 
 def test_every_public_name_is_exported_and_is_what_the_host_uses():
-    from host.driver import Driver
-    from host.hostfs import HostFS
-    from host.model import Device
+    from host.core.driver import Driver
+    from host.core.hostfs import HostFS
+    from host.core.model import Device
 
     assert device_plugin_host.Driver is Driver
     assert device_plugin_host.Device is Device

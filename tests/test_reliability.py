@@ -24,13 +24,13 @@ from hypothesis import strategies as st
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import kubelet_and_host, make_config, running_host
 from host.config import ConfigError, parse_config
-from host.hostfs import HostFS
-from host.model import Device, ResourceConfig
-from host.pci import list_functions
-from host.protocol import api
+from host.core.hostfs import HostFS
+from host.core.model import Device, ResourceConfig
+from host.kubelet.protocol import api
 from host.sim.kubelet import KubeletSimulator
 from host.sim.kubelet.state import AllocationError
 from host.sim.tree import FakeTree
+from host.sysfs.pci import list_functions
 
 REPO = Path(__file__).resolve().parents[1]
 RESOURCE = "example.com/x"
@@ -51,7 +51,7 @@ def test_100_kubelet_restarts_with_outages_leave_idle_cpu_and_fds_unchanged(shor
     driver = MemoryDriver("m", {n: make_devices(f"o{i}-", 2) for i, n in enumerate(names)})
     process = psutil.Process()
     rng = random.Random(10)
-    from host.registration import RETIRE_AFTER_S
+    from host.kubelet.registration import RETIRE_AFTER_S
 
     async def idle_cpu_pct(window: float = 3.0) -> float:
         # cpu_times counts 10 ms ticks: one tick in 3 s is 0.33 %, within the allowance.
@@ -218,7 +218,7 @@ def test_a_stale_socket_or_file_of_a_crashed_run_is_not_in_the_way(short_dir, ru
 
 
 def test_never_follows_a_symlink_planted_at_its_socket_path(short_dir, run, tmp_path):
-    from host.registration import socket_file_name
+    from host.kubelet.registration import socket_file_name
 
     victim = tmp_path / "victim"
     victim.write_text("precious")
@@ -323,7 +323,7 @@ class _FuzzTarget:
     def __init__(self, plugin_dir: str) -> None:
         devices = make_devices("x", 4)
         devices.append(Device(id="unhealthy").with_health(
-            __import__("host.model", fromlist=["Health"]).Health.UNHEALTHY, "broken"))
+            __import__("host.core.model", fromlist=["Health"]).Health.UNHEALTHY, "broken"))
         self.driver = MemoryDriver("m", {RESOURCE: devices})
         self.driver.needs_pre_start = lambda resource: True  # type: ignore[method-assign]
         self.loop = asyncio.new_event_loop()
@@ -479,7 +479,7 @@ def test_no_test_writes_outside_temp_dirs():
 
 def test_a_hanging_driver_cannot_pile_up_threads(short_dir, run):
     """Rescans of a hung driver are not queued behind it: its threads stay bounded."""
-    from host.isolation import WORKERS_PER_DRIVER
+    from host.core.isolation import WORKERS_PER_DRIVER
 
     stuck = MemoryDriver("stuck", {RESOURCE: make_devices("s", 1)})
     good = MemoryDriver("good", {"example.com/good": make_devices("g", 1)})
@@ -521,7 +521,7 @@ def tiny_filesystem(tmp_path):
 
 
 def test_disk_full_while_writing_cdi_specs_keeps_the_last_good_spec(tiny_filesystem):
-    from host.cdi import CdiWriter
+    from host.core.cdi import CdiWriter
 
     writer = CdiWriter(str(tiny_filesystem))
     assert writer.update("example.com/gpu", make_devices("g", 2))

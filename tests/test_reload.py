@@ -13,9 +13,9 @@ from typing import AsyncIterator, List, Optional, Tuple
 import pytest
 
 from host.app import HostApp
+from host.cli.reload import ConfigReloader, is_empty
 from host.config import load_config
-from host.plugins import load_drivers
-from host.reload import ConfigReloader, is_empty
+from host.config.plugins import load_drivers
 from host.sim.kubelet import KubeletSimulator
 from host.sim.tree import FakeTree
 

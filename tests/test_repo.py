@@ -27,8 +27,8 @@ def test_ci_runs_the_readme_test_command_verbatim():
 
 
 def test_builtin_drivers_come_through_the_public_entry_point_group():
-    from host.hookspecs import ENTRY_POINT_GROUP
-    from host.plugins import DriverRegistry
+    from host.config.plugins import DriverRegistry
+    from host.core.hookspecs import ENTRY_POINT_GROUP
 
     registry = DriverRegistry()
     registry.load_entry_points(ENTRY_POINT_GROUP)

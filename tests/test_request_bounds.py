@@ -16,10 +16,10 @@ import pytest
 
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import kubelet_and_host, make_config
-from host.model import Device, ResourceConfig
-from host.protocol import api
-from host.protocol import deviceplugin_v1beta1_pb2_grpc as rpc
-from host.service import MAX_REQUEST_BYTES
+from host.core.model import Device, ResourceConfig
+from host.kubelet.protocol import api
+from host.kubelet.protocol import deviceplugin_v1beta1_pb2_grpc as rpc
+from host.kubelet.service import MAX_REQUEST_BYTES
 
 GPU = "example.com/gpu"
 REPO = Path(__file__).resolve().parents[1]
@@ -30,8 +30,8 @@ _CLIENT = r"""
 import sys
 from concurrent.futures import ThreadPoolExecutor
 import grpc
-from host.protocol import api
-from host.protocol import deviceplugin_v1beta1_pb2_grpc as rpc
+from host.kubelet.protocol import api
+from host.kubelet.protocol import deviceplugin_v1beta1_pb2_grpc as rpc
 path, count, ids, inflight = sys.argv[1], *map(int, sys.argv[2:5])
 channel = grpc.insecure_channel(f"unix://{path}",
                                 options=[("grpc.max_send_message_length", -1)])

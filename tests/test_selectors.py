@@ -1,4 +1,4 @@
-"""Selectors matched by the host against Device.attributes (host/selectors.py, Driver.select):
+"""Selectors matched by the host against Device.attributes (host/core/selectors.py, Driver.select):
 a driver that reports its facts only scans; the rules are the ones the drivers had."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import List, Mapping, Sequence
 import pytest
 
 from device_plugin_host import Device, Driver, HostFS, ResourceConfig
-from host.selectors import attribute_test, parse_ranges
+from host.core.selectors import attribute_test, parse_ranges
 
 NVIDIA = {"vendor": "0x10de", "device": "0x2330", "kernel_driver": "nvidia",
           "pci_address": "0000:3b:00.0", "class": "0x030200", "index": "3", "model": "H100"}

@@ -15,12 +15,12 @@ from pathlib import Path
 
 from device_plugin_host_testing.drivers import make_devices
 from device_plugin_host_testing.harness import make_config
-from host import devinfo
-from host.cdi import CdiWriter
-from host.model import ResourceConfig
+from host.cli.stale import DEVICE_INFO_RECORD, remove_stale, remove_stale_device_info
+from host.core.cdi import CdiWriter
+from host.core.model import ResourceConfig
+from host.kubelet.socket_names import SOCKET_NAME, socket_file_name
+from host.outputs import devinfo
 from host.sim.tree import FakeTree
-from host.socket_names import SOCKET_NAME, socket_file_name
-from host.stale import DEVICE_INFO_RECORD, remove_stale, remove_stale_device_info
 
 REPO = Path(__file__).resolve().parents[1]
 SRIOV = {"device_info": True}

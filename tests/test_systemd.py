@@ -9,10 +9,10 @@ import socket
 import sys
 from pathlib import Path
 
+from host.cli.systemd import Notifier
 from host.sim import fake_gpu
 from host.sim.kubelet import KubeletSimulator
 from host.sim.tree import FakeTree
-from host.systemd import Notifier
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -30,15 +30,15 @@ from typing import Dict, List, Sequence, Tuple
 
 import pytest
 
-from host import capabilities, model
-from host.driver import Driver
+from host.core import capabilities, model
+from host.core.driver import Driver
 from host.sim.kubelet import KubeletSimulator
 from host.sim.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "widget-driver"
 DOC = REPO / "docs" / "drivers.md"
-HOOKSPECS = REPO / "host" / "hookspecs.py"
+HOOKSPECS = REPO / "host" / "core" / "hookspecs.py"
 
 GAUDI = "habana.ai/gaudi"
 ACCEL_MAJOR = 261
@@ -284,7 +284,7 @@ def _headings(text: str) -> List[str]:
 
 
 def _hook_signatures() -> Dict[str, str]:
-    """Each @hookspec function of host/hookspecs.py with its signature as written there."""
+    """Each @hookspec function of host/core/hookspecs.py with its signature as written there."""
     tree = ast.parse(HOOKSPECS.read_text(encoding="utf-8"))
     out = {}
     for node in tree.body:
@@ -303,8 +303,8 @@ def _annotation(value: object) -> str:
 
 
 def _driver_signatures() -> Dict[str, str]:
-    """Each public attribute and method of host.driver.Driver, and each method of the optional
-    capabilities (host/capabilities.py) the class leaves out, as its signature line."""
+    """Each public attribute and method of host.core.driver.Driver, and each method of the optional
+    capabilities (host/core/capabilities.py) the class leaves out, as its signature line."""
     out = {}
     for name, annotation in Driver.__annotations__.items():
         if not name.startswith("_"):

@@ -1,4 +1,4 @@
-"""Upgrades with no gap: two hosts overlap and hand the node over (host/lock.py), DRA drivers
+"""Upgrades with no gap: two hosts overlap and hand the node over (host/cli/lock.py), DRA drivers
 with per-instance sockets, a DRA checkpoint the two share, against kubelet stand-ins that keep
 using the old plugin until the new one registers and fail calls during the switch as the real
 kubelet does (an Allocate on a connection it closed, a prepare on a deregistered instance)."""
@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 
 from benchmarks import upgrade
+from host.cli.lock import HostLock, LockHeld, running_host
 from host.dra import naming
 from host.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
-from host.dra.registrar import remove_dead_instances
-from host.lock import HostLock, LockHeld, running_host
+from host.kubelet import socket_names
+from host.kubelet.plugin_watcher import remove_dead_instances
+from host.kubelet.socket_names import instance_id
 from host.sim.apiserver import kube_api
-from host.socket_names import instance_id
 
 __all__ = ["kube_api"]
 
@@ -133,17 +134,17 @@ def test_instance_ids_come_from_the_pod_or_the_systemd_start():
 def test_registration_socket_names_fit_a_unix_socket_path():
     driver = naming.driver_name("nvidia.com/gpu", None, "gpu")
     uid = "6b1e0c8a-73f5-4b44-9c5e-2f1a9a0d5e11"
-    assert naming.registration_socket_file("/r", driver) == f"{driver}-reg.sock"
-    assert naming.registration_socket_file("/r", driver, uid) == f"{driver}-{uid}-reg.sock"
+    assert socket_names.registration_socket_file("/r", driver) == f"{driver}-reg.sock"
+    assert socket_names.registration_socket_file("/r", driver, uid) == f"{driver}-{uid}-reg.sock"
     deep = "/var/lib/kubelet/" + "x" * 20
-    name = naming.registration_socket_file(deep, driver, uid)
-    assert len(os.path.join(deep, name)) <= naming.UNIX_PATH_MAX
+    name = socket_names.registration_socket_file(deep, driver, uid)
+    assert len(os.path.join(deep, name)) <= socket_names.UNIX_PATH_MAX
     assert uid not in name and name.endswith("-reg.sock")
-    assert name != naming.registration_socket_file(deep, driver, uid[:-1] + "2")
-    assert naming.service_socket_file("dra", uid) == f"dra-{uid}.sock"
-    assert naming.is_instance_socket(f"dra-{uid}.sock", "dra")
-    assert naming.is_instance_socket("dra.sock", "dra")
-    assert not naming.is_instance_socket("dra-x.y.sock", "dra")
+    assert name != socket_names.registration_socket_file(deep, driver, uid[:-1] + "2")
+    assert socket_names.service_socket_file("dra", uid) == f"dra-{uid}.sock"
+    assert socket_names.is_instance_socket(f"dra-{uid}.sock", "dra")
+    assert socket_names.is_instance_socket("dra.sock", "dra")
+    assert not socket_names.is_instance_socket("dra-x.y.sock", "dra")
 
 
 def test_sockets_of_dead_instances_go_and_live_ones_stay(short_tmp):
@@ -214,7 +215,7 @@ def test_a_handed_over_host_leaves_the_successors_files(short_tmp, tmp_path):
     from device_plugin_host_testing.drivers import MemoryDriver, make_devices
     from device_plugin_host_testing.harness import make_config
     from host.app import HostApp
-    from host.model import ResourceConfig
+    from host.core.model import ResourceConfig
 
     labels = tmp_path / "features.d" / "device-plugin-host"
     labels.parent.mkdir()

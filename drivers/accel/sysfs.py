@@ -22,7 +22,7 @@ ib_uverbs gives it a ``uverbsN`` under the same parent (``<function>/infiniband_
 uverbsN``, ``ibdev`` = ``hbl_<id>``, /dev/infiniband/uverbsN). N follows ib_uverbs'
 registration order over every RDMA device of the host (host NICs first, cards as they probe),
 so the join is sysfs's: the RDMA devices whose ``device`` is the card, and the verbs devices
-whose ``ibdev`` names one of them (host/rdma_chardev.py). Intel's Gaudi DRA driver puts that
+whose ``ibdev`` names one of them (host/sysfs/rdma_chardev.py). Intel's Gaudi DRA driver puts that
 node in each card's CDI device; so does this one.
 """
 

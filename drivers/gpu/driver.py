@@ -763,7 +763,7 @@ def _driver_problems(host: HostFS, fn: PciFunction) -> List[str]:
         problems.append(f"no kernel driver bound (expected {' or '.join(expected)})")
     elif fn.kernel_driver not in expected:
         problems.append(f"bound to {fn.kernel_driver}, not {' or '.join(expected)}")
-    if fn.enabled is False:  # read once by host.pci (the enable file counts enables)
+    if fn.enabled is False:  # read once by host.sysfs.pci (the enable file counts enables)
         problems.append("PCI function disabled (enable = 0)")
     return problems
 

@@ -11,7 +11,7 @@ without code. Rules:
   ``discover``; ``-`` and ``_`` alike, as modprobe takes them): Hailo's module hailo_pci
   registers the driver ``hailo``, and either name selects its boards.
 * The id is the PCI address. The nodes are the function's class devices: every
-  /sys/dev/char entry whose nearest PCI ancestor is the function (host/chardev.py), at the
+  /sys/dev/char entry whose nearest PCI ancestor is the function (host/sysfs/chardev.py), at the
   /dev path of its uevent DEVNAME (``hailo0`` -> /dev/hailo0). A function that owns none
   takes the parentless (/sys/devices/virtual) char devices whose ``board_location``
   attribute names it: hailo_pci up to v4.22.0 makes ``hailo0`` with no parent and says

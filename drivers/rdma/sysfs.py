@@ -4,7 +4,7 @@ The kernel names an RDMA device (``mlx5_0``) in ``/sys/class/infiniband`` and it
 (``uverbsN``, ``umadN``) in separate classes whose numbers follow probe order, not the device's
 name; the only join between them is each char device's ``ibdev`` file. Both the RDMA and the
 SR-IOV driver need that join (an RDMA VF carries its verbs node), so it lives in the host
-(host/rdma_chardev.py), free of any driver policy; this module reads the RDMA devices.
+(host/sysfs/rdma_chardev.py), free of any driver policy; this module reads the RDMA devices.
 Every read goes through HostFS; nothing here raises on odd input.
 """
 

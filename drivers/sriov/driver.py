@@ -18,7 +18,7 @@ selector, and a PF that is down or whose firmware heartbeat failed makes its VFs
 (drivers/sriov/qat.py). ``iommufd = true`` hands vfio VFs out as /dev/iommu plus their
 /dev/vfio/devices/vfioN instead of the container and group nodes. Allocate adds the SR-IOV
 device plugin's ``PCIDEVICE_<RESOURCE>_INFO`` and, with ``device_info = true``, writes the
-NPWG device-info files (host/devinfo.py, which also removes them).
+NPWG device-info files (host/outputs/devinfo.py, which also removes them).
 
 NVIDIA vGPU. On an Ada/Hopper-or-later GPU with SR-IOV vGPU (vGPU 17+, NVIDIA's
 vendor-specific VFIO), the VFs stay bound to ``nvidia``; each carries

@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, Callable, Dict, List, Mapping, Optional, Tuple
 
-from host.fileio import write_atomic
+from host.core.fileio import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
 def read_boot_id(host: Any) -> str:
-    """The kernel's boot id through a HostFS (host.hostfs), "" where it cannot be read."""
+    """The kernel's boot id through a HostFS (host.core.hostfs), "" where it cannot be read."""
     return host.read(BOOT_ID) or ""
 
 

@@ -41,9 +41,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence, Set, Tuple
 
-from host.cdi import cdi_kind, device_name
-from host.fileio import write_atomic
-from host.model import ContainerAllocation, Device, DeviceNode, Mount
+from host.core.cdi import cdi_kind, device_name
+from host.core.fileio import write_atomic
+from host.core.model import ContainerAllocation, Device, DeviceNode, Mount
 
 FILE_PREFIX = "device-plugin-host-claim_"
 

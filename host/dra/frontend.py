@@ -17,15 +17,16 @@ import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+from host.core.driver import Driver
+from host.core.hostfs import HostFS
+from host.core.isolation import DriverCalls
+from host.core.model import Device, ResourceConfig
 from host.dra import naming
 from host.dra.checkpoint import Checkpoint, read_boot_id
 from host.dra.protocol import DRA_HEALTH_SERVICES, DRA_SERVICES
-from host.dra.registrar import PluginWatcherEndpoint, dra_plugin_info
 from host.dra.service import ClaimReader, DraPool, DraService
-from host.driver import Driver
-from host.hostfs import HostFS
-from host.isolation import DriverCalls
-from host.model import Device, ResourceConfig
+from host.kubelet import socket_names
+from host.kubelet.plugin_watcher import PluginWatcherEndpoint, dra_plugin_info
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,8 @@ class DraFrontEnd:
         host: Optional[HostFS] = None,
         instance: str = "",
     ) -> None:
-        """``instance``: this process's instance id (host.dra.naming.instance_id): with one,
-        each driver's sockets are named per instance so that an old and a new host can be
+        """``instance``: this process's instance id (host.kubelet.socket_names.instance_id): with
+        one, each driver's sockets are named per instance so that an old and a new host can be
         registered with the kubelet at once during an upgrade."""
         self.node_name = node_name
         self.instance = instance
@@ -88,7 +89,7 @@ class DraFrontEnd:
 
     def socket_path(self, driver_name: str) -> str:
         return os.path.join(self.plugins_dir, driver_name,
-                            naming.service_socket_file("dra", self.instance))
+                            socket_names.service_socket_file("dra", self.instance))
 
     def sync(self, resource: ResourceConfig, driver: Driver, devices: Sequence[Device]) -> None:
         """The resource's devices changed (or it is new): cheap, never waits on anything."""

@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import Iterable, Mapping, Optional, Sequence, Tuple
 
-from host.model import Device
+from host.core.model import Device
 
 
 def node_counts(pool: Iterable[Device]) -> Mapping[str, int]:

@@ -20,7 +20,7 @@ built on its ``devicemetadata`` package read ours:
 * that CDI id is added to the first device of the request, as upstream's helper does, so
   every container that gets the request's devices gets the file.
 
-Files are written as root without following symlinks (host/fileio.py), 0644 files and 0755
+Files are written as root without following symlinks (host/core/fileio.py), 0644 files and 0755
 directories, as upstream's; unprepare removes the claim's directory and its specs.
 """
 
@@ -33,9 +33,9 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from host import fileio
+from host.core import fileio
+from host.core.model import Device
 from host.dra.slices import device_attributes
-from host.model import Device
 
 GROUP = "metadata.resource.k8s.io"
 VERSIONS = ("v1alpha1",)

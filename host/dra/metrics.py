@@ -1,4 +1,4 @@
-"""Prometheus metrics of the DRA service, on the host's registry (host/metrics.py).
+"""Prometheus metrics of the DRA service, on the host's registry (host/metrics/__init__.py).
 
 Prepare and unprepare are what a pod waits for on a DRA node, the DRA counterpart of
 Allocate: their outcomes per claim, their latency per call, and how many claims the node
@@ -13,7 +13,7 @@ from typing import Any
 class DraMetrics:
     def __init__(self, registry: Any) -> None:
         from host.metrics import LATENCY_BUCKETS, PREFIX
-        from host.prom import Counter, Gauge, Histogram
+        from host.metrics.prom import Counter, Gauge, Histogram
 
         self.claims = Counter(
             PREFIX + "dra_claims", "Claims handled by outcome (prepared, again: answered from "

@@ -11,13 +11,9 @@ hence the short hash whenever the readable part is not the id itself.
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import os
 import re
 from typing import Optional
-
-from host.socket_names import instance_id  # noqa: F401  (re-exported)
 
 DNS_LABEL_MAX = 63
 DRIVER_NAME_MAX = 63
@@ -134,60 +130,3 @@ def driver_name(resource: str, configured: Optional[str], host_driver: Optional[
         return candidate
     room = DRIVER_NAME_MAX - len(DRIVER_DOMAIN) - 1
     return f"{_label(resource, room)}.{DRIVER_DOMAIN}"
-
-
-# -- per-instance socket names (rolling updates) ----------------------------------------------
-#
-# Since kubelet 1.33 the DRA plugin manager keeps every registered endpoint of a driver and
-# calls the newest connected one (cm/dra/plugin/dra_plugin_manager.go ``get``), so an old and a
-# new instance of a driver may overlap during an upgrade. Each instance then needs its own
-# registration socket (deleting a shared one deregisters the other instance) and its own
-# service socket. The names follow k8s.io/dynamic-resource-allocation's ``RollingUpdate``:
-# ``<driver>-<uid>-reg.sock`` (shortened while the path is too long for AF_UNIX) and
-# ``dra-<uid>.sock`` in the driver's plugin directory. An empty instance id keeps the fixed
-# names (``<driver>-reg.sock``, ``dra.sock``) of a single instance.
-
-UNIX_PATH_MAX = 108
-_INSTANCE = re.compile(r"[A-Za-z0-9][-A-Za-z0-9]{0,63}\Z")
-
-
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).decode("ascii").rstrip("=")
-
-
-def registration_socket_file(registry_dir: str, plugin_name: str, instance: str = "") -> str:
-    """The registration socket's base name for ``plugin_name`` (a DRA driver or a resource
-    name, "/" mapped to "_"; never starting with ".", which the plugin watcher ignores).
-
-    Without an instance: ``<name>-reg.sock``. With one, the first that fits in a unix socket
-    path under ``registry_dir``: ``<name>-<instance>-reg.sock``,
-    ``<name>-<base64(sha256(instance))[:8 bytes]>-reg.sock``,
-    ``dra-<base64(sha256(name NUL instance))[:16 bytes]>-reg.sock``."""
-    name = plugin_name.replace("/", "_")
-    name = name if not name.startswith(".") else "_" + name[1:]
-    if not instance:
-        return name + "-reg.sock"
-    uid_hash = hashlib.sha256(instance.encode()).digest()
-    both_hash = hashlib.sha256(f"{name}\0{instance}".encode()).digest()
-    candidates = [f"{name}-{instance}-reg.sock", f"{name}-{_b64(uid_hash[:8])}-reg.sock",
-                  f"dra-{_b64(both_hash[:16])}-reg.sock"]
-    for candidate in candidates:
-        if len(os.path.join(registry_dir, candidate).encode()) <= UNIX_PATH_MAX:
-            return candidate
-    return candidates[-1]
-
-
-def service_socket_file(stem: str, instance: str = "") -> str:
-    """``dra.sock`` / ``dra-<instance>.sock`` (``stem`` "dra"; "device-plugin" for a device
-    plugin registered through the plugin watcher)."""
-    return f"{stem}-{instance}.sock" if instance else f"{stem}.sock"
-
-
-def is_instance_socket(file_name: str, stem: str) -> bool:
-    """Whether ``file_name`` is a service socket of some instance of ours (``<stem>.sock`` or
-    ``<stem>-<id>.sock``)."""
-    if file_name == f"{stem}.sock":
-        return True
-    head, tail = f"{stem}-", ".sock"
-    return (file_name.startswith(head) and file_name.endswith(tail)
-            and bool(_INSTANCE.match(file_name[len(head):-len(tail)])))

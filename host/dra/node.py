@@ -23,8 +23,8 @@ import random
 import time
 from typing import Any, Callable, Dict, List, Optional
 
+from host.core.tasks import cancel_and_wait
 from host.dra.kube import KubeError
-from host.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

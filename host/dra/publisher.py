@@ -50,10 +50,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
+from host.core.model import Device
+from host.core.tasks import cancel_and_wait
 from host.dra.kube import KubeClient, KubeError
 from host.dra.slices import build_slices, has_taints, is_shareable, same_content, uses_counters
-from host.model import Device
-from host.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +172,8 @@ def holds(desired: Dict[str, Any], stored: Dict[str, Any]) -> bool:
 
 
 class _Metrics:
-    """Counters on the host's registry (host/metrics.py HostMetrics.registry), made once per
-    registry: a publisher rebuilt on reload must not register the names twice."""
+    """Counters on the host's registry (host/metrics/__init__.py HostMetrics.registry), made once
+    per registry: a publisher rebuilt on reload must not register the names twice."""
 
     @classmethod
     def of(cls, metrics: Any) -> _Metrics:
@@ -185,7 +185,7 @@ class _Metrics:
 
     def __init__(self, metrics: Any) -> None:
         from host.metrics import PREFIX
-        from host.prom import Counter
+        from host.metrics.prom import Counter
 
         registry = getattr(metrics, "registry", None)
         self.requests = Counter(PREFIX + "dra_api_requests", "ResourceSlice API requests",

@@ -53,8 +53,12 @@ from typing import (
 
 import grpc
 
-from host import allocation
-from host.capabilities import Capabilities, needs_pre_start
+from host.core import allocation
+from host.core.capabilities import Capabilities, needs_pre_start
+from host.core.driver import Driver
+from host.core.fileio import remove_file
+from host.core.isolation import DriverCallError, DriverCalls, driver_allocate, driver_pre_start
+from host.core.model import ContainerAllocation, Device, ResourceConfig
 from host.dra import claim_cdi, containers, hardware, metadata, sharing, taints
 from host.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from host.dra.protocol import (
@@ -66,10 +70,6 @@ from host.dra.protocol import (
     dra_v1,
     dra_v1beta1,
 )
-from host.driver import Driver
-from host.fileio import remove_file
-from host.isolation import DriverCallError, DriverCalls, driver_allocate, driver_pre_start
-from host.model import ContainerAllocation, Device, ResourceConfig
 
 log = logging.getLogger(__name__)
 

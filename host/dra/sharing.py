@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from host.model import Device, Health
+from host.core.model import Device, Health
 
 CAPACITY = "shares"
 REPLICA_OF = "replica_of"

@@ -45,9 +45,9 @@ import hashlib
 import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
 
+from host.core.model import Device
 from host.dra import sharing, taints
 from host.dra.naming import DNS_LABEL_MAX, dra_device_name
-from host.model import Device
 
 API_VERSION = "resource.k8s.io/v1"
 MAX_DEVICES = 128

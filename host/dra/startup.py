@@ -22,8 +22,9 @@ import time
 from typing import Any, Dict, Iterable, List, Optional
 
 from host.config import Config
-from host.model import ResourceConfig
-from host.socket_names import MAX_SOCKET_PATH
+from host.core.model import ResourceConfig
+from host.kubelet import socket_names
+from host.kubelet.socket_names import MAX_SOCKET_PATH
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,8 @@ def dra_resources(config: Config) -> Iterable[ResourceConfig]:
 
 def check_settings(config: Config, instance: str = "") -> None:
     """What can be checked without the API server; ``instance``: the id the DRA sockets are
-    named after (host.socket_names.instance_id)."""
-    from host.config_values import dns_subdomain_error
+    named after (host.kubelet.socket_names.instance_id)."""
+    from host.config.values import dns_subdomain_error
     from host.dra import naming
 
     if not config.host.node_name:
@@ -61,7 +62,7 @@ def check_settings(config: Config, instance: str = "") -> None:
         except ValueError as error:
             raise DraStartError(f"resource {resource.name}: {error}") from None
         socket = (f"{config.host.dra_plugins_dir}/{driver}/"
-                  f"{naming.service_socket_file('dra', instance)}")
+                  f"{socket_names.service_socket_file('dra', instance)}")
         if len(socket.encode()) > MAX_SOCKET_PATH:
             raise DraStartError(f"resource {resource.name}: the DRA socket {socket} is longer "
                                 f"than a unix socket path can be ({MAX_SOCKET_PATH} bytes); "

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Mapping, Optional
 
-from host.model import Device
+from host.core.model import Device
 
 TAINT_KEY = "device-plugin-host.io/unhealthy"
 NO_EXECUTE = "NoExecute"

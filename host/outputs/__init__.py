@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from host.model import Device, ResourceConfig
+from host.core.model import Device, ResourceConfig
 
 
 class Output:

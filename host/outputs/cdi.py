@@ -15,10 +15,10 @@ import concurrent.futures
 import logging
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
-from host.cdi import FILE_PREFIX, CdiWriter
-from host.inotify import DirectoryWatch
-from host.model import Device, Health, ResourceConfig
-from host.tasks import Background
+from host.core.cdi import FILE_PREFIX, CdiWriter
+from host.core.inotify import DirectoryWatch
+from host.core.model import Device, Health, ResourceConfig
+from host.core.tasks import Background
 
 log = logging.getLogger("host.app")  # the lines operators know
 T = TypeVar("T")

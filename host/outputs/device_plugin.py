@@ -14,18 +14,18 @@ import logging
 import os
 from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Sequence
 
-from host.driver import Driver, UnavailableDriver
-from host.isolation import DriverCalls
+from host.config.settings import HostSettings
+from host.core.driver import Driver, UnavailableDriver
+from host.core.isolation import DriverCalls
+from host.core.model import Device, ResourceConfig
+from host.kubelet.registration import Endpoint, Registrar
+from host.kubelet.service import DevicePluginService
+from host.kubelet.snapshot import Snapshot
 from host.metrics import HostMetrics
-from host.model import Device, ResourceConfig
 from host.outputs import Output
-from host.registration import Endpoint, Registrar
-from host.service import DevicePluginService
-from host.settings import HostSettings
-from host.snapshot import Snapshot
 
 if TYPE_CHECKING:  # loaded only for registration = "plugin-watcher"
-    from host.dra.registrar import PluginWatcherEndpoint
+    from host.kubelet.plugin_watcher import PluginWatcherEndpoint
 
 log = logging.getLogger("host.app")  # the lines operators know
 
@@ -155,19 +155,19 @@ class DevicePluginOutput(Output):
 
     def _watch_register(self, service: DevicePluginService) -> None:
         """Registered through the plugin watcher instead of kubelet.sock."""
-        from host.dra import naming
-        from host.dra.registrar import (
+        from host.kubelet import socket_names
+        from host.kubelet.plugin_watcher import (
             PluginWatcherEndpoint,
             device_plugin_info,
             registration_socket_name,
         )
-        from host.protocol import VERSION
+        from host.kubelet.protocol import VERSION
 
         name = service.resource.name
         settings = self._settings()
         folder = registration_socket_name(name)[: -len("-reg.sock")]
         socket = os.path.join(settings.dra_plugins_dir, folder,
-                              naming.service_socket_file("device-plugin", self._instance()))
+                              socket_names.service_socket_file("device-plugin", self._instance()))
         endpoint = PluginWatcherEndpoint(
             device_plugin_info(name, socket, VERSION), settings.plugins_registry_dir,
             lambda generation: (service.handler(generation),),

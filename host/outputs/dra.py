@@ -25,19 +25,19 @@ from typing import (
 )
 
 from host.config import Config
-from host.driver import Driver, UnavailableDriver
-from host.isolation import DriverCalls
+from host.core.driver import Driver, UnavailableDriver
+from host.core.isolation import DriverCalls
+from host.core.model import Device, ResourceConfig
+from host.core.tasks import Background
 from host.metrics import HostMetrics
-from host.model import Device, ResourceConfig
 from host.outputs import Output
-from host.tasks import Background
 
 if TYPE_CHECKING:
+    from host.core.hostfs import HostFS
     from host.dra.frontend import DraFrontEnd
     from host.dra.kube import KubeClient
     from host.dra.node import NodeWatch
     from host.dra.publisher import SlicePublisher
-    from host.hostfs import HostFS
 
 log = logging.getLogger("host.app")
 

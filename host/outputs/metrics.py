@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from host.core.model import Device, ResourceConfig
 from host.metrics import HostMetrics
-from host.model import Device, ResourceConfig
 from host.outputs import Output
 
 

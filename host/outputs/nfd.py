@@ -29,10 +29,10 @@ import os
 import re
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
-from host import fileio
-from host.model import Device, ResourceConfig
+from host.core import fileio
+from host.core.model import Device, ResourceConfig
+from host.core.tasks import Background
 from host.outputs import Output
-from host.tasks import Background
 
 log = logging.getLogger(__name__)
 _TIMER = "nfd feature file"

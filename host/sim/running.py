@@ -7,8 +7,8 @@ from typing import AsyncIterator, Dict, Union
 
 from host.app import HostApp
 from host.config import Config
-from host.driver import Driver
-from host.watch import EventSource
+from host.core.driver import Driver
+from host.triggers.uevents import EventSource
 
 
 @contextlib.asynccontextmanager

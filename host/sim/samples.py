@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Tuple
 
-from host.model import ResourceConfig
+from host.core.model import ResourceConfig
 from host.sim import fake_gpu, fake_net, fake_usb
 from host.sim.tree import FakeTree
 

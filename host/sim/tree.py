@@ -9,7 +9,7 @@ Also the text format for whole-machine trees (``*.tree``), one entry a line::
     c /dev/nvidia0 195:0
 
 ``f`` values are JSON strings; ``c`` is a character device (a plain file in a fake tree, its
-numbers kept in the text). ``host.capture.capture_tree`` writes this format from a real machine.
+numbers kept in the text). ``host.cli.capture.capture_tree`` writes this format from a real machine.
 """
 
 from __future__ import annotations

@@ -5,5 +5,5 @@ cancels them all before any file is removed) and calls back into the conductor; 
 devices. Device events (udev, rtnetlink) coalesced per driver (``events``); the safety
 rescan, the per-driver health checks and the expiry of vanished devices (``timers``); the
 operators' drain file (``drains``). The CDI directory's watch belongs to the CDI stage
-(host/outputs/cdi.py), the config file's to the reloader (host/reload.py).
+(host/outputs/cdi.py), the config file's to the reloader (host/cli/reload.py).
 """

@@ -6,8 +6,8 @@ import logging
 import os
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
-from host.drain import DrainError, read_drains
-from host.inotify import DirectoryWatch
+from host.core.drains import DrainError, read_drains
+from host.core.inotify import DirectoryWatch
 
 log = logging.getLogger("host.app")  # the lines operators know
 

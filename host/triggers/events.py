@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable, List, Optional, Set, Union
 
-from host.tasks import Background
-from host.watch import EventSource, RescanScheduler, device_events
+from host.core.tasks import Background
+from host.triggers.uevents import EventSource, RescanScheduler, device_events
 
 log = logging.getLogger("host.app")  # the lines operators know
 

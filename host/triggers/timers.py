@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Iterable, Optional, Sequence, Set
 
-from host.model import ResourceConfig
-from host.tasks import Background
+from host.core.model import ResourceConfig
+from host.core.tasks import Background
 
 Rescan = Callable[[Optional[Iterable[str]]], None]
 

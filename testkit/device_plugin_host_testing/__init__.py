@@ -22,20 +22,20 @@ if TYPE_CHECKING:
     from device_plugin_host_testing.harness import kubelet_and_host, make_config, running_host
     from device_plugin_host_testing.machines import load_machine, machine_names
     from host.config import default_config
-    from host.plugins import load_drivers
+    from host.config.plugins import load_drivers
     from host.sim.kubelet import AllocationError, KubeletSimulator
     from host.sim.tree import FakeTree
-    from host.watch import InjectedSource
+    from host.triggers.uevents import InjectedSource
 
 #: Each public name and the module it comes from.
 _SOURCES: Dict[str, str] = {
     "AllocationError": "host.sim.kubelet",
     "FakeTree": "host.sim.tree",
-    "InjectedSource": "host.watch",
+    "InjectedSource": "host.triggers.uevents",
     "KubeletSimulator": "host.sim.kubelet",
     "default_config": "host.config",
     "kubelet_and_host": "device_plugin_host_testing.harness",
-    "load_drivers": "host.plugins",
+    "load_drivers": "host.config.plugins",
     "load_machine": "device_plugin_host_testing.machines",
     "machine_names": "device_plugin_host_testing.machines",
     "make_config": "device_plugin_host_testing.harness",

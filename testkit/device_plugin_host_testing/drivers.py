@@ -11,9 +11,15 @@ import threading
 import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from host.driver import Driver
-from host.hostfs import HostFS
-from host.model import ContainerAllocation, Device, DeviceNode, PreferredRequest, ResourceConfig
+from host.core.driver import Driver
+from host.core.hostfs import HostFS
+from host.core.model import (
+    ContainerAllocation,
+    Device,
+    DeviceNode,
+    PreferredRequest,
+    ResourceConfig,
+)
 
 
 def make_devices(prefix: str, count: int, numa: Sequence[int] = (0,)) -> List[Device]:

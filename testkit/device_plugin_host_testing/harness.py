@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, Optional, Sequence, 
 
 from host.app import HostApp
 from host.config import Config, HostSettings
-from host.driver import Driver
-from host.model import ResourceConfig
+from host.core.driver import Driver
+from host.core.model import ResourceConfig
 from host.sim.running import running_host
-from host.watch import EventSource
+from host.triggers.uevents import EventSource
 
 __all__ = ["kubelet_and_host", "make_config", "running_host"]
 

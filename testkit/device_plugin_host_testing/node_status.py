@@ -17,8 +17,8 @@ import asyncio
 import logging
 from typing import Any, Dict, Optional
 
+from host.core.tasks import cancel_and_wait
 from host.sim.kubelet.simulator import KubeletSimulator
-from host.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

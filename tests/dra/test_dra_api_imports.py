@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_device_plugin_path_imports_no_api_client():
-    code = ("import sys, host.app, host.cli, host.config, host.service; "
+    code = ("import sys, host.app, host.cli, host.config, host.kubelet.service; "
             "bad = sorted(m for m in sys.modules if m == 'httpx' or m.startswith('httpx.') "
             "or m in ('host.dra.kube', 'host.dra.publisher', 'yaml')); print(bad)")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,

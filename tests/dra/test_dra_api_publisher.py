@@ -12,12 +12,12 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
+from host.core.model import Device, Health
 from host.dra.kube import KubeClient
 from host.dra.naming import dra_device_name, driver_name, pool_name
 from host.dra.publisher import SlicePublisher
 from host.dra.slices import build_slices, same_content
 from host.metrics import HostMetrics
-from host.model import Device, Health
 from host.sim.apiserver import ApiServerStandIn, kube_api
 
 __all__ = ["kube_api"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from host.core.model import Device, Health
 from host.dra.naming import dra_device_name
 from host.dra.slices import (
     NUMA_NODE,
@@ -15,9 +16,8 @@ from host.dra.slices import (
     device_capacity,
     taint_value,
 )
-from host.model import Device, Health
-from host.pci import pcie_root
 from host.sim.resource_validation import resource_slice_errors
+from host.sysfs.pci import pcie_root
 
 DRIVER = "gpu.example.com.device-plugin-host.io"
 

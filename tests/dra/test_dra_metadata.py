@@ -22,13 +22,13 @@ import pytest
 from device_plugin_host_testing.cdi_runtime import CdiCache, container_cdi_ids
 from device_plugin_host_testing.drivers import MemoryDriver
 from host.config import parse_config
-from host.config_errors import ConfigError
+from host.config.errors import ConfigError
+from host.core.hostfs import HostFS
+from host.core.isolation import DriverCalls
+from host.core.model import Device, DeviceNode, ResourceConfig
 from host.dra import metadata, naming
 from host.dra.frontend import DraFrontEnd
 from host.dra.kube import KubeClient
-from host.hostfs import HostFS
-from host.isolation import DriverCalls
-from host.model import Device, DeviceNode, ResourceConfig
 from host.sim.apiserver import kube_api
 from host.sim.kubelet_dra import DraKubeletSimulator
 

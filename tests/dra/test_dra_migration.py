@@ -21,11 +21,11 @@ from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import make_config
 from device_plugin_host_testing.node_status import NodeStatusSync
 from host.app import HostApp
+from host.core.model import ResourceConfig
 from host.dra import naming, startup
 from host.dra.kube import KubeClient, KubeError
 from host.dra.startup import DraStartError, advertised
-from host.model import ResourceConfig
-from host.protocol import HEALTHY
+from host.kubelet.protocol import HEALTHY
 from host.sim.apiserver import ApiServerStandIn, kube_api
 from host.sim.kubelet import KubeletSimulator
 from host.sim.kubelet_dra import DraKubeletSimulator

@@ -17,10 +17,10 @@ import pytest
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import make_config
 from host.app import HostApp
+from host.core.model import Health, ResourceConfig
 from host.dra import naming
 from host.dra.kube import KubeClient
 from host.dra.startup import DraStartError
-from host.model import Health, ResourceConfig
 from host.sim.apiserver import ApiServerStandIn, kube_api
 from host.sim.kubelet import KubeletSimulator
 from host.sim.kubelet_dra import DraKubeletSimulator, PrepareError
@@ -379,7 +379,7 @@ def test_host_process_restart_keeps_prepared_claims_and_their_cdi_specs(short_di
 
 def test_an_operator_drain_reaches_the_slice_the_health_stream_and_prepare(short_dir, run,
                                                                            kube_api):
-    from host.drain import update_drains
+    from host.core.drains import update_drains
 
     kube_api.add_node(NODE)
     config = _config(short_dir, kube_api, DRA)
@@ -478,7 +478,7 @@ def test_dra_unhealthy_taint_taints_a_drained_device_where_the_server_keeps_tain
     default "omit"): a drained (Unhealthy) device stays in the slice with a NoSchedule taint
     carrying the reason; a server without DRADeviceTaints drops the taint, and then the
     device is left out, as by default, never published as usable."""
-    from host.drain import update_drains
+    from host.core.drains import update_drains
 
     with ApiServerStandIn(device_taints=keeps_taints) as api:
         api.add_node(NODE)

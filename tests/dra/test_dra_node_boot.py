@@ -24,9 +24,9 @@ import pytest
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
 from device_plugin_host_testing.harness import make_config
 from host.app import HostApp
+from host.core.model import ResourceConfig
 from host.dra import naming
 from host.dra.kube import KubeClient
-from host.model import ResourceConfig
 from host.sim import fake_gpu
 from host.sim.apiserver import ApiServerStandIn, RealApiServer, kubebuilder_assets
 from host.sim.kubelet import KubeletSimulator

@@ -4,8 +4,8 @@ effect of a health reason and tolerations as upstream matches them."""
 
 from __future__ import annotations
 
+from host.core.model import Device, DeviceNode
 from host.dra import hardware, taints
-from host.model import Device, DeviceNode
 
 
 def _amd(index=None):
@@ -82,8 +82,8 @@ def test_tolerations_match_as_upstream():
 
 
 def test_the_published_taint_is_the_one_prepare_checks():
+    from host.core.model import Health
     from host.dra import slices
-    from host.model import Health
 
     for reason in ("drained by an operator: x", "device node /dev/g missing"):
         device = Device(id="g").with_health(Health.UNHEALTHY, reason)

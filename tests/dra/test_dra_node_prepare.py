@@ -14,14 +14,14 @@ import pytest
 
 from device_plugin_host_testing.cdi_runtime import CdiCache, container_cdi_ids
 from device_plugin_host_testing.drivers import MemoryDriver, SlowAllocateDriver, make_devices
+from host.core.hostfs import HostFS
+from host.core.isolation import DriverCalls
+from host.core.model import Device, DeviceNode, Health, ResourceConfig
 from host.dra import naming
 from host.dra.checkpoint import FILE_NAME
 from host.dra.frontend import DraFrontEnd
 from host.dra.kube import KubeClient
 from host.dra.taints import TAINT_KEY
-from host.hostfs import HostFS
-from host.isolation import DriverCalls
-from host.model import Device, DeviceNode, Health, ResourceConfig
 from host.sim.apiserver import kube_api
 from host.sim.kubelet_dra import DraKubeletSimulator, PrepareError
 

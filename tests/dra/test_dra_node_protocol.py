@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 from google.protobuf import descriptor_pb2
 
-from host.dra.protocol import dra_v1, dra_v1beta1, registration
+from host.dra.protocol import dra_v1, dra_v1beta1
 from host.dra.protocol.generate import HERE, generate
+from host.kubelet.protocol import pluginregistration_v1_pb2 as registration
 
 
 def test_committed_modules_match_a_fresh_generation():

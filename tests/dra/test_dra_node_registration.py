@@ -12,20 +12,20 @@ import os
 import grpc
 
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
-from host.dra.protocol import registration as reg_api
-from host.dra.registrar import (
+from host.core.isolation import DriverCalls
+from host.core.model import ResourceConfig
+from host.kubelet.plugin_watcher import (
     PluginWatcherEndpoint,
     device_plugin_info,
     dra_plugin_info,
     registration_socket_name,
 )
-from host.isolation import DriverCalls
-from host.model import ResourceConfig
-from host.protocol import VERSION
-from host.service import DevicePluginService
+from host.kubelet.protocol import VERSION
+from host.kubelet.protocol import pluginregistration_v1_pb2 as reg_api
+from host.kubelet.service import DevicePluginService
+from host.kubelet.snapshot import Snapshot
 from host.sim.kubelet_dra import DraKubeletSimulator
 from host.sim.kubelet_dra.watcher import PluginWatcher
-from host.snapshot import Snapshot
 
 DRIVER = "gpu.device-plugin-host.io"
 SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")

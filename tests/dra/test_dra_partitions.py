@@ -15,6 +15,8 @@ import pytest
 from device_plugin_host_testing.machines import load_machine
 from drivers.gpu.driver import GpuDriver
 from drivers.gpu.nvml import NvmlMig, NvmlView
+from host.core.hostfs import HostFS
+from host.core.model import Device, Health, ResourceConfig
 from host.dra.kube import KubeClient
 from host.dra.naming import dra_device_name, driver_name, pool_name
 from host.dra.publisher import SlicePublisher
@@ -25,8 +27,6 @@ from host.dra.slices import (
     has_taints,
     same_content,
 )
-from host.hostfs import HostFS
-from host.model import Device, Health, ResourceConfig
 from host.sim.apiserver import ApiServerStandIn, RealApiServer, kube_api, kubebuilder_assets
 from host.sim.fake_gpu import (
     add_mig_config_caps,

@@ -18,10 +18,10 @@ from typing import Any, Dict, Iterator, List, Optional
 import pytest
 import yaml
 
+from host.core.model import Device
 from host.dra.kube import KubeClient
 from host.dra.naming import dra_device_name, driver_name, pool_name
 from host.dra.publisher import SlicePublisher
-from host.model import Device
 from host.sim.apiserver import RealApiServer, kubebuilder_assets
 
 NODE = "gpu-node-1"

@@ -21,16 +21,16 @@ import pytest
 
 from device_plugin_host_testing.cdi_runtime import CdiCache, container_cdi_ids
 from device_plugin_host_testing.drivers import MemoryDriver
-from host.config_errors import ConfigError
+from host.config.errors import ConfigError
+from host.core.hostfs import HostFS
+from host.core.isolation import DriverCalls
+from host.core.model import Device, DeviceNode, Health, ResourceConfig
 from host.dra import hardware, naming, sharing
 from host.dra.frontend import DraFrontEnd
 from host.dra.kube import KubeClient
 from host.dra.publisher import SlicePublisher
 from host.dra.slices import build_slices
-from host.host_view import host_view
-from host.hostfs import HostFS
-from host.isolation import DriverCalls
-from host.model import Device, DeviceNode, Health, ResourceConfig
+from host.inventory.host_view import host_view
 from host.sim.apiserver import (
     ApiServerStandIn,
     RealApiServer,

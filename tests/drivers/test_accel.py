@@ -11,9 +11,9 @@ import pytest
 from device_plugin_host_testing import fake_accel as fa
 from device_plugin_host_testing.fake_chardev import add_class_chardev
 from drivers.accel.driver import AccelDriver
-from host.driver import SelectorError
-from host.hostfs import HostFS
-from host.model import Device, Health, ResourceConfig
+from host.core.driver import SelectorError
+from host.core.hostfs import HostFS
+from host.core.model import Device, Health, ResourceConfig
 from host.sim.tree import FakeTree
 
 GAUDI = ResourceConfig("habana.ai/gaudi", "accel", {"kernel_driver": "habanalabs"})
@@ -209,7 +209,7 @@ def test_each_gaudi3_card_gets_the_verbs_node_of_its_own_rdma_device(tree):
 
 
 def test_the_cdi_spec_of_a_gaudi3_card_carries_its_verbs_node(tree):
-    from host.cdi import build_spec
+    from host.core.cdi import build_spec
 
     fa.gaudi3_server(tree, cards=2, registration=(0, 1))
     found = devices(tree, GAUDI3)

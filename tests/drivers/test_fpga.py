@@ -23,11 +23,11 @@ from drivers.fpga.driver import (
 )
 from drivers.fpga.prestart import PreStartError
 from drivers.fpga.xrt import xrt_instance
-from host.capture import capture_tree
+from host.cli.capture import capture_tree
 from host.config import load_config
-from host.driver import SelectorError
-from host.hostfs import HostFS
-from host.model import Device, DeviceNode, Health, ResourceConfig
+from host.core.driver import SelectorError
+from host.core.hostfs import HostFS
+from host.core.model import Device, DeviceNode, Health, ResourceConfig
 from host.sim.tree import FakeTree
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,9 +12,9 @@ from device_plugin_host_testing.machines import load_machine
 from drivers.gpu import plugin
 from drivers.gpu.driver import GpuDriver, kubevirt_env_name
 from drivers.gpu.nvidia import parse_information, read_information
-from host.driver import SelectorError
-from host.hostfs import HostFS
-from host.model import ContainerAllocation, Device, DeviceNode, Health, Mount, ResourceConfig
+from host.core.driver import SelectorError
+from host.core.hostfs import HostFS
+from host.core.model import ContainerAllocation, Device, DeviceNode, Health, Mount, ResourceConfig
 from host.sim.fake_gpu import (
     add_amd_gpu,
     add_drm,

@@ -8,10 +8,10 @@ from typing import Dict, List
 from device_plugin_host_testing.harness import kubelet_and_host, make_config
 from drivers.gpu.driver import GpuDriver
 from drivers.gpu.links import link_preferred
-from host.allocation import numa_compact
-from host.hostfs import HostFS
-from host.model import Device, PreferredRequest, ResourceConfig
-from host.plugins import load_drivers
+from host.config.plugins import load_drivers
+from host.core.allocation import numa_compact
+from host.core.hostfs import HostFS
+from host.core.model import Device, PreferredRequest, ResourceConfig
 from host.sim.fake_gpu import AmdMachine
 from host.sim.tree import FakeTree
 

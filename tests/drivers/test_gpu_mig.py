@@ -19,9 +19,9 @@ from drivers.gpu.nvml import (
     normalise_bus_id,
     profile_from_name,
 )
-from host.driver import SelectorError
-from host.hostfs import HostFS
-from host.model import Device, ResourceConfig
+from host.core.driver import SelectorError
+from host.core.hostfs import HostFS
+from host.core.model import Device, ResourceConfig
 from host.sim.fake_gpu import (
     add_mig_config_caps,
     add_mig_device,

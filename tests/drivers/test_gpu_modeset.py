@@ -8,11 +8,11 @@ import pytest
 
 from device_plugin_host_testing.machines import load_machine
 from drivers.gpu.driver import GpuDriver
-from host.allocation import merge
 from host.config import ConfigError, parse_config
-from host.driver import SelectorError
-from host.hostfs import HostFS
-from host.model import ResourceConfig
+from host.core.allocation import merge
+from host.core.driver import SelectorError
+from host.core.hostfs import HostFS
+from host.core.model import ResourceConfig
 from host.sim.fake_gpu import add_nvidia_control_nodes, add_nvidia_gpu
 from host.sim.tree import FakeTree
 

@@ -11,13 +11,13 @@ import pytest
 from device_plugin_host_testing.harness import kubelet_and_host, make_config
 from drivers.gpu.driver import GpuDriver
 from drivers.gpu.kfd import pci_address, read_topology
-from host.driver import SelectorError
-from host.hostfs import HostFS
-from host.model import Device, ResourceConfig
-from host.plugins import load_drivers
+from host.config.plugins import load_drivers
+from host.core.driver import SelectorError
+from host.core.hostfs import HostFS
+from host.core.model import Device, ResourceConfig
 from host.sim.fake_gpu import AmdMachine
 from host.sim.tree import FakeTree
-from host.watch import InjectedSource
+from host.triggers.uevents import InjectedSource
 
 AMD_GPU = ResourceConfig("amd.com/gpu", "gpu", {"vendor": "0x1002"})
 CPX_NPS4 = ResourceConfig("amd.com/cpx_nps4", "gpu",
@@ -198,7 +198,7 @@ def test_repartition_updates_the_advertisement_without_a_restart(tmp_path, short
 
 def test_capture_keeps_what_partition_discovery_reads(tmp_path):
     """A `device-plugin-host capture` of an MI300X node in CPX reproduces its partitions."""
-    from host.capture import capture_tree
+    from host.cli.capture import capture_tree
 
     machine = _machine(tmp_path / "real", [("CPX", "NPS4"), ("SPX", "NPS1")])
     lines = list(capture_tree(machine.tree.root, ("/dev/kfd", "/dev/dri/*")))

@@ -9,9 +9,9 @@ import pytest
 
 from device_plugin_host_testing import fake_neuron as fn
 from drivers.neuron.driver import NeuronDriver
-from host.driver import SelectorError
-from host.hostfs import HostFS
-from host.model import Device, Health, ResourceConfig
+from host.core.driver import SelectorError
+from host.core.hostfs import HostFS
+from host.core.model import Device, Health, ResourceConfig
 from host.sim.tree import FakeTree
 
 NEURON = ResourceConfig("aws.amazon.com/neuron", "neuron", {})
@@ -175,7 +175,7 @@ def test_bad_settings_are_rejected(settings):
 
 # -- preferred allocation over the device links -------------------------------------------------
 def _request(found: Dict[str, Device], available, must=(), size=1):
-    from host.model import PreferredRequest
+    from host.core.model import PreferredRequest
 
     return PreferredRequest(available=[found[i] for i in available],
                             must_include=[found[i] for i in must], size=size)

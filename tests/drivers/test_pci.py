@@ -11,9 +11,9 @@ import pytest
 from device_plugin_host_testing import fake_pci as fp
 from device_plugin_host_testing.fake_chardev import add_class_chardev
 from drivers.pci.driver import PciDriver
-from host.driver import SelectorError
-from host.hostfs import HostFS
-from host.model import Device, Health, ResourceConfig
+from host.core.driver import SelectorError
+from host.core.hostfs import HostFS
+from host.core.model import Device, Health, ResourceConfig
 from host.sim.tree import FakeTree
 
 HAILO = ResourceConfig("hailo.ai/npu", "pci", {"vendor": "0x1e60", "device": "0x2864"})
@@ -220,7 +220,7 @@ def test_other_names_select_nothing(tree, spelling):
 
 def test_the_shipped_example_serves_the_real_tree(tree):
     from host.config import load_config
-    from host.plugins import load_drivers
+    from host.config.plugins import load_drivers
 
     tree.load(HAILO_V4_20_BOX)
     registry = load_drivers()

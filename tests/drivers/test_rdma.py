@@ -10,10 +10,10 @@ import pytest
 from device_plugin_host_testing.machines import load_machine, machine_names
 from drivers.rdma import plugin
 from drivers.rdma.driver import MAX_SHARED_COUNT, RdmaDriver
-from host.allocation import merge
-from host.driver import SelectorError
-from host.hostfs import HostFS
-from host.model import Device, Health, ResourceConfig
+from host.core.allocation import merge
+from host.core.driver import SelectorError
+from host.core.hostfs import HostFS
+from host.core.model import Device, Health, ResourceConfig
 from host.sim.fake_net import mellanox_hca, rdma_cm, rdma_device
 from host.sim.tree import FakeTree
 

@@ -11,10 +11,10 @@ from device_plugin_host_testing.machines import load_machine
 from drivers.sriov import plugin
 from drivers.sriov.driver import SriovDriver, env_name
 from drivers.sriov.selectors import parse_pf, parse_ranges
-from host.allocation import merge
-from host.driver import SelectorError
-from host.hostfs import HostFS
-from host.model import Device, DeviceNode, Health, ResourceConfig
+from host.core.allocation import merge
+from host.core.driver import SelectorError
+from host.core.hostfs import HostFS
+from host.core.model import Device, DeviceNode, Health, ResourceConfig
 from host.sim.fake_net import (
     ARPHRD_INFINIBAND,
     net_interface,

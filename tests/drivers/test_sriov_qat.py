@@ -16,10 +16,10 @@ from device_plugin_host_testing.fake_qat import heartbeat_status, qat_pf, remove
 from device_plugin_host_testing.machines import MACHINES, load_machine
 from drivers.sriov.driver import SriovDriver
 from drivers.sriov.qat import parse_services
-from host.allocation import merge
-from host.driver import SelectorError
-from host.hostfs import HostFS
-from host.model import Device, DeviceNode, Health, ResourceConfig
+from host.core.allocation import merge
+from host.core.driver import SelectorError
+from host.core.hostfs import HostFS
+from host.core.model import Device, DeviceNode, Health, ResourceConfig
 from host.sim.fake_net import sriov_pf, vfio_cdev
 from host.sim.tree import FakeTree
 

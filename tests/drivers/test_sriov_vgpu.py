@@ -10,9 +10,9 @@ import pytest
 
 from device_plugin_host_testing import fake_vgpu as fv
 from drivers.sriov.driver import SriovDriver, extra_info, kubevirt_env_name
-from host.driver import SelectorError
-from host.hostfs import HostFS
-from host.model import Device, Health, ResourceConfig
+from host.core.driver import SelectorError
+from host.core.hostfs import HostFS
+from host.core.model import Device, Health, ResourceConfig
 from host.sim.tree import FakeTree
 
 RESOURCE = "nvidia.com/NVIDIA_L40S-24Q"

@@ -13,12 +13,12 @@ from device_plugin_host_testing.machines import load_machine
 from drivers.usb import plugin
 from drivers.usb.driver import MAX_SHARED, UsbDriver
 from drivers.usb.sysfs import port_sort_key
-from host.capabilities import needs_pre_start
-from host.capture import capture_tree
+from host.cli.capture import capture_tree
 from host.config import load_config
-from host.driver import SelectorError
-from host.hostfs import HostFS
-from host.model import Device, Health, ResourceConfig
+from host.core.capabilities import needs_pre_start
+from host.core.driver import SelectorError
+from host.core.hostfs import HostFS
+from host.core.model import Device, Health, ResourceConfig
 from host.sim import fake_usb as fu
 from host.sim.tree import FakeTree
 

@@ -824,7 +824,7 @@ class Host:
 def kubelet_allocatable() -> Dict[str, List[str]]:
     """The kubelet's own view of every device plugin resource's healthy devices (PodResources
     GetAllocatableResources): fresh at registration, unlike the Node's status."""
-    from host.podresources import PodResourcesClient
+    from host.kubelet.podresources import PodResourcesClient
 
     async def fetch() -> Dict[str, List[str]]:
         async with PodResourcesClient(str(KUBELET_ROOT / "pod-resources" / "kubelet.sock"),

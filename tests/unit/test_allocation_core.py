@@ -1,5 +1,5 @@
 """The allocation core without gRPC, threads or an event loop: ``merge``, ``numa_compact`` and
-``replica_preferred`` are pure functions over Device records (host/allocation.py), so their
+``replica_preferred`` are pure functions over Device records (host/core/allocation.py), so their
 rules are pinned here directly; tests/test_preferred.py and tests/test_host.py show the same
 answers reaching the kubelet simulator over real sockets."""
 
@@ -11,8 +11,8 @@ from typing import List, Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from host.allocation import merge, natural_key, numa_compact, replica_preferred
-from host.model import Device, DeviceNode, Mount
+from host.core.allocation import merge, natural_key, numa_compact, replica_preferred
+from host.core.model import Device, DeviceNode, Mount
 
 
 def gpu(i: int, numa: Sequence[int] = (0,), **extra) -> Device:

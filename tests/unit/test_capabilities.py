@@ -1,5 +1,6 @@
-"""Optional driver capabilities (host/capabilities.py): a driver has one exactly when it defines
-the method, whether it subclasses Driver or not, and the host detects them once per driver."""
+"""Optional driver capabilities (host/core/capabilities.py): a driver has one exactly when it
+defines the method, whether it subclasses Driver or not, and the host detects them once per
+driver."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from drivers.gpu.driver import GpuDriver
 from drivers.neuron.driver import NeuronDriver
 from drivers.sriov.driver import SriovDriver
 from drivers.usb.driver import UsbDriver
-from host import capabilities as caps
-from host.capabilities import (
+from host.config.defaults import default_config
+from host.config.errors import ConfigError
+from host.config.resources import parse_resource
+from host.core import capabilities as caps
+from host.core.capabilities import (
     Allocator,
     Capabilities,
     ContainerPreStarter,
@@ -29,15 +33,12 @@ from host.capabilities import (
     needs_pre_start,
     preferred_useful,
 )
-from host.config_errors import ConfigError
-from host.defaults import default_config
-from host.driver import Driver, SelectorError, UnavailableDriver
-from host.hostfs import HostFS
-from host.isolation import DriverCalls
-from host.model import ContainerAllocation, Device, PreferredRequest, ResourceConfig
-from host.resource_config import parse_resource
-from host.service import DevicePluginService, preferred_allocation_useful
-from host.snapshot import Snapshot
+from host.core.driver import Driver, SelectorError, UnavailableDriver
+from host.core.hostfs import HostFS
+from host.core.isolation import DriverCalls
+from host.core.model import ContainerAllocation, Device, PreferredRequest, ResourceConfig
+from host.kubelet.service import DevicePluginService, preferred_allocation_useful
+from host.kubelet.snapshot import Snapshot
 
 RESOURCE = ResourceConfig("example.com/thing", "duck")
 WITH_STEP = ResourceConfig("example.com/thing", "duck", settings={"step": True})
@@ -288,8 +289,8 @@ def test_a_duck_typed_driver_served_to_the_kubelet(short_dir, run):
 
 
 def test_loading_a_driver_detects_its_capabilities():
-    from host.hookspecs import hookimpl
-    from host.plugins import DriverRegistry
+    from host.config.plugins import DriverRegistry
+    from host.core.hookspecs import hookimpl
 
     duck = DuckWithGate()
 

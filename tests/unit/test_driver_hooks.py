@@ -1,4 +1,4 @@
-"""The allocate and pre-start step both APIs share (host/isolation.py)."""
+"""The allocate and pre-start step both APIs share (host/core/isolation.py)."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ import asyncio
 
 import pytest
 
-from host.driver import Driver
-from host.isolation import (
+from host.core.driver import Driver
+from host.core.isolation import (
     PRE_START_TIMEOUT_S,
     DriverCallError,
     DriverCalls,
     driver_allocate,
     driver_pre_start,
 )
-from host.model import ContainerAllocation, Device, ResourceConfig
+from host.core.model import ContainerAllocation, Device, ResourceConfig
 
 
 class _Odd(Driver):

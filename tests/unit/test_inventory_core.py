@@ -14,10 +14,10 @@ from typing import Iterator, List
 import pytest
 
 from device_plugin_host_testing.drivers import MemoryDriver, make_devices
-from host.hostfs import HostFS
+from host.core.hostfs import HostFS
+from host.core.isolation import DriverCalls
+from host.core.model import Device, Health, ResourceConfig
 from host.inventory import Inventory
-from host.isolation import DriverCalls
-from host.model import Device, Health, ResourceConfig
 
 NAME = "example.com/x"
 
@@ -144,9 +144,9 @@ def test_a_failing_driver_degrades_only_its_resources_with_its_error(fake_tree, 
     assert all(h == "Healthy" for _, h in health(inv))
 
 
-# -- the pure steps themselves (host/host_view.py, host/sanitize.py): no loop, no driver ------
+# -- the pure steps themselves (inventory/host_view.py, inventory/sanitize.py): no loop, no driver
 def test_host_view_joins_reasons_drops_excluded_and_expands_replicas():
-    from host.host_view import host_view
+    from host.inventory.host_view import host_view
 
     res = ResourceConfig(NAME, "m", replicas=2)
     sick = Device(id="a", attributes={"pci_address": "0000:18:00.0"}).with_health(
@@ -164,7 +164,7 @@ def test_host_view_joins_reasons_drops_excluded_and_expands_replicas():
 
 
 def test_sanitize_drops_garbage_and_unknown_numa_nodes_without_a_driver():
-    from host.sanitize import sanitize
+    from host.inventory.sanitize import sanitize
 
     out = sanitize("m", NAME, [Device(id="ok", numa_nodes=(1,)), Device(id="ok"),
                                Device(id="x\ny"), 42, Device(id="far", numa_nodes=(7,))],

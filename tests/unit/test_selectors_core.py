@@ -1,11 +1,11 @@
-"""The host's selector matching (host/selectors.py) as plain functions over attribute dicts:
+"""The host's selector matching (host/core/selectors.py) as plain functions over attribute dicts:
 no driver, no tree, no config file. Drivers' own tests show the same rules on fake sysfs."""
 
 from __future__ import annotations
 
 import pytest
 
-from host.selectors import all_of, attribute_test, class_pattern, hex_id, parse_ranges
+from host.core.selectors import all_of, attribute_test, class_pattern, hex_id, parse_ranges
 
 
 def matches(key, values, attributes, attribute=None) -> bool:

@@ -1,7 +1,7 @@
 """Pure parts of serving, without sockets: ``Snapshot.update`` (what counts as a change the
-kubelet must see, host/snapshot.py), overlap detection between resources (host/overlap.py) and
-the reloader's "empty file" decision (host/reload.py). The socket-level behaviour is in
-tests/test_host.py, tests/test_overlap.py and tests/test_reload.py."""
+kubelet must see, host/kubelet/snapshot.py), overlap detection between resources
+(host/core/overlap.py) and the reloader's "empty file" decision (host/cli/reload.py). The
+socket-level behaviour is in tests/test_host.py, tests/test_overlap.py and tests/test_reload.py."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import asyncio
 import random
 from dataclasses import replace
 
-from host.model import Device, Health, ResourceConfig
-from host.overlap import Overlap, claim_keys, find_overlaps
-from host.protocol.convert import framed_device, snapshot_payload
-from host.reload import is_empty
-from host.snapshot import Snapshot
+from host.cli.reload import is_empty
+from host.core.model import Device, Health, ResourceConfig
+from host.core.overlap import Overlap, claim_keys, find_overlaps
+from host.kubelet.protocol.convert import framed_device, snapshot_payload
+from host.kubelet.snapshot import Snapshot
 
 
 def dev(i: int, **extra) -> Device:
@@ -60,7 +60,7 @@ def test_health_numa_order_additions_and_removals_are_changes():
 
 
 def test_payload_is_always_the_list_encoded_afresh_whatever_the_edit():
-    # The payload is spliced from the previous one (host/snapshot.py): after any mix of
+    # The payload is spliced from the previous one (host/kubelet/snapshot.py): after any mix of
     # flips, rebuilt objects, hot-plugs, removals and reorders it must be byte for byte what
     # encoding the new list from scratch gives, and a change exactly when that differs.
     rng = random.Random(15)

@@ -13,7 +13,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import grpc
 
-from host.protocol import api
+from host.kubelet.protocol import api
 from host.sim.kubelet.state import (
     AllocationError,
     AllocationResult,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Tupl
 
 import grpc
 
-from host.protocol import podresources, podresources_grpc
+from host.kubelet.protocol import podresources, podresources_grpc
 
 if TYPE_CHECKING:
     from host.sim.kubelet.simulator import KubeletSimulator

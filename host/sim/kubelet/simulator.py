@@ -28,8 +28,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import grpc
 
-from host.protocol import KUBELET_SOCKET, VERSION, api, api_grpc
-from host.resource_name import resource_name_error
+from host.core.resource_name import resource_name_error
+from host.kubelet.protocol import KUBELET_SOCKET, VERSION, api, api_grpc
 from host.sim.kubelet import allocation
 from host.sim.kubelet.allocation import MAX_NUMA_NODES, PRE_START_TIMEOUT_S, Key
 from host.sim.kubelet.podresources import PodResourcesServer

@@ -15,7 +15,7 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 import grpc
 
-from host.protocol import HEALTHY, api, api_grpc
+from host.kubelet.protocol import HEALTHY, api, api_grpc
 
 
 class AllocationError(Exception):

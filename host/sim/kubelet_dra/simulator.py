@@ -37,7 +37,7 @@ from host.dra.protocol import (
     dra_v1,
     dra_v1beta1,
 )
-from host.protocol import api as dp_api
+from host.kubelet.protocol import api as dp_api
 from host.sim.kubelet_dra.watcher import PluginWatcher, RegisteredPlugin
 
 log = logging.getLogger(__name__)

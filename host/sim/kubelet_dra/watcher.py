@@ -25,10 +25,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 
-from host.dra.protocol import registration as reg_api
-from host.dra.protocol import registration_grpc
-from host.inotify import DirectoryWatch
-from host.resource_name import resource_name_error
+from host.core.inotify import DirectoryWatch
+from host.core.resource_name import resource_name_error
+from host.kubelet.protocol import pluginregistration_v1_pb2 as reg_api
+from host.kubelet.protocol import pluginregistration_v1_pb2_grpc as registration_grpc
 
 log = logging.getLogger(__name__)
 

@@ -154,7 +154,7 @@ def dev_node_path(host: HostFS, sysfs_path: str, name: str) -> str:
 def _known_numa(
     nodes: Tuple[int, ...], valid_numa: Optional[Sequence[int]]
 ) -> Tuple[int, ...]:
-    """Drop a NUMA node the machine does not have (firmware garbage), as host.pci does."""
+    """Drop a NUMA node the machine does not have (firmware garbage), as host.sysfs.pci does."""
     if nodes and valid_numa is not None and any(n not in valid_numa for n in nodes):
         return ()
     return nodes
