@@ -92,7 +92,7 @@ def test_writer_is_atomic_follows_changes_and_survives_a_full_disk(tmp_path):
     assert writer.update("example.com/gpu", devices[:1])
     assert [d["name"] for d in json.loads(Path(path).read_text())["devices"]] == ["g0"]
     assert [n for n in os.listdir(tmp_path / "cdi") if n.endswith(".tmp")] == []
-    writer.remove_all()
+    writer.remove("example.com/gpu")
     assert not os.path.exists(path)
 
 

@@ -116,7 +116,7 @@ class CdiWriter:
 
     The host writes specs from a worker thread (JSON and fsync stay off the event loop) and
     reads the state on the loop: one lock keeps them consistent, and once ``close`` (stop)
-    or ``remove_all`` has run nothing is written again, whichever thread asks.
+    has run nothing is written again, whichever thread asks.
 
     Specs outlive the process: pods hold devices across a host's stop, restart or upgrade,
     and a container restarting in one of them resolves its CDI names from the file. A spec
@@ -303,13 +303,6 @@ class CdiWriter:
         its devices. Waits for a write in progress."""
         with self._lock:
             self.closed = True
-
-    def remove_all(self) -> None:
-        """Remove every spec of ours; nothing is written after this (the host stopped)."""
-        with self._lock:
-            self.closed = True
-            for resource in dict.fromkeys([*self._written, *self._wanted]):
-                self._remove(resource)
 
 
 def _read_bounded(path: str, limit: int) -> bytes:

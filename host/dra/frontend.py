@@ -30,7 +30,6 @@ from host.kubelet.plugin_watcher import PluginWatcherEndpoint, dra_plugin_info
 
 log = logging.getLogger(__name__)
 
-DRA_SOCKET = "dra.sock"
 QUIET_S = 0.2  # a drain deregisters once no call came for this long
 
 
