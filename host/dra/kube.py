@@ -329,10 +329,20 @@ class KubeClient:
             "GET", f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims/{name}")
 
     async def list_resource_slices(self, driver: str, node_name: str) -> List[Dict[str, Any]]:
-        result = await self._call(
-            "GET", f"{RESOURCE_API}/resourceslices",
-            params={"fieldSelector": f"spec.driver={driver},spec.nodeName={node_name}"})
-        return list((result or {}).get("items") or [])
+        return (await self.list_slices_at(node_name, driver))[0]
+
+    async def list_slices_at(self, node_name: str, driver: Optional[str] = None
+                             ) -> Tuple[List[Dict[str, Any]], str]:
+        """The node's ResourceSlices (of ``driver`` only, if given) and the list's
+        resourceVersion: the revision they were read at, to watch from."""
+        selector = f"spec.nodeName={node_name}"
+        if driver is not None:
+            selector = f"spec.driver={driver},{selector}"
+        result = await self._call("GET", f"{RESOURCE_API}/resourceslices",
+                                  params={"fieldSelector": selector})
+        result = result or {}
+        version = str((result.get("metadata") or {}).get("resourceVersion") or "")
+        return list(result.get("items") or []), version
 
     async def watch_node_slices(self, node_name: str, resource_version: Optional[str],
                                 timeout_s: int = WATCH_TIMEOUT_S

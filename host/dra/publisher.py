@@ -38,7 +38,9 @@ by every invalidation (a watched deletion or foreign change, ``republish()``), a
 that finds it changed after any await throws its answer away and leaves the pool pending. The
 kubelet's wipe can delete slices between the server reading a LIST and answering it, and the
 watch can deliver that deletion before the answer arrives: keeping that answer would make a
-deleted pool look published.
+deleted pool look published. So would a LIST read before the watch began: the watch starts
+from the resourceVersion of a LIST of its own (again after 410 Expired, comparing that LIST
+with each pool's view), and a pool's LIST read at an older revision is read again.
 """
 
 from __future__ import annotations
@@ -218,6 +220,9 @@ class SlicePublisher:
         self.republished_after_delete = 0  # pools marked again after someone deleted a slice
         self.repaired_after_change = 0  # pools marked again after someone changed a slice
         self._node_epoch = 0  # bumped when the Node's UID must be read again
+        # The revision after which the watch reports every change (the resourceVersion of
+        # its LIST); None while it has none (not started yet, or expired).
+        self._covered_from: Optional[int] = None
         self._idle: Optional[asyncio.Event] = None
         self._node_uid: Optional[str] = None
         self._node_warned = False
@@ -309,6 +314,7 @@ class SlicePublisher:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._wake.set()
+        self._covered_from = None
         self._task = asyncio.create_task(self._run(), name="dra-slice-publisher")
         self._watch_task = asyncio.create_task(self._watch(), name="dra-slice-watch")
 
@@ -345,24 +351,20 @@ class SlicePublisher:
         """Follow the node's slices; one of a pool we publish that was deleted or changed by
         someone else marks that pool.
 
-        Started without a resourceVersion (the server's current state, sent as ADDED events,
-        which say nothing new); resumed from the last resourceVersion seen after the stream
-        ends or breaks, so deletions during an outage still arrive; after 410 Expired the
-        events in between are lost, so every pool is read again. So too when a stream ends
-        or breaks before it delivered any resourceVersion (an apiserver restart right after
-        we started watching, with our own slice's ADDED event still in flight): the next
-        watch starts from "now", and a deletion in the gap would never be seen."""
-        version: Optional[str] = None
+        As an informer does: LIST the node's slices, then watch from that LIST's
+        resourceVersion, so no change after it goes unseen; resumed from the last
+        resourceVersion seen after the stream ends or breaks, so deletions during an outage
+        still arrive. After 410 Expired the events in between are lost: the LIST is made
+        again, and compared with what each pool's view holds (``_relisted``)."""
+        version: Optional[str] = None  # the watch reports every change after it
         backoff = BACKOFF_MIN_S
         warned = False
-        blind = False  # a stream ended with no version to resume from: re-read our pools
         while True:
-            if blind:
-                blind = False
-                self._deleted_uids.clear()  # their DELETED events may have gone by too
-                self.republish()
             try:
-                async for event in self.client.watch_node_slices(self.node_name, version):
+                if version is None:
+                    version = await self._relist()
+                async for event in self.client.watch_node_slices(self.node_name,
+                                                                 version or None):
                     backoff, warned = BACKOFF_MIN_S, False
                     obj = event.get("object") or {}
                     seen = (obj.get("metadata") or {}).get("resourceVersion")
@@ -373,17 +375,15 @@ class SlicePublisher:
                         self._deleted_elsewhere(obj)
                     elif kind in ("ADDED", "MODIFIED"):
                         self._changed_elsewhere(obj)
-                blind = version is None
             except KubeError as err:
                 if err.status == 410:
                     log.info("DRA: the ResourceSlice watch expired (%s); reading our pools "
                              "again", err.message)
-                    version, blind = None, True
+                    with self._lock:
+                        self._covered_from = None
+                    version = None
                     continue
                 refused = 400 <= err.status < 500 and err.status != 429
-                # A refused watch (403) stays refused: re-reading every pool at each retry
-                # would only add requests; the warning below says what is lost.
-                blind = version is None and not refused
                 if refused and not warned:
                     # 403: the account may not watch resourceslices (RBAC of an older
                     # overlay, a kubeconfig user); slices deleted by others then stay gone.
@@ -395,6 +395,60 @@ class SlicePublisher:
                           backoff)
                 await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _relist(self) -> str:
+        """LIST the node's slices for the watch to start from; returns the LIST's
+        resourceVersion ("" when the server sent none: the watch then starts from "now" and
+        every pool is read again, the best that can be done without one)."""
+        items, version = await self._call("list", self.client.list_slices_at(self.node_name))
+        self._deleted_uids.clear()  # their DELETED events may have gone by unseen
+        read_at = _rv({"resourceVersion": version})
+        if read_at is None:
+            with self._lock:
+                self._covered_from = None
+            self.republish()
+            return ""
+        self._relisted(items, read_at)
+        return version
+
+    def _relisted(self, items: Sequence[Dict[str, Any]], read_at: int) -> None:
+        """The node's slices as the server held them at revision ``read_at``: from now on the
+        watch reports every change after it. Each pool's view is compared with them, as
+        client-go's Replace does with an informer's store: a slice of the view missing here
+        was deleted (at ``read_at`` at the latest), one listed newer than we know of was
+        changed. A pool without a view is reading it: an answer read before ``read_at`` is
+        thrown away (``_reconcile_once``)."""
+        listed = {str((o.get("metadata") or {}).get("name") or ""): o for o in items}
+        changed: Dict[str, List[str]] = {}
+        deleted: List[Tuple[str, str]] = []
+        with self._lock:
+            self._covered_from = read_at
+            for key, state in self._pools.items():
+                if state.devices is None or state.observed is None:
+                    continue
+                for name, obj in listed.items():
+                    spec = obj.get("spec") or {}
+                    if (str(spec.get("driver")), _pool_of(obj)) != key and \
+                            name not in state.observed:
+                        continue
+                    if state.event(name, _rv(obj.get("metadata") or {}), obj):
+                        changed.setdefault(name, []).append(key[1])
+                for name in [n for n in state.observed if n not in listed]:
+                    if state.event(name, read_at, None):
+                        deleted.append((name, key[1]))
+            if deleted and not self._node_followed:
+                # As for a watched deletion (_deleted_elsewhere): the garbage collector may
+                # have deleted them with a replaced Node.
+                self._node_uid = None
+                self._node_epoch += 1
+        for name, pools in changed.items():
+            self._foreign_change(name, pools)
+        for name, pool in deleted:
+            self.republished_after_delete += 1
+            log.info("DRA: ResourceSlice %s of pool %s was deleted by someone else while the "
+                     "watch was away; publishing it again", name, pool)
+        if deleted:
+            self._poke()
 
     def _deleted_elsewhere(self, obj: Dict[str, Any]) -> None:
         meta = obj.get("metadata") or {}
@@ -540,12 +594,14 @@ class SlicePublisher:
                                 self.node_name, err)
         return self._node_uid
 
-    async def _observe(self, key: PoolKey) -> Dict[str, Dict[str, Any]]:
+    async def _observe(self, key: PoolKey) -> Tuple[Dict[str, Dict[str, Any]], Optional[int]]:
+        """The pool's slices by name, and the revision they were read at (None: unknown)."""
         driver, pool = key
-        items = await self._call("list", self.client.list_resource_slices(driver,
-                                                                          self.node_name))
-        return {s["metadata"]["name"]: s for s in items
-                if (s.get("spec") or {}).get("pool", {}).get("name") == pool}
+        items, version = await self._call("list", self.client.list_slices_at(self.node_name,
+                                                                             driver))
+        return ({s["metadata"]["name"]: s for s in items
+                 if (s.get("spec") or {}).get("pool", {}).get("name") == pool},
+                _rv({"resourceVersion": version}))
 
     async def _reconcile(self, key: PoolKey) -> None:
         conflicts = 0
@@ -570,11 +626,17 @@ class SlicePublisher:
             state = self._pools[key]
             version, devices, epoch = state.version, state.devices, state.epoch
             observed, shares = state.observed, state.shares
-        if observed is None:
-            listed = await self._observe(key)
+        while observed is None:
+            listed, read_at = await self._observe(key)
             with self._lock:
                 if state.epoch != epoch:
                     return  # read before a deletion or change we have seen since
+                covered = self._covered_from
+                if covered is not None and read_at is not None and read_at < covered:
+                    # Read before the revision the watch reports changes after: one in
+                    # between (the kubelet's wipe while the watch was away) would never be
+                    # seen. Read again.
+                    continue
                 observed = state.observed = listed
                 for obj in listed.values():
                     state.remember(obj)
@@ -733,6 +795,6 @@ class SlicePublisher:
         for key in list(self._pools):
             state = self._pools[key]
             if state.observed is None:
-                state.observed = await self._observe(key)
+                state.observed = (await self._observe(key))[0]
             for name, obj in list(state.observed.items()):
                 await self._delete(state, state.epoch, name, obj)

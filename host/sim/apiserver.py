@@ -29,8 +29,11 @@ Like the real server it
   * streams ResourceSlice watches (``?watch=true``, chunked JSON lines of {"type", "object"},
     field selectors as for lists): from ``resourceVersion`` on, or the current objects as
     ADDED first without one; an ERROR event 410 Expired for a resourceVersion older than the
-    last ``compact()``; a DeleteCollection (``delete_slices_of_node``) is one DELETED event
-    per slice. Watches are counted in ``watches``, not in ``requests``/``request_log``;
+    last ``compact()``, and on an open watch that had not sent every event ``compact()``
+    removed (the real server never skips an event: it ends a watch that fell behind, and the
+    client's resumption from there is too old); a DeleteCollection
+    (``delete_slices_of_node``) is one DELETED event per slice. Watches are counted in
+    ``watches``, not in ``requests``/``request_log``;
     ``end_watches()`` ends every open one, as its timeoutSeconds does;
   * answers after its watches: a request's state is read (or written) first, and its answer
     is held until every open watch has sent the events up to the newest revision, so a client
@@ -178,6 +181,7 @@ class _State:
     # The watch cache's history of events, oldest first (revisions ascending).
     events: List[_Event] = field(default_factory=list)
     compacted: int = 0  # a watch from an older resourceVersion gets 410 Expired
+    dropped: int = 0  # the newest event compact() removed: a watch that has not sent it ends
 
 
 def _first_after(events: List[_Event], revision: int) -> int:
@@ -766,6 +770,9 @@ class ApiServerStandIn:
         before now is answered with an ERROR event, 410 Expired."""
         with self._lock:
             self._state.compacted = self._state.revision
+            if self._state.events:
+                self._state.dropped = max(self._state.dropped,
+                                          self._state.events[-1].revision)
             self._state.events.clear()
 
     # -- watch --------------------------------------------------------------------------------
@@ -865,6 +872,12 @@ class ApiServerStandIn:
                     events = self._state.events
                     first = _first_after(events, seen)
                     fresh = events[first:]
+                    behind = seen < self._state.dropped
+                if behind:  # events it never sent are gone: 410, as for a resumption
+                    writer.write(chunk("ERROR", status_body(
+                        410, "Expired", f"too old resource version: {seen} "
+                        f"({self._state.compacted})")))
+                    break
                 for event in fresh:
                     seen = event.revision
                     if event_matches(event):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 
 import pytest
@@ -561,6 +562,73 @@ def test_a_list_answered_after_a_wipe_it_missed_does_not_lose_the_pool(run):
         back, armed, marked = run(publishing(api, [gpu(0), gpu(1)], body))
         assert not armed and marked == 1  # the race happened as staged
         assert back, "the pool stayed deleted"
+
+
+def test_a_wipe_while_the_watch_is_away_after_it_expired_does_not_lose_the_pool(run):
+    # The watch expires (410) and must start again; the kubelet's wipe lands between the
+    # server reading a LIST of ours and answering it, while no watch of ours is open, and the
+    # next watch only shows the node as it is after the wipe: no DELETED event ever comes,
+    # and the LIST's answer still holds the slices. The watch is held back here until the
+    # wipe is done, which a loaded machine does by chance.
+    with ApiServerStandIn() as api:
+        api.add_node(NODE)
+        client = KubeClient.from_settings(api.kubeconfig_path, timeout_s=2)
+        watch = client.watch_node_slices
+        armed = threading.Event()
+        held = threading.Event()  # once armed, a watch from "now" waits for the wipe
+        waiting = threading.Event()
+        wiped = []
+
+        async def held_watch(node_name, resource_version, *args, **kwargs):
+            if armed.is_set() and not resource_version:
+                waiting.set()
+                while not held.is_set():
+                    await asyncio.sleep(0.001)
+            async for event in watch(node_name, resource_version, *args, **kwargs):
+                yield event
+
+        client.watch_node_slices = held_watch  # type: ignore[method-assign]
+        publisher = SlicePublisher(client, NODE)
+        publisher.set_pool(DRIVER, POOL, [gpu(0), gpu(1)])
+
+        async def wipe_while_listing(verb, path):
+            if verb != "list" or wiped:
+                return
+            api.before_answer = None
+            wiped.append(api.delete_slices_of_node(NODE))
+            if waiting.is_set():  # the next watch opens only after the wipe
+                opened = api.watches
+                held.set()
+                deadline = time.monotonic() + 5
+                while api.watches == opened and time.monotonic() < deadline:
+                    await asyncio.sleep(0.001)
+
+        async def body():
+            await publisher.start()
+            try:
+                assert await publisher.wait_synced()
+                await _watching(api)
+                api.before_answer = wipe_while_listing
+                armed.set()
+                api.add_node("node-b")  # a revision our watch never delivers
+                api.compact()  # so its resumption gets 410 Expired
+                api.end_watches()
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 5
+                while not wiped and loop.time() < deadline:
+                    await asyncio.sleep(0.01)
+                back = await loop.run_in_executor(
+                    None, lambda: api.wait_for(lambda a: len(a.devices(DRIVER, NODE)) == 2, 3))
+                return back, await publisher.wait_synced()
+            finally:
+                held.set()
+                api.before_answer = None
+                await publisher.stop()
+                await client.close()
+
+        back, synced = run(body())
+        assert wiped == [1], "the wipe did not land during a LIST"
+        assert back and synced, "the pool stayed deleted"
 
 
 @pytest.mark.parametrize("edit", ["device removed", "attribute changed"])
