@@ -51,13 +51,12 @@ STREAM_END_GRACE_S = 0.05
 SHORT_OF = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS))
 NO_KUBELET_RECHECK_S = 10.0  # while kubelet.sock is missing, besides the directory watch
 
+
 def _jitter(salt: int) -> float:
     """A number in [0, 1) that spreads retries: the clock's nanoseconds and ``salt`` through
     a multiplicative hash. No import and no fd: the retry path runs when fds are exhausted,
     where importing ``random`` there fails (EMFILE)."""
     return (((time.monotonic_ns() ^ salt) * 2654435761) & 0xFFFFFFFF) / 4294967296.0
-
-
 
 
 class Endpoint:
