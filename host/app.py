@@ -30,6 +30,7 @@ from host.core.model import ResourceConfig
 from host.core.overlap import Overlap
 from host.core.tasks import Background
 from host.inventory import Inventory
+from host.kubelet.aio import quiet_poller_wakeups
 from host.kubelet.liveness import RegistrationLiveness
 from host.kubelet.registration import Endpoint
 from host.metrics import HostMetrics
@@ -141,6 +142,7 @@ class HostApp:
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         """Raises DraStartError (before serving anything) when DRA cannot work here."""
+        quiet_poller_wakeups(asyncio.get_running_loop())
         self.metrics.liveness = RegistrationLiveness(
             self.device_plugin.registered,
             lambda: self.config.host.plugin_dir, lambda: self.config.host.liveness_grace_s,
