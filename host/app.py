@@ -26,7 +26,7 @@ from host.config.change import plan
 from host.core.driver import Driver
 from host.core.hostfs import HostFS
 from host.core.isolation import DriverCalls
-from host.core.model import ResourceConfig
+from host.core.model import Device, ResourceConfig
 from host.core.overlap import Overlap
 from host.core.tasks import Background
 from host.inventory import Inventory
@@ -97,7 +97,7 @@ class HostApp:
             config.host.cdi_dir, self.background,
             served=lambda: [r for r in self.config.resources
                             if self.device_plugin.serves(r.name)],
-            devices_of=lambda name: self.inventory.devices.get(name, []),
+            devices_of=self._devices_of,
             resync=self._resync)
         self.device_plugin = DevicePluginOutput(
             lambda: self.config.host, drivers, self.calls, self.metrics,
@@ -116,7 +116,7 @@ class HostApp:
             self.held_devices)
         # SR-IOV CNI device-info files: written at Allocate by the driver, removed here.
         self.devinfo = DeviceInfoReconciler(
-            lambda: self.config.resources, lambda name: self.inventory.devices.get(name, []),
+            lambda: self.config.resources, self._devices_of,
             self.held_devices, background=self.background)
         self.nfd = FeatureFile(config.host.nfd_features_file, background=self.background)
         #: Every output beside the two APIs, in the order each gets a resource.
@@ -217,8 +217,7 @@ class HostApp:
             return  # files are being (or were) removed: never write or serve again
         if self.moves.blocked(resource.name):
             return  # between APIs: served by neither until the old one is gone
-        devices = list(self.moves.visible(
-            resource.name, self.inventory.devices.get(resource.name, [])))
+        devices = list(self.moves.visible(resource.name, self._devices_of(resource.name)))
         if resource.api == "dra":
             if not self.dra.wants(resource):
                 return
@@ -230,6 +229,10 @@ class HostApp:
             self.device_plugin.sync(resource, devices)
         for output in self.outputs:
             output.sync(resource, devices)
+
+    def _devices_of(self, name: str) -> List[Device]:
+        """The resource's devices as the inventory holds them now."""
+        return self.inventory.devices.get(name, [])
 
     def _resync(self, resource: ResourceConfig) -> None:
         if resource in self.config.resources:  # not replaced by a reload meanwhile

@@ -133,6 +133,11 @@ class UnavailableDriver(Driver):
         """Unknown: the driver that would judge them did not load."""
 
 
+def driver_of(drivers: Mapping[str, Driver], resource: ResourceConfig) -> Driver:
+    """The driver that serves ``resource``, or an UnavailableDriver where none is installed."""
+    return drivers.get(resource.driver) or UnavailableDriver(resource.driver, "not installed")
+
+
 def selector_values(selectors: Mapping[str, object], key: str) -> Optional[list]:
     """A selector as a list (a single value is a one-element list); None when not given."""
     if key not in selectors:

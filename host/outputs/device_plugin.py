@@ -15,7 +15,7 @@ import os
 from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Sequence
 
 from host.config.settings import HostSettings
-from host.core.driver import Driver, UnavailableDriver
+from host.core.driver import Driver, driver_of
 from host.core.isolation import DriverCalls
 from host.core.model import Device, ResourceConfig
 from host.kubelet.registration import Endpoint, Registrar
@@ -106,7 +106,7 @@ class DevicePluginOutput(Output):
         service = self.services.get(after.name)
         if service is None:
             return False
-        driver = self._driver(after)
+        driver = driver_of(self._drivers, after)
         if (before.driver != after.driver or service.needs_options_change(after, driver)
                 or before.registration != after.registration):
             return False
@@ -132,15 +132,11 @@ class DevicePluginOutput(Output):
         self.watched.clear()
 
     # -- serving a new resource ---------------------------------------------------------------
-    def _driver(self, resource: ResourceConfig) -> Driver:
-        return self._drivers.get(resource.driver) or UnavailableDriver(
-            resource.driver, "not installed")
-
     def _serve(self, resource: ResourceConfig, devices: Sequence[Device]) -> None:
         snapshot = Snapshot()
         snapshot.update(devices)
         service = DevicePluginService(
-            resource, self._driver(resource), snapshot, self._calls,
+            resource, driver_of(self._drivers, resource), snapshot, self._calls,
             allocate_timeout_s=self._settings().allocate_timeout_s,
             observer=self._metrics.allocate_observer,
         )

@@ -25,7 +25,7 @@ from typing import (
 )
 
 from host.config import Config
-from host.core.driver import Driver, UnavailableDriver
+from host.core.driver import Driver, driver_of
 from host.core.isolation import DriverCalls
 from host.core.model import Device, ResourceConfig
 from host.core.tasks import Background
@@ -191,9 +191,7 @@ class DraOutput(Output):
     def sync(self, resource: ResourceConfig, devices: Sequence[Device]) -> None:
         if self.frontend is None:
             return
-        driver = self._drivers.get(resource.driver) or UnavailableDriver(
-            resource.driver, "not installed")
-        self.frontend.sync(resource, driver, list(devices))
+        self.frontend.sync(resource, driver_of(self._drivers, resource), list(devices))
         if not self.frontend.all_registered():
             self._on_unready()
 
