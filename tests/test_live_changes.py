@@ -46,10 +46,9 @@ def test_aer_errors_rising_flip_health_and_it_recovers(tmp_path, short_dir, run)
     devices = _pci_devices(tree, 2)
     driver = MemoryDriver("acc", {"example.com/acc": devices})
     # The Unhealthy state lasts one check interval (no new errors at the next check heals
-    # it), and ListAndWatch sends the latest snapshot: a loop starved by a loaded CI machine
-    # for longer than the interval sends the healed one first (the kubelet never sees the
-    # flip), as happened at 0.1 s and, with the 3.9 suite beside other work, at 0.25 s.
-    resource = ResourceConfig("example.com/acc", "acc", health_interval_s=0.6)
+    # it), and ListAndWatch sends the latest snapshot: at 0.1 s a loop starved by a loaded CI
+    # machine sent the healed one first (the kubelet never saw the flip). 0.25 s leaves room.
+    resource = ResourceConfig("example.com/acc", "acc", health_interval_s=0.25)
     config = make_config(short_dir, [resource], host_root=str(tmp_path / "root"))
 
     async def scenario():

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Dict, Hashable, Iterable, NamedTuple, Optional, Set, Tuple
+import time
+from typing import Callable, Dict, Hashable, Iterable, NamedTuple, Optional, Set, Tuple
 
 from host.core.hostfs import HostFS
 
@@ -89,28 +90,42 @@ def read_aer(host: HostFS, pci_address: str) -> Optional[AerCounts]:
 class AerTracker:
     """Turns cumulative AER counters into "errors since the last check".
 
-    A device whose fatal or non-fatal count rose since the previous check is Unhealthy until a
-    check sees no new errors: old errors from boot time never condemn a device forever.
+    A device whose fatal or non-fatal count rose since the previous check is Unhealthy for at
+    least ``hold_s`` after that check (the resource's health interval), then until a check
+    sees no new errors: old errors from boot time never condemn a device forever, and a rise
+    stays visible for a whole interval however many scans (events, reloads, the safety
+    rescan) come in between.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._last: Dict[Tuple[str, str], AerCounts] = {}
+        self._risen: Dict[Tuple[str, str], Tuple[float, str]] = {}  # when, and the problem
 
-    def problem(self, resource: str, pci_address: str, counts: Optional[AerCounts]) -> str:
+    def problem(self, resource: str, pci_address: str, counts: Optional[AerCounts],
+                hold_s: float = 0.0) -> str:
         key = (resource, pci_address)
         if counts is None:
             self._last.pop(key, None)
+            self._risen.pop(key, None)
             return ""
         before = self._last.get(key)
         self._last[key] = counts
-        if before is None:
-            return ""
         rises = []
-        if counts.fatal > before.fatal:
+        if before is not None and counts.fatal > before.fatal:
             rises.append(f"fatal {before.fatal}->{counts.fatal}")
-        if counts.nonfatal > before.nonfatal:
+        if before is not None and counts.nonfatal > before.nonfatal:
             rises.append(f"non-fatal {before.nonfatal}->{counts.nonfatal}")
-        return f"PCIe AER errors rising on {pci_address} ({', '.join(rises)})" if rises else ""
+        now = self._clock()
+        if rises:
+            problem = f"PCIe AER errors rising on {pci_address} ({', '.join(rises)})"
+            self._risen[key] = (now, problem)
+            return problem
+        risen = self._risen.get(key)
+        if risen is not None and now - risen[0] < hold_s:
+            return risen[1]
+        self._risen.pop(key, None)
+        return ""
 
     def retain(self, resource: str, addresses: Iterable[str]) -> None:
         """Drop the counters of the resource's functions not in ``addresses`` (gone from the
@@ -119,6 +134,8 @@ class AerTracker:
         keep = set(addresses)
         for key in [k for k in self._last if k[0] == resource and k[1] not in keep]:
             del self._last[key]
+        for key in [k for k in self._risen if k[0] == resource and k[1] not in keep]:
+            del self._risen[key]
 
     def tracked(self) -> Set[Tuple[str, str]]:
         """(resource, pci address) pairs with counters kept, for tests and debugging."""

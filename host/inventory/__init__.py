@@ -192,7 +192,8 @@ class Inventory:
             if resource.health_interval_s > 0:
                 read = aer.get(resource.name, {})
                 self._aer_problems[resource.name] = {
-                    address: self._aer.problem(resource.name, address, counts)
+                    address: self._aer.problem(resource.name, address, counts,
+                                               resource.health_interval_s)
                     for address, counts in read.items()
                 }
                 self._aer.retain(resource.name, read)
